@@ -1,0 +1,1 @@
+"""Persistent tiers behind one small interface: LMDB values and NVMe segment files."""

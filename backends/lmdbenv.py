@@ -1,0 +1,234 @@
+"""One LMDB environment: named databases, serialised write transactions with
+automatic map growth, and read transactions that are safe against that growth.
+
+Durability: the environment is opened with ``sync=False, metasync=False``, so a
+commit does *not* reach the disk by itself. Durability comes only from an
+explicit :meth:`LmdbEnv.sync`; callers that promise durability (fsync of a
+file, a checkpoint) must call it. A crash may lose the most recent commits but
+never leaves a torn database (LMDB's copy-on-write pages keep it consistent).
+
+Thread rules (all calls come from worker threads, never an event loop):
+
+* write transactions are serialised by a process-local lock;
+* ``env.set_mapsize`` must run with no transaction open in this process, so
+  reads hold a shared lock and a resize holds it exclusively;
+* ``fn`` passed to :meth:`read` must not call :meth:`write` (it would wait for
+  its own shared lock during a resize); ``fn`` passed to :meth:`write` must not
+  call :meth:`write` again. Both mistakes raise ``RuntimeError`` at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+import lmdb
+
+from distorefs.errors import NoSpace
+
+T = TypeVar("T")
+
+DEFAULT_MAP_SIZE = 1 << 30
+
+
+def _is_disk_full(exc: lmdb.Error) -> bool:
+    # py-lmdb maps ENOSPC to DiskError; other errno values arrive as .code.
+    return isinstance(exc, lmdb.DiskError) or getattr(exc, "code", 0) in (errno.ENOSPC, errno.EDQUOT)
+
+
+class _SharedExclusiveLock:
+    """Readers/writer lock guarding transactions against ``set_mapsize``.
+
+    Shared acquisition is re-entrant per thread (a read nested in a read, or
+    in a write, must not queue behind a waiting resize and deadlock). A
+    waiting exclusive holder blocks new readers so a resize cannot starve.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._exclusive = False
+        self._waiting = 0
+        self._local = threading.local()
+
+    def held_shared(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            with self._cond:
+                while self._exclusive or self._waiting:
+                    self._cond.wait()
+                self._readers += 1
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if depth == 0:
+                with self._cond:
+                    self._readers -= 1
+                    if self._readers == 0:
+                        self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._exclusive or self._readers:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class LmdbEnv:
+    """Owns one ``lmdb.Environment`` in directory ``path`` (created 0700)."""
+
+    def __init__(self, path: str | os.PathLike[str], map_size: int = DEFAULT_MAP_SIZE) -> None:
+        self.path = Path(path)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._env = lmdb.open(
+            str(self.path),
+            map_size=map_size,
+            subdir=True,
+            max_dbs=32,
+            sync=False,  # durability only via sync(); see module docstring
+            metasync=False,
+            readahead=False,  # values are read at random; readahead wastes page cache
+            max_readers=256,
+            lock=True,
+            mode=0o600,
+        )
+        self._dbs: dict[bytes, object] = {}
+        self._dbs_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._rw = _SharedExclusiveLock()
+        self._local = threading.local()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    # -- databases -----------------------------------------------------------
+
+    def db(self, name: bytes) -> object:
+        """Handle of the named database, created on first use and cached."""
+        handle = self._dbs.get(name)
+        if handle is not None:
+            return handle
+        with self._dbs_lock:
+            handle = self._dbs.get(name)
+            if handle is None:
+                # open_db with create=True runs its own write txn: take the
+                # writer lock so it cannot interleave with write().
+                self._check_not_nested()
+                with self._write_lock:
+                    handle = self._env.open_db(name, create=True)
+                self._dbs[name] = handle
+            return handle
+
+    # -- transactions --------------------------------------------------------
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn(txn)`` in one write transaction, commit, return its result.
+
+        On ``MapFullError`` the transaction is aborted, the map doubled and
+        ``fn`` run again from scratch, so ``fn`` must be safe to rerun. Any
+        other exception aborts the transaction and propagates.
+        Raises ``NoSpace`` when the disk cannot hold a larger map.
+        """
+        self._check_not_nested()
+        with self._write_lock:
+            self._local.writing = True
+            try:
+                while True:
+                    txn = self._env.begin(write=True)
+                    try:
+                        result = fn(txn)
+                        txn.commit()
+                        return result
+                    except lmdb.MapFullError:
+                        txn.abort()  # no-op if commit already released it
+                    except lmdb.Error as exc:
+                        txn.abort()
+                        if _is_disk_full(exc):
+                            raise NoSpace(f"{self.path}: disk full") from exc
+                        raise
+                    except BaseException:
+                        txn.abort()
+                        raise
+                    self._grow()
+            finally:
+                self._local.writing = False
+
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn(txn)`` in a read-only ``buffers=True`` transaction.
+
+        Values read inside are memoryviews into the map and die with the
+        transaction: ``fn`` must copy out whatever it returns.
+        """
+        with self._rw.shared():
+            with self._env.begin(write=False, buffers=True) as txn:
+                return fn(txn)
+
+    def _check_not_nested(self) -> None:
+        if getattr(self._local, "writing", False):
+            raise RuntimeError("LmdbEnv.write() called inside a write transaction")
+        if self._rw.held_shared():
+            raise RuntimeError("LmdbEnv.write() called inside a read transaction")
+
+    def _grow(self) -> None:
+        """Double the map (capped by free disk), with no transaction open."""
+        current = self._env.info()["map_size"]
+        data_file = self.path / "data.mdb"
+        st = os.statvfs(self.path)
+        # LMDB never preallocates on Linux, so the map can usefully grow only
+        # as far as the file's current size plus the disk's free space.
+        cap = data_file.stat().st_size + st.f_bavail * st.f_frsize
+        new = min(current * 2, cap) // self._page * self._page
+        if new <= current:
+            raise NoSpace(f"{self.path}: LMDB map full ({current} bytes) and the disk has no room to grow")
+        with self._rw.exclusive():
+            try:
+                self._env.set_mapsize(new)
+            except lmdb.Error as exc:
+                if _is_disk_full(exc):
+                    raise NoSpace(f"{self.path}: cannot grow LMDB map") from exc
+                raise
+
+    # -- maintenance ---------------------------------------------------------
+
+    def sync(self) -> None:
+        """Force every committed transaction to disk (fsync)."""
+        with self._rw.shared():
+            self._env.sync(True)
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes in use by the B-trees, current map size)."""
+        with self._rw.shared():
+            info = self._env.info()
+            psize = self._env.stat()["psize"]
+        return (info["last_pgno"] + 1) * psize, info["map_size"]
+
+    def close(self) -> None:
+        """Close the environment; call only once no other thread uses it."""
+        with self._write_lock, self._rw.exclusive():
+            self._env.close()
+            self._dbs.clear()
+
+    def __enter__(self) -> "LmdbEnv":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,116 @@
+"""The LMDB value tier: values live in the ``values`` database of the shared
+LmdbEnv, keyed by their vkey (the location *is* the vkey).
+
+Live bytes are counted exactly in the ``tiermeta`` database, updated in the
+same transaction as every put/delete, so the number survives restarts and can
+never drift from the data.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Iterator
+
+import lmdb
+
+from .base import TierUsage, ValueBackend, capacity_of
+from .lmdbenv import LmdbEnv
+from distorefs.errors import InvalidArgument, NotFound
+
+_LIVE_KEY = b"lmdb.live_bytes"
+_U64 = struct.Struct("<Q")
+_MAX_KEY = 511  # LMDB's default maximum key size
+_SCAN_BATCH = 4096  # keys per read transaction in locations()
+
+
+class LmdbValues(ValueBackend):
+    name = "lmdb"
+
+    def __init__(self, env: LmdbEnv) -> None:
+        self.env = env
+        # Open the handles now: opening a db inside a caller's write txn is not allowed.
+        self._values = env.db(b"values")
+        self._meta = env.db(b"tiermeta")
+
+    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview) -> bytes:
+        if not 0 < len(vkey) <= _MAX_KEY:
+            raise InvalidArgument(f"vkey must be 1..{_MAX_KEY} bytes, got {len(vkey)}")
+        size = memoryview(data).nbytes
+        if txn.put(vkey, data, db=self._values, overwrite=False):
+            delta = size
+        else:
+            # Rare (same vkey stored twice): replace and count only the difference.
+            old = txn.replace(vkey, data, db=self._values)
+            delta = size - len(old)
+        self._add_live(txn, delta)
+        return bytes(vkey)
+
+    def get(self, loc: bytes) -> bytes:
+        if not 0 < len(loc) <= _MAX_KEY:
+            raise NotFound(f"no value at location {loc!r}")
+
+        def fn(txn: lmdb.Transaction) -> bytes | None:
+            view = txn.get(loc, db=self._values)
+            return None if view is None else bytes(view)  # copy out of the map
+
+        value = self.env.read(fn)
+        if value is None:
+            raise NotFound(f"no value at location {loc.hex()}")
+        return value
+
+    def delete(self, txn: lmdb.Transaction, loc: bytes) -> None:
+        if not 0 < len(loc) <= _MAX_KEY:
+            return
+        # pop() copies the old value; that is the only way to learn its length
+        # in a non-buffers write txn, and deletes are far rarer than reads.
+        old = txn.pop(loc, db=self._values)
+        if old is not None:
+            self._add_live(txn, -len(old))
+
+    def _add_live(self, txn: lmdb.Transaction, delta: int) -> None:
+        raw = txn.get(_LIVE_KEY, db=self._meta)
+        live = _U64.unpack(raw)[0] if raw is not None else 0
+        txn.put(_LIVE_KEY, _U64.pack(max(0, live + delta)), db=self._meta)
+
+    def live_bytes(self) -> int:
+        def fn(txn: lmdb.Transaction) -> int:
+            raw = txn.get(_LIVE_KEY, db=self._meta)
+            return _U64.unpack(raw)[0] if raw is not None else 0
+
+        return self.env.read(fn)
+
+    def sync(self) -> None:
+        self.env.sync()
+
+    def usage(self) -> TierUsage:
+        # The tier shares the environment file with the metadata; its on-disk
+        # footprint is the whole environment's pages in use.
+        used, _map_size = self.env.usage()
+        return TierUsage(used_bytes=used, live_bytes=self.live_bytes(), capacity_bytes=capacity_of(self.env.path, used))
+
+    def locations(self) -> Iterator[tuple[bytes, int]]:
+        # Scan in batches, one short read txn each, so no transaction (and no
+        # shared lock) is held while the caller runs between yields.
+        after: bytes | None = None
+        while True:
+
+            def batch(txn: lmdb.Transaction) -> list[tuple[bytes, int]]:
+                out: list[tuple[bytes, int]] = []
+                cur = txn.cursor(db=self._values)
+                found = cur.set_range(after) if after is not None else cur.first()
+                if found and after is not None and bytes(cur.key()) == after:
+                    found = cur.next()
+                while found and len(out) < _SCAN_BATCH:
+                    out.append((bytes(cur.key()), len(cur.value())))
+                    found = cur.next()
+                return out
+
+            items = self.env.read(batch)
+            yield from items
+            if len(items) < _SCAN_BATCH:
+                return
+            after = items[-1][0]
+
+    def close(self) -> None:
+        # The LmdbEnv is shared with the metadata and closed by its owner.
+        pass

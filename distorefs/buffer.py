@@ -1,0 +1,252 @@
+"""Replay buffers (buffers/NAME): a ring of entries plus a sampler and its priorities.
+
+Composed like Reverb's tables: the ring decides what is stored and evicted, the sampler
+what is drawn. Batches are drawn ahead of their opens (pre-sampling, `presample_batches`
+per batch size) and their payloads pulled into the memory tier, so an open of
+`batch/N.npz` or of the entries a `sample/N` named is usually served from memory. A
+pre-drawn batch is checked at hand-out: entries evicted or replaced since are redrawn,
+probabilities and weights are those of the moment of hand-out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import trio
+
+from .batch import Batch, build_npz
+from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
+from .committer import Change, Overlay
+from .config import BufferConfig
+from .errors import InvalidArgument, NotFound, WouldBlock
+from .ring import Owner, RemoveEntry, Ring
+from .sampler import Sampler
+
+
+class Buffer:
+    kind = "buffers"
+
+    def __init__(self, store, ns_id: int, name: str, config: BufferConfig, owner: Owner, ctime_ns: int) -> None:
+        self.store = store
+        self.name = name
+        self.owner = owner
+        self.ctime_ns = ctime_ns
+        self.sampler = Sampler(config)
+        self.ring = Ring(store, ns_id, self.kind, name, config, observer=self)
+        self._presampled: dict[int, deque] = {}
+        self._refilling: set[int] = set()
+        self._changed = trio.Event()
+        self.counters = {"batches": 0, "sampled_entries": 0, "presampled_used": 0,
+                         "priority_updates": 0, "priority_unknown_keys": 0, "exhausted": 0}
+
+    @property
+    def config(self) -> BufferConfig:
+        return self.ring.config  # type: ignore[return-value]
+
+    @property
+    def ns_id(self) -> int:
+        return self.ring.ns_id
+
+    # ----- ring observer -------------------------------------------------------------
+
+    def entry_added(self, meta: EntryMeta, priority: float | None, times_sampled: int) -> None:
+        self.sampler.add(meta.slot, self.sampler.max_priority if priority is None else priority, times_sampled)
+        self._wake()
+
+    def entry_replaced(self, old: EntryMeta, new: EntryMeta) -> None:
+        pass  # same slot: priority and times sampled carry over
+
+    def entry_removed(self, meta: EntryMeta) -> None:
+        self.sampler.remove(meta.slot)
+
+    def slots_grown(self, capacity: int) -> None:
+        self.sampler.grow(capacity)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # ----- entries -------------------------------------------------------------------
+
+    def initial_priority(self) -> float:
+        return self.config.initial_priority or self.sampler.max_priority
+
+    async def insert(self, key: bytes, data: bytes, owner: Owner) -> EntryMeta:
+        return await self.ring.insert(key, data, owner, self.initial_priority())
+
+    def spent_at_load(self) -> list[EntryMeta]:
+        """Entries already sampled max_times_sampled times (a crash came before their removal)."""
+        return [m for m in self.ring.oldest() if self.sampler.exhausted[m.slot]]
+
+    # ----- sampling ------------------------------------------------------------------
+
+    def check_batch_size(self, n: int) -> None:
+        if not 1 <= n <= self.store.config.max_batch_entries:
+            raise InvalidArgument(f"batch size must be in 1..{self.store.config.max_batch_entries}, got {n}")
+
+    async def sample(self, n: int, nonblocking: bool = False) -> Batch:
+        """Draw a batch of n entries (waiting for `min_size_to_sample` entries unless nonblocking)."""
+        self.check_batch_size(n)
+        while self.sampler.drawable_count() < self.config.min_size_to_sample:
+            if nonblocking:
+                raise WouldBlock(f"buffers/{self.name}: {self.sampler.drawable_count()} drawable entries, "
+                                 f"min_size_to_sample is {self.config.min_size_to_sample}")
+            await self._changed.wait()
+        hint = None
+        queue = self._presampled.get(n)
+        if queue:
+            hint = queue.popleft()
+            self.counters["presampled_used"] += 1
+        ring = self.ring
+
+        def valid(slot: int, seq: int) -> bool:
+            meta = ring.slot_meta[slot]
+            return meta is not None and meta.seq == seq
+
+        slots, spent = self.sampler.select(n, self._order, hint, valid)
+        probs, weights = self.sampler.probabilities(slots, spent)
+        metas = [ring.slot_meta[s] for s in slots.tolist()]
+        batch = Batch(metas, probs, weights, [ring.slot_meta[s] for s in spent.tolist()])  # type: ignore[misc]
+        self.counters["batches"] += 1
+        self.counters["sampled_entries"] += len(metas)
+        self.store.committer.submit_nowait(RecordSampled(self, metas))
+        self._schedule_presample(n)
+        return batch
+
+    async def sample_npz(self, n: int, nonblocking: bool = False) -> tuple[Batch, bytes]:
+        batch = await self.sample(n, nonblocking)
+        try:
+            values = await self.ring.read_many(batch.metas)
+            data = await trio.to_thread.run_sync(build_npz, batch, values)
+        except BaseException:
+            self.release(batch)
+            raise
+        return batch, data
+
+    def release(self, batch: Batch) -> None:
+        """The handle holding `batch` is closed: remove the entries it spent."""
+        for meta in batch.spent:
+            self.counters["exhausted"] += 1
+            self.store.committer.submit_nowait(RemoveEntry(self.ring, meta.key, meta.seq, "exhausted"))
+
+    def _order(self, kind: str):
+        return self.ring.oldest() if kind == "fifo" else self.ring.newest()
+
+    def _schedule_presample(self, n: int) -> None:
+        if (self.config.presample_batches and self.config.sampler in ("uniform", "prioritized")
+                and n not in self._refilling):
+            self._refilling.add(n)
+            self.store.spawn(self._presample, n)
+
+    async def _presample(self, n: int) -> None:
+        try:
+            queue = self._presampled.setdefault(n, deque())
+            while len(queue) < self.config.presample_batches:
+                slots = self.sampler.draw(n, self._order)
+                if len(slots) == 0:
+                    return
+                metas = [self.ring.slot_meta[s] for s in slots.tolist()]
+                queue.append((slots, np.array([m.seq for m in metas], dtype=np.int64)))
+                await self.ring.prefetch(list({m.seq: m for m in metas}.values()))
+        finally:
+            self._refilling.discard(n)
+
+    # ----- priorities ----------------------------------------------------------------
+
+    async def set_priorities(self, pairs: list[tuple[bytes, float]], strict: bool = False) -> int:
+        """Set priorities; unknown keys (evicted since they were sampled) are skipped and
+        counted, or raise NotFound if `strict`. Returns how many were applied."""
+        for key, value in pairs:
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidArgument(f"priority of {key!r} must be a finite number >= 0, got {value}")
+        metas, values = [], []
+        for key, value in pairs:
+            meta = self.ring.by_key.get(key)
+            if meta is None:
+                if strict:
+                    raise NotFound(f"buffers/{self.name}: no entry {key!r}")
+                self.counters["priority_unknown_keys"] += 1
+                continue
+            metas.append(meta)
+            values.append(value)
+        if metas:
+            await self.store.committer.submit(SetPriorities(self, metas, values))
+        return len(metas)
+
+    def priorities_text(self) -> bytes:
+        prio = self.sampler.priority
+        return b"".join(b"%s %.9g\n" % (m.key, prio[m.slot]) for m in self.ring.oldest())
+
+    # ----- configuration and stats ---------------------------------------------------
+
+    def reconfigure(self, config: BufferConfig) -> None:
+        self.ring.config = config
+        self.sampler.reconfigure(config)
+        self._presampled.clear()
+        self._wake()
+
+    def stats(self) -> dict:
+        s = self.sampler
+        return {
+            "name": self.name,
+            "sampler": self.config.sampler,
+            **self.ring.stats(),
+            "drawable": s.drawable_count(),
+            "max_priority": s.max_priority,
+            "priority_total": self.sampler.weighted.total(),
+            "presampled_batches": {str(n): len(q) for n, q in self._presampled.items()},
+            **self.counters,
+        }
+
+
+class RecordSampled(Change):
+    """Persist times-sampled counters (fire and forget: a crash loses at most the last)."""
+
+    def __init__(self, buffer: Buffer, metas: list[EntryMeta]) -> None:
+        self.buffer = buffer
+        self.metas = list({m.seq: m for m in metas}.values())
+
+    def plan(self, overlay: Overlay) -> None:
+        ring = self.buffer.ring
+        removed = overlay.ring(ring.ns_id).removed
+        times = self.buffer.sampler.times
+        self.rows = [(m.seq, int(times[m.slot])) for m in self.metas
+                     if ring.by_seq.get(m.seq) is not None and m.seq not in removed and ring.slot_meta[m.slot] is not None]
+
+    def txn(self, txn) -> None:
+        db = self.buffer.store.env.db(DB_SAMPLED)
+        ns = self.buffer.ns_id
+        for seq, count in self.rows:
+            txn.put(entry_key(ns, seq), pack_u32(count), db=db)
+
+
+class SetPriorities(Change):
+    def __init__(self, buffer: Buffer, metas: list[EntryMeta], values: list[float]) -> None:
+        self.buffer = buffer
+        self.metas = metas
+        self.values = values
+
+    def plan(self, overlay: Overlay) -> None:
+        ring = self.buffer.ring
+        removed = overlay.ring(ring.ns_id).removed
+        keep = [(m, v) for m, v in zip(self.metas, self.values)
+                if m.seq not in removed and ring.by_seq.get(m.seq) is not None]
+        self.rows = [(m.seq, m.slot, v) for m, v in keep]
+
+    def txn(self, txn) -> None:
+        db = self.buffer.store.env.db(DB_PRIO)
+        ns = self.buffer.ns_id
+        for seq, _, value in self.rows:
+            txn.put(entry_key(ns, seq), pack_f64(value), db=db)
+
+    def apply(self) -> None:
+        ring = self.buffer.ring
+        rows = [(slot, v) for seq, slot, v in self.rows
+                if (m := ring.slot_meta[slot]) is not None and m.seq == seq]
+        if rows:
+            slots = np.array([r[0] for r in rows], dtype=np.int64)
+            values = np.array([r[1] for r in rows], dtype=np.float64)
+            self.buffer.sampler.set_priorities(slots, values)
+        self.buffer.counters["priority_updates"] += len(rows)

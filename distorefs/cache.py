@@ -1,0 +1,67 @@
+"""The memory tier: a byte-bounded LRU of decoded values shared by every namespace.
+
+Values enter on insert (write-through), on read misses and from the prefetcher; the
+least recently used leave when `capacity_bytes` is exceeded. A value larger than a
+quarter of the budget is never cached, so one huge entry cannot flush everything.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable
+
+
+class ValueCache:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._items: OrderedDict[Hashable, bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
+
+    def get(self, key: Hashable) -> bytes | None:
+        value = self._items.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return value
+
+    def peek(self, key: Hashable) -> bytes | None:
+        """Like get, but counts neither a hit nor a miss (for the prefetcher's bookkeeping)."""
+        return self._items.get(key)
+
+    def put(self, key: Hashable, value: bytes) -> None:
+        if len(value) > self.capacity_bytes // 4:
+            return
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.used_bytes -= len(old)
+        self._items[key] = value
+        self.used_bytes += len(value)
+        while self.used_bytes > self.capacity_bytes and self._items:
+            _, evicted = self._items.popitem(last=False)
+            self.used_bytes -= len(evicted)
+
+    def discard(self, key: Hashable) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.used_bytes -= len(old)
+
+    def stats(self) -> dict:
+        total = self.hits + self.misses
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "values": len(self._items),
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(self.hits / total, 4) if total else None,
+        }

@@ -1,0 +1,98 @@
+"""The LMDB layout of the store's metadata: database names, key packing, entry records.
+
+Databases (all in one LMDB environment, see `distorefs.backends.lmdbenv`):
+  meta      store-wide keys: b"config" (StoreConfig JSON), b"next_ns" (u32), b"format"
+  ns        b"KIND/NAME" -> namespace record (JSON: id, kind, config)
+  entries   ns_id u32 BE + seq u64 BE -> entry record (EntryMeta.pack)
+  prio      ns_id + seq -> raw priority, f64
+  sampled   ns_id + seq -> times sampled, u32
+  values    value bytes of the LMDB tier (owned by LmdbValues)
+Big-endian keys make a cursor walk one namespace in sequence (FIFO) order.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+DB_META = b"meta"
+DB_NS = b"ns"
+DB_ENTRIES = b"entries"
+DB_PRIO = b"prio"
+DB_SAMPLED = b"sampled"
+
+FORMAT_VERSION = 1
+
+TIER_LMDB = 0
+TIER_NVME = 1
+TIER_NAMES = {TIER_LMDB: "lmdb", TIER_NVME: "nvme"}
+
+_KEY = struct.Struct(">IQ")
+_NS = struct.Struct(">I")
+_REC = struct.Struct("<QQIBBIIIqH")
+_F64 = struct.Struct("<d")
+_U32 = struct.Struct("<I")
+
+
+def entry_key(ns_id: int, seq: int) -> bytes:
+    return _KEY.pack(ns_id, seq)
+
+
+def split_entry_key(key: bytes) -> tuple[int, int]:
+    return _KEY.unpack(key)
+
+
+def ns_prefix(ns_id: int) -> bytes:
+    return _NS.pack(ns_id)
+
+
+def pack_f64(value: float) -> bytes:
+    return _F64.pack(value)
+
+
+def unpack_f64(data: bytes) -> float:
+    return _F64.unpack(data)[0]
+
+
+def pack_u32(value: int) -> bytes:
+    return _U32.pack(value)
+
+
+def unpack_u32(data: bytes) -> int:
+    return _U32.unpack(data)[0]
+
+
+@dataclass(slots=True)
+class EntryMeta:
+    """Everything known about one committed entry, as persisted in the `entries` db.
+
+    `slot` (the entry's leaf in the samplers' trees) and `gen` (bumped on every
+    rewrite, so caches never serve a previous version) live only in memory.
+    """
+
+    seq: int
+    key: bytes
+    size: int
+    stored_size: int
+    checksum: int
+    codec: int
+    tier: int
+    loc: bytes
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    slot: int = -1
+    gen: int = 0
+
+    def pack(self) -> bytes:
+        return _REC.pack(self.size, self.stored_size, self.checksum, self.codec, self.tier,
+                         self.mode, self.uid, self.gid, self.mtime_ns, len(self.loc)) + self.loc + self.key
+
+    @classmethod
+    def unpack(cls, seq: int, data: bytes | memoryview) -> "EntryMeta":
+        (size, stored, crc, codec, tier, mode, uid, gid, mtime, loc_len) = _REC.unpack_from(data)
+        start = _REC.size
+        loc = bytes(data[start:start + loc_len])
+        key = bytes(data[start + loc_len:])
+        return cls(seq, key, size, stored, crc, codec, tier, loc, mode, uid, gid, mtime)

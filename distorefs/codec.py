@@ -1,0 +1,98 @@
+"""Value encoding: optional zstd compression and a checksum on every stored value.
+
+The checksum (CRC-32 of the raw content) is computed at encode time and verified after
+every decode from disk, so corruption anywhere between the writer's bytes and the
+reader's — on disk, in a segment, or in decompression — surfaces as `CorruptValue`.
+Compression is skipped when it does not save at least `MIN_SAVING` of the size.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from dataclasses import dataclass
+
+import zstandard
+
+from .errors import CorruptValue
+
+RAW = 0
+ZSTD = 1
+CODEC_NAMES = {RAW: "none", ZSTD: "zstd"}
+
+MIN_SAVING = 0.10
+# Below this size the frame overhead and call cost outweigh any saving.
+MIN_COMPRESS_BYTES = 256
+# A probe of this many leading bytes decides whether larger values are worth compressing,
+# so incompressible data (already-compressed images, random floats) costs little.
+PROBE_BYTES = 16 << 10
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    # zstandard contexts are not thread-safe: one per thread and level.
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    comp = cache.get(level)
+    if comp is None:
+        comp = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return comp
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dec = getattr(_local, "decompressor", None)
+    if dec is None:
+        dec = _local.decompressor = zstandard.ZstdDecompressor()
+    return dec
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A value as stored: its stored bytes, the codec used, raw size and checksum."""
+
+    stored: bytes
+    codec: int
+    size: int
+    checksum: int
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def encode(raw: bytes | bytearray | memoryview, compression: str = "zstd", level: int = 1) -> Encoded:
+    """Encode `raw` for storage. Runs in a worker thread for large values."""
+    raw = memoryview(raw)
+    crc = checksum(raw)
+    size = len(raw)
+    if compression == "zstd" and size >= MIN_COMPRESS_BYTES:
+        comp = _compressor(level)
+        if size > 4 * PROBE_BYTES:
+            probe = comp.compress(raw[:PROBE_BYTES])
+            if len(probe) > PROBE_BYTES * (1 - MIN_SAVING):
+                return Encoded(bytes(raw), RAW, size, crc)
+        packed = comp.compress(raw)
+        if len(packed) <= size * (1 - MIN_SAVING):
+            return Encoded(packed, ZSTD, size, crc)
+    return Encoded(bytes(raw), RAW, size, crc)
+
+
+def decode(stored: bytes | memoryview, codec: int, size: int, expected_crc: int, what: str = "value") -> bytes:
+    """Decode a stored value and verify its checksum; raise CorruptValue on any mismatch."""
+    if codec == RAW:
+        raw = bytes(stored)
+    elif codec == ZSTD:
+        try:
+            raw = _decompressor().decompress(stored, max_output_size=size)
+        except zstandard.ZstdError as exc:
+            raise CorruptValue(f"{what}: zstd frame is corrupt ({exc})") from None
+    else:
+        raise CorruptValue(f"{what}: unknown codec {codec}")
+    if len(raw) != size:
+        raise CorruptValue(f"{what}: decoded {len(raw)} bytes, expected {size}")
+    crc = checksum(raw)
+    if crc != expected_crc:
+        raise CorruptValue(f"{what}: checksum mismatch (stored {expected_crc:08x}, read {crc:08x})")
+    return raw

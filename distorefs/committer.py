@@ -1,0 +1,199 @@
+"""Group commit: every mutation of the store passes through one queue, in order.
+
+A `Change` is planned on the event loop (sequence numbers, evictions) against the
+applied state plus the group's `Overlay`, written inside one LMDB write transaction in a
+worker thread together with the other changes queued at the same moment, and applied to
+the in-memory state on the event loop only after that transaction committed.
+
+Invariants (what may happen between two awaits):
+- Only the committer task applies changes, so planning a group sees every earlier
+  group applied and nothing half-applied.
+- A group never holds two changes with the same `conflict_key`; the second waits for
+  the next group, so a change never plans against a value its group-mate is writing.
+- If a group's transaction fails, nothing of it is visible (the transaction aborted and
+  nothing was applied); each change is then retried alone so one bad change (ENOSPC on
+  a big value, say) fails by itself.
+- A kill -9 at any point leaves either the whole transaction or none of it; values
+  written to segment files by an aborted or lost transaction are unreferenced garbage.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import trio
+
+from .errors import DistorefsError
+
+log = logging.getLogger(__name__)
+
+MAX_GROUP = 512
+
+
+@dataclass
+class RingOverlay:
+    """What the changes planned so far in a group do to one ring, before they are applied."""
+
+    count: int = 0
+    bytes: int = 0
+    removed: set[int] = field(default_factory=set)
+
+
+class Overlay:
+    """The planned-but-not-applied effects of one commit group."""
+
+    def __init__(self) -> None:
+        self._rings: dict[int, RingOverlay] = {}
+
+    def ring(self, ns_id: int) -> RingOverlay:
+        ro = self._rings.get(ns_id)
+        if ro is None:
+            ro = self._rings[ns_id] = RingOverlay()
+        return ro
+
+
+class Change(ABC):
+    """One mutation. Subclasses say what it writes and what it does in memory."""
+
+    conflict_key: Hashable | None = None
+
+    def plan(self, overlay: Overlay) -> None:
+        """Decide the effects (on the event loop). May raise DistorefsError to fail alone."""
+
+    @abstractmethod
+    def txn(self, txn: Any) -> None:
+        """Write the change inside the group's LMDB transaction (worker thread; may rerun)."""
+
+    def apply(self) -> None:
+        """Make the committed change visible in memory (event loop)."""
+
+
+class _Pending:
+    __slots__ = ("change", "done", "error", "waited")
+
+    def __init__(self, change: Change, waited: bool) -> None:
+        self.change = change
+        self.waited = waited
+        self.done = trio.Event()
+        self.error: BaseException | None = None
+
+
+class Committer:
+    def __init__(self, write_txn) -> None:
+        """`write_txn(fn)` runs fn(txn) in one write transaction (LmdbEnv.write), blocking."""
+        self._write_txn = write_txn
+        self._send, self._recv = trio.open_memory_channel[_Pending](math.inf)
+        self._held: list[_Pending] = []
+        self.groups = 0
+        self.changes = 0
+        self.failures = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self._queued = 0
+
+    async def submit(self, change: Change) -> None:
+        """Queue `change` and wait until it is committed and applied (or failed)."""
+        pending = self._enqueue(change, waited=True)
+        await pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+
+    def submit_nowait(self, change: Change) -> None:
+        """Queue `change` without waiting; a failure is logged."""
+        self._enqueue(change, waited=False)
+
+    def _enqueue(self, change: Change, waited: bool) -> _Pending:
+        pending = _Pending(change, waited)
+        self._queued += 1
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self._send.send_nowait(pending)
+        return pending
+
+    async def drain(self) -> None:
+        """Wait until everything queued so far is committed."""
+        while self._queued:
+            await self._idle.wait()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            group = await self._next_group()
+            await self._commit(group)
+            self._queued -= len(group)
+            if self._queued == 0:
+                self._idle.set()
+
+    async def _next_group(self) -> list[_Pending]:
+        if not self._held:
+            self._held.append(await self._recv.receive())
+        while len(self._held) < MAX_GROUP:
+            try:
+                self._held.append(self._recv.receive_nowait())
+            except trio.WouldBlock:
+                break
+        group: list[_Pending] = []
+        keys: set[Hashable] = set()
+        rest: list[_Pending] = []
+        for pending in self._held:
+            key = pending.change.conflict_key
+            if rest or (key is not None and key in keys):
+                rest.append(pending)  # keep submission order behind a conflict
+                continue
+            if key is not None:
+                keys.add(key)
+            group.append(pending)
+        self._held = rest
+        return group
+
+    async def _commit(self, group: list[_Pending]) -> None:
+        overlay = Overlay()
+        planned = []
+        for pending in group:
+            try:
+                pending.change.plan(overlay)
+            except DistorefsError as exc:
+                self._finish(pending, exc)
+            except Exception as exc:  # a bug must fail the request, never the daemon
+                log.exception("planning %r failed", pending.change)
+                self._finish(pending, DistorefsError(f"internal error: {exc}"))
+            else:
+                planned.append(pending)
+        if not planned:
+            return
+
+        def write(txn: Any) -> None:
+            for pending in planned:
+                pending.change.txn(txn)
+
+        try:
+            await trio.to_thread.run_sync(self._write_txn, write)
+        except Exception as exc:
+            if len(planned) > 1:
+                for pending in planned:
+                    await self._commit([pending])
+                return
+            error = exc if isinstance(exc, DistorefsError) else DistorefsError(f"commit failed: {exc}")
+            if not isinstance(exc, DistorefsError):
+                log.exception("commit of %r failed", planned[0].change)
+            self._finish(planned[0], error)
+            return
+        self.groups += 1
+        for pending in planned:
+            try:
+                pending.change.apply()
+            except Exception:  # committed already: log, never lose the daemon
+                log.exception("applying %r failed", pending.change)
+            self.changes += 1
+            self._finish(pending, None)
+
+    def _finish(self, pending: _Pending, error: BaseException | None) -> None:
+        if error is not None:
+            self.failures += 1
+            if not pending.waited:
+                log.warning("background change %r failed: %s", pending.change, error)
+        pending.error = error
+        pending.done.set()

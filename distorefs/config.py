@@ -1,0 +1,176 @@
+"""Configuration dataclasses for the store and for each namespace, validated on load.
+
+A config is parsed from JSON with `from_json`, which rejects unknown keys and bad
+values with `InvalidConfig` naming the offending key and value; `to_dict` gives back
+the JSON form shown in `config.json` files. Nothing here touches disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .errors import InvalidConfig
+
+SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
+COMPRESSIONS = ("zstd", "none")
+
+T = TypeVar("T", bound="_Config")
+
+
+class _Config:
+    """Shared JSON parsing and validation for the config dataclasses."""
+
+    def validate(self) -> None:  # pragma: no cover - overridden
+        pass
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> bytes:
+        return (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_dict(cls: type[T], data: Any, base: T | None = None) -> T:
+        """Build a config from `data`; keys missing from it come from `base` (or defaults)."""
+        if not isinstance(data, dict):
+            raise InvalidConfig(f"config must be a JSON object, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise InvalidConfig(f"unknown config key(s): {', '.join(unknown)}")
+        # A shallow copy keeps nested config objects as objects (asdict would flatten them).
+        values = {f: getattr(base, f) for f in fields} if base is not None else {}
+        for name, value in data.items():
+            values[name] = _coerce(name, value, fields[name].type)
+        try:
+            config = cls(**values)
+        except TypeError as exc:  # a required field is missing
+            raise InvalidConfig(str(exc)) from None
+        config.validate()
+        return config
+
+    @classmethod
+    def from_json(cls: type[T], text: bytes | str, base: T | None = None) -> T:
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidConfig(f"config is not valid JSON: {exc}") from None
+        return cls.from_dict(data, base)
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    kind = str(annotation)
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise InvalidConfig(f"{name} must be an integer, got {value!r}")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidConfig(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise InvalidConfig(f"{name} must be finite, got {value!r}")
+        return float(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise InvalidConfig(f"{name} must be a string, got {value!r}")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise InvalidConfig(f"{name} must be true or false, got {value!r}")
+        return value
+    return value
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidConfig(message)
+
+
+@dataclass
+class RingConfig(_Config):
+    """Settings shared by every FIFO ring namespace (replay buffers and memory banks)."""
+
+    capacity: int = 100_000
+    max_bytes: int = 0
+    max_entry_bytes: int = 64 << 20
+    compression: str = "zstd"
+    compression_level: int = 1
+
+    def validate(self) -> None:
+        _require(self.capacity >= 1, f"capacity must be >= 1, got {self.capacity}")
+        _require(self.capacity <= 1 << 32, f"capacity must be <= 2**32, got {self.capacity}")
+        _require(self.max_bytes >= 0, f"max_bytes must be >= 0 (0 = no limit), got {self.max_bytes}")
+        _require(self.max_entry_bytes >= 1, f"max_entry_bytes must be >= 1, got {self.max_entry_bytes}")
+        _require(self.compression in COMPRESSIONS,
+                 f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        _require(1 <= self.compression_level <= 22,
+                 f"compression_level must be in 1..22, got {self.compression_level}")
+
+
+@dataclass
+class BufferConfig(RingConfig):
+    """A replay buffer: a ring plus a sampler (DESIGN.md §2, buffers/NAME/config.json)."""
+
+    sampler: str = "uniform"
+    alpha: float = 0.6
+    beta: float = 0.4
+    initial_priority: float = 0.0
+    max_times_sampled: int = 0
+    min_size_to_sample: int = 1
+    presample_batches: int = 2
+    seed: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        _require(self.sampler in SAMPLERS,
+                 f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        _require(0.0 <= self.alpha <= 10.0, f"alpha must be in [0, 10], got {self.alpha}")
+        _require(0.0 <= self.beta <= 1.0, f"beta must be in [0, 1], got {self.beta}")
+        _require(self.initial_priority >= 0.0,
+                 f"initial_priority must be >= 0 (0 = the max priority seen so far), got {self.initial_priority}")
+        _require(self.max_times_sampled >= 0,
+                 f"max_times_sampled must be >= 0 (0 = no limit), got {self.max_times_sampled}")
+        _require(self.min_size_to_sample >= 1,
+                 f"min_size_to_sample must be >= 1, got {self.min_size_to_sample}")
+        _require(0 <= self.presample_batches <= 64,
+                 f"presample_batches must be in 0..64, got {self.presample_batches}")
+
+
+@dataclass
+class StoreConfig(_Config):
+    """Store-wide settings, kept in the store and shown in .distorefs/config.json."""
+
+    segment_threshold: int = 512 << 10
+    segment_bytes: int = 256 << 20
+    nvme_dir: str = ""
+    cache_bytes: int = 512 << 20
+    prefetch_bytes: int = 256 << 20
+    sync_interval: float = 1.0
+    entry_timeout: float = 300.0
+    max_batch_entries: int = 65536
+    default_buffer: BufferConfig = field(default_factory=BufferConfig)
+
+    def validate(self) -> None:
+        _require(self.segment_threshold >= 0, f"segment_threshold must be >= 0, got {self.segment_threshold}")
+        _require(self.segment_bytes >= 1 << 20, f"segment_bytes must be >= 1 MiB, got {self.segment_bytes}")
+        _require(self.cache_bytes >= 0, f"cache_bytes must be >= 0, got {self.cache_bytes}")
+        _require(self.prefetch_bytes >= 0, f"prefetch_bytes must be >= 0, got {self.prefetch_bytes}")
+        _require(self.sync_interval > 0, f"sync_interval must be > 0 seconds, got {self.sync_interval}")
+        _require(self.entry_timeout >= 0, f"entry_timeout must be >= 0 seconds, got {self.entry_timeout}")
+        _require(self.max_batch_entries >= 1, f"max_batch_entries must be >= 1, got {self.max_batch_entries}")
+
+    @classmethod
+    def from_dict(cls, data: Any, base: "StoreConfig | None" = None) -> "StoreConfig":
+        if not isinstance(data, dict):
+            raise InvalidConfig(f"config must be a JSON object, got {type(data).__name__}")
+        data = dict(data)
+        buffer_base = base.default_buffer if base else None
+        data["default_buffer"] = BufferConfig.from_dict(data.get("default_buffer", {}), buffer_base)
+        config = super().from_dict(data, base)
+        return config

@@ -1,0 +1,71 @@
+"""Typed errors of the core, each carrying the errno a POSIX caller should see.
+
+The core raises these at the source; only the FUSE layer turns them into
+`FUSEError(exc.errno)`. Nothing classifies errors by their message text.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class DistorefsError(Exception):
+    """Base of every error the core raises on purpose."""
+
+    errno: int = _errno.EIO
+
+
+class InvalidName(DistorefsError):
+    errno = _errno.EINVAL
+
+
+class InvalidArgument(DistorefsError):
+    errno = _errno.EINVAL
+
+
+class InvalidConfig(DistorefsError):
+    errno = _errno.EINVAL
+
+
+class NotFound(DistorefsError):
+    errno = _errno.ENOENT
+
+
+class AlreadyExists(DistorefsError):
+    errno = _errno.EEXIST
+
+
+class NotEmpty(DistorefsError):
+    errno = _errno.ENOTEMPTY
+
+
+class ReadOnly(DistorefsError):
+    errno = _errno.EROFS
+
+
+class NotPermitted(DistorefsError):
+    errno = _errno.EACCES
+
+
+class TooLarge(DistorefsError):
+    errno = _errno.EFBIG
+
+
+class NoSpace(DistorefsError):
+    errno = _errno.ENOSPC
+
+
+class CorruptValue(DistorefsError):
+    """A stored value whose checksum does not match: the read fails with EIO."""
+
+    errno = _errno.EIO
+
+
+class WouldBlock(DistorefsError):
+    errno = _errno.EAGAIN
+
+
+class StoreLocked(DistorefsError):
+    """The store directory is already opened (mounted) by another process."""
+
+    errno = _errno.EBUSY

@@ -1,0 +1,452 @@
+"""The ring: a FIFO of keyed, immutable-per-version entries with capacity eviction.
+
+Replay buffers and memory banks share it. An entry becomes visible whole when its
+insert commits; it gets the next sequence number then, which fixes its FIFO position.
+Rewriting an entry keeps its position; removal frees its slot. When the ring passes
+`capacity` or `max_bytes`, the oldest entries are evicted in the same transaction as
+the insert that needed the room, so a crash never leaves the ring over its bounds.
+
+Every entry holds a slot (a dense small integer) so samplers can keep per-entry arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Protocol
+
+import trio
+from sortedcontainers import SortedDict
+
+from . import codec
+from .catalog import (DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, TIER_NAMES, entry_key,
+                      ns_prefix, pack_f64, split_entry_key)
+from .committer import Change, Overlay
+from .config import RingConfig
+from .errors import NotFound, TooLarge
+from .names import check_name
+from .placement import choose_tier
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger(__name__)
+
+# Values at most this big are encoded on the event loop: a thread hop costs more.
+INLINE_ENCODE_BYTES = 32 << 10
+
+
+@dataclass(frozen=True)
+class Owner:
+    mode: int
+    uid: int
+    gid: int
+
+
+class RingObserver(Protocol):
+    def entry_added(self, meta: EntryMeta, priority: float | None, times_sampled: int) -> None: ...
+    def entry_replaced(self, old: EntryMeta, new: EntryMeta) -> None: ...
+    def entry_removed(self, meta: EntryMeta) -> None: ...
+    def slots_grown(self, capacity: int) -> None: ...
+
+
+class Ring:
+    def __init__(self, store: "Store", ns_id: int, kind: str, name: str, config: RingConfig,
+                 observer: RingObserver | None = None) -> None:
+        self.store = store
+        self.ns_id = ns_id
+        self.kind = kind
+        self.name = name
+        self.config = config
+        self.observer = observer
+        self.by_seq: SortedDict = SortedDict()
+        self.by_key: dict[bytes, EntryMeta] = {}
+        self.next_seq = 1
+        self.bytes = 0
+        self.stored_bytes = 0
+        self.tier_count = {t: 0 for t in TIER_NAMES}
+        self.tier_bytes = {t: 0 for t in TIER_NAMES}
+        self.slot_meta: list[EntryMeta | None] = []
+        self._free_slots: list[int] = []
+        self.counters = {"inserts": 0, "rewrites": 0, "deletes": 0, "evictions": 0,
+                         "reads": 0, "read_bytes": 0, "inserted_bytes": 0}
+
+    # ----- queries -------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def get(self, key: bytes) -> EntryMeta:
+        meta = self.by_key.get(key)
+        if meta is None:
+            raise NotFound(f"{self.kind}/{self.name}: no entry {key!r}")
+        return meta
+
+    def at(self, index: int) -> EntryMeta:
+        """The entry at FIFO position `index` (0 = oldest), in O(log n)."""
+        if not 0 <= index < len(self.by_seq):
+            raise NotFound(f"{self.kind}/{self.name}: no entry at position {index}")
+        return self.by_seq.peekitem(index)[1]
+
+    def iter_from(self, seq: int) -> Iterator[EntryMeta]:
+        """Entries in FIFO order starting at sequence number `seq` (readdir resumes here)."""
+        for s in self.by_seq.irange(minimum=seq):
+            yield self.by_seq[s]
+
+    def oldest(self) -> Iterator[EntryMeta]:
+        return iter(self.by_seq.values())
+
+    def newest(self) -> Iterator[EntryMeta]:
+        return reversed(self.by_seq.values())
+
+    def stats(self) -> dict:
+        return {
+            "entries": len(self.by_key),
+            "capacity": self.config.capacity,
+            "bytes": self.bytes,
+            "stored_bytes": self.stored_bytes,
+            "compression_ratio": round(self.bytes / self.stored_bytes, 3) if self.stored_bytes else None,
+            "tiers": {TIER_NAMES[t]: {"entries": self.tier_count[t], "stored_bytes": self.tier_bytes[t]}
+                      for t in TIER_NAMES},
+            **self.counters,
+        }
+
+    # ----- reads ---------------------------------------------------------------------
+
+    def _cache_key(self, meta: EntryMeta) -> tuple[int, int, int]:
+        return (self.ns_id, meta.seq, meta.gen)
+
+    def cached(self, meta: EntryMeta) -> bytes | None:
+        return self.store.cache.get(self._cache_key(meta))
+
+    async def read(self, meta: EntryMeta) -> bytes:
+        """The whole decoded value of `meta` (memory tier first, then its disk tier)."""
+        value = self.store.cache.get(self._cache_key(meta))
+        if value is None:
+            value = await trio.to_thread.run_sync(self.store.load_value, meta, self._what(meta))
+            self.store.cache.put(self._cache_key(meta), value)
+        self.counters["reads"] += 1
+        self.counters["read_bytes"] += len(value)
+        return value
+
+    async def read_many(self, metas: list[EntryMeta]) -> list[bytes]:
+        """Values of many entries; all misses are loaded in one worker-thread call."""
+        cache = self.store.cache
+        values: list[bytes | None] = [cache.get(self._cache_key(m)) for m in metas]
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing:
+            loaded = await trio.to_thread.run_sync(
+                self.store.load_values, [(metas[i], self._what(metas[i])) for i in missing])
+            for i, value in zip(missing, loaded):
+                values[i] = value
+                cache.put(self._cache_key(metas[i]), value)
+        self.counters["reads"] += len(metas)
+        self.counters["read_bytes"] += sum(len(v) for v in values)  # type: ignore[arg-type]
+        return values  # type: ignore[return-value]
+
+    async def prefetch(self, metas: list[EntryMeta]) -> None:
+        """Pull values into the memory tier ahead of their reads."""
+        cache = self.store.cache
+        todo = [m for m in metas if cache.peek(self._cache_key(m)) is None]
+        if todo:
+            loaded = await trio.to_thread.run_sync(
+                self.store.load_values, [(m, self._what(m)) for m in todo], True)
+            for meta, value in zip(todo, loaded):
+                if value is not None:
+                    cache.put(self._cache_key(meta), value)
+
+    def _what(self, meta: EntryMeta) -> str:
+        return f"{self.kind}/{self.name}/entries/{meta.key.decode(errors='replace')} (seq {meta.seq})"
+
+    # ----- writes --------------------------------------------------------------------
+
+    def check_insert(self, key: bytes, size: int) -> None:
+        check_name(key)
+        limit = self.config.max_entry_bytes
+        if self.config.max_bytes:
+            limit = min(limit, self.config.max_bytes)
+        if size > limit:
+            raise TooLarge(f"{self.kind}/{self.name}: entry of {size} bytes exceeds the limit of {limit}")
+
+    async def insert(self, key: bytes, data: bytes, owner: Owner, priority: float | None = None) -> EntryMeta:
+        """Insert or rewrite `key` with `data`; returns once committed."""
+        self.check_insert(key, len(data))
+        if len(data) > INLINE_ENCODE_BYTES:
+            enc = await trio.to_thread.run_sync(
+                codec.encode, data, self.config.compression, self.config.compression_level)
+        else:
+            enc = codec.encode(data, self.config.compression, self.config.compression_level)
+        change = InsertEntry(self, key, enc, data, owner, priority)
+        await self.store.committer.submit(change)
+        return change.meta  # type: ignore[return-value]
+
+    async def delete(self, key: bytes, expect_seq: int | None = None, reason: str = "deletes") -> None:
+        await self.store.committer.submit(RemoveEntry(self, key, expect_seq, reason))
+
+    async def rename(self, old: bytes, new: bytes) -> None:
+        check_name(new)
+        await self.store.committer.submit(RenameEntry(self, old, new))
+
+    async def set_attrs(self, key: bytes, *, mode: int | None = None, uid: int | None = None,
+                        gid: int | None = None, mtime_ns: int | None = None) -> EntryMeta:
+        change = SetEntryAttrs(self, key, mode, uid, gid, mtime_ns)
+        await self.store.committer.submit(change)
+        return change.meta  # type: ignore[return-value]
+
+    def plan_evictions(self, ro, protect: int = -1, config: RingConfig | None = None) -> list[EntryMeta]:
+        """Oldest entries to evict so the ring fits its bounds after the planned changes."""
+        victims = []
+        config = config or self.config
+        cap, max_bytes = config.capacity, config.max_bytes
+        oldest = iter(self.by_seq.values())
+        while len(self.by_key) + ro.count > cap or (max_bytes and self.bytes + ro.bytes > max_bytes):
+            victim = next((m for m in oldest if m.seq not in ro.removed and m.seq != protect), None)
+            if victim is None:
+                break
+            ro.removed.add(victim.seq)
+            ro.count -= 1
+            ro.bytes -= victim.size
+            victims.append(victim)
+        return victims
+
+    # ----- transaction and apply steps shared by the changes -------------------------
+
+    def txn_remove(self, txn, meta: EntryMeta) -> None:
+        env = self.store.env
+        k = entry_key(self.ns_id, meta.seq)
+        txn.delete(k, db=env.db(DB_ENTRIES))
+        txn.delete(k, db=env.db(DB_PRIO))
+        txn.delete(k, db=env.db(DB_SAMPLED))
+        self.store.backend(meta.tier).delete(txn, meta.loc)
+
+    def apply_add(self, meta: EntryMeta, priority: float | None = None, times_sampled: int = 0) -> None:
+        meta.gen = self.store.next_gen()
+        meta.slot = self._take_slot()
+        self.slot_meta[meta.slot] = meta
+        self.by_seq[meta.seq] = meta
+        self.by_key[meta.key] = meta
+        self.next_seq = max(self.next_seq, meta.seq + 1)
+        self._account(meta, +1)
+        if self.observer is not None:
+            self.observer.entry_added(meta, priority, times_sampled)
+
+    def apply_replace(self, old: EntryMeta, new: EntryMeta) -> None:
+        new.gen = self.store.next_gen()
+        new.slot = old.slot
+        self.slot_meta[new.slot] = new
+        self.by_seq[new.seq] = new
+        if old.key != new.key:
+            del self.by_key[old.key]
+        self.by_key[new.key] = new
+        self._account(old, -1)
+        self._account(new, +1)
+        cached = self.store.cache.peek(self._cache_key(old))
+        self.store.cache.discard(self._cache_key(old))
+        if cached is not None and new.loc == old.loc and new.checksum == old.checksum:
+            self.store.cache.put(self._cache_key(new), cached)  # same value, new name or attrs
+        if self.observer is not None:
+            self.observer.entry_replaced(old, new)
+        self.store.entry_changed(self, old, new)
+
+    def apply_remove(self, meta: EntryMeta, reason: str) -> None:
+        del self.by_seq[meta.seq]
+        del self.by_key[meta.key]
+        self.slot_meta[meta.slot] = None
+        self._free_slots.append(meta.slot)
+        self._account(meta, -1)
+        self.counters[reason] = self.counters.get(reason, 0) + 1
+        self.store.cache.discard(self._cache_key(meta))
+        if self.observer is not None:
+            self.observer.entry_removed(meta)
+        self.store.entry_changed(self, meta, None)
+
+    def _account(self, meta: EntryMeta, sign: int) -> None:
+        self.bytes += sign * meta.size
+        self.stored_bytes += sign * meta.stored_size
+        self.tier_count[meta.tier] += sign
+        self.tier_bytes[meta.tier] += sign * meta.stored_size
+
+    def _take_slot(self) -> int:
+        if not self._free_slots:
+            old = len(self.slot_meta)
+            new = max(1024, old * 2)
+            self.slot_meta.extend([None] * (new - old))
+            self._free_slots.extend(range(new - 1, old - 1, -1))
+            if self.observer is not None:
+                self.observer.slots_grown(new)
+        return self._free_slots.pop()
+
+    # ----- loading -------------------------------------------------------------------
+
+    def load(self, txn) -> None:
+        """Rebuild the in-memory ring from the catalog (at store open, in a worker thread)."""
+        env = self.store.env
+        prefix = ns_prefix(self.ns_id)
+        prio = _scan(txn, env.db(DB_PRIO), prefix, lambda v: float(memoryview(v).cast("d")[0]))
+        sampled = _scan(txn, env.db(DB_SAMPLED), prefix, lambda v: int(memoryview(v).cast("I")[0]))
+        cursor = txn.cursor(db=env.db(DB_ENTRIES))
+        if cursor.set_range(prefix):
+            for k, v in cursor:
+                if not bytes(k[:4]) == prefix:
+                    break
+                _, seq = split_entry_key(bytes(k))
+                meta = EntryMeta.unpack(seq, v)
+                self.apply_add(meta, prio.get(seq), sampled.get(seq, 0))
+
+
+def _scan(txn, db, prefix: bytes, decode) -> dict[int, object]:
+    out = {}
+    cursor = txn.cursor(db=db)
+    if cursor.set_range(prefix):
+        for k, v in cursor:
+            if bytes(k[:4]) != prefix:
+                break
+            out[split_entry_key(bytes(k))[1]] = decode(v)
+    return out
+
+
+# ----- changes ---------------------------------------------------------------------------
+
+
+class InsertEntry(Change):
+    def __init__(self, ring: Ring, key: bytes, enc: codec.Encoded, raw: bytes, owner: Owner,
+                 priority: float | None) -> None:
+        self.ring = ring
+        self.key = key
+        self.enc = enc
+        self.raw = raw
+        self.owner = owner
+        self.priority = priority
+        self.conflict_key = (ring.ns_id, key)
+        self.meta: EntryMeta | None = None
+
+    def plan(self, overlay: Overlay) -> None:
+        ring = self.ring
+        ro = overlay.ring(ring.ns_id)
+        old = ring.by_key.get(self.key)
+        if old is not None and old.seq in ro.removed:
+            old = None  # evicted earlier in this group: this insert makes a new entry
+        self.old = old
+        if old is not None:
+            self.seq = old.seq
+            ro.bytes += self.enc.size - old.size
+        else:
+            self.seq = ring.next_seq
+            ring.next_seq += 1
+            ro.count += 1
+            ro.bytes += self.enc.size
+        self.victims = ring.plan_evictions(ro, protect=self.seq)
+        self.tier = choose_tier(len(self.enc.stored), ring.store.config)
+        self.mtime_ns = time.time_ns()
+
+    def txn(self, txn) -> None:
+        ring, store, enc = self.ring, self.ring.store, self.enc
+        for victim in self.victims:
+            ring.txn_remove(txn, victim)
+        if self.old is not None:
+            store.backend(self.old.tier).delete(txn, self.old.loc)
+        k = entry_key(ring.ns_id, self.seq)
+        loc = store.backend(self.tier).put(txn, k, enc.stored)
+        self.meta = EntryMeta(self.seq, self.key, enc.size, len(enc.stored), enc.checksum, enc.codec,
+                              self.tier, loc, self.owner.mode, self.owner.uid, self.owner.gid, self.mtime_ns)
+        txn.put(k, self.meta.pack(), db=store.env.db(DB_ENTRIES))
+        if self.old is None and self.priority is not None:
+            txn.put(k, pack_f64(self.priority), db=store.env.db(DB_PRIO))
+
+    def apply(self) -> None:
+        ring = self.ring
+        for victim in self.victims:
+            ring.apply_remove(victim, "evictions")
+        assert self.meta is not None
+        if self.old is not None:
+            ring.apply_replace(self.old, self.meta)
+            ring.counters["rewrites"] += 1
+        else:
+            ring.apply_add(self.meta, self.priority)
+            ring.counters["inserts"] += 1
+        ring.counters["inserted_bytes"] += self.enc.size
+        ring.store.cache.put(ring._cache_key(self.meta), bytes(self.raw))
+
+
+class RemoveEntry(Change):
+    def __init__(self, ring: Ring, key: bytes, expect_seq: int | None, reason: str) -> None:
+        self.ring = ring
+        self.key = key
+        self.expect_seq = expect_seq
+        self.reason = reason
+        self.conflict_key = (ring.ns_id, key)
+
+    def plan(self, overlay: Overlay) -> None:
+        ro = overlay.ring(self.ring.ns_id)
+        meta = self.ring.get(self.key)
+        if meta.seq in ro.removed or (self.expect_seq is not None and meta.seq != self.expect_seq):
+            raise NotFound(f"{self.ring.kind}/{self.ring.name}: no entry {self.key!r}")
+        ro.removed.add(meta.seq)
+        ro.count -= 1
+        ro.bytes -= meta.size
+        self.meta = meta
+
+    def txn(self, txn) -> None:
+        self.ring.txn_remove(txn, self.meta)
+
+    def apply(self) -> None:
+        self.ring.apply_remove(self.meta, self.reason)
+
+
+class RenameEntry(Change):
+    """Rename keeps the FIFO position; an existing entry under the new name is replaced."""
+
+    def __init__(self, ring: Ring, old: bytes, new: bytes) -> None:
+        self.ring = ring
+        self.old_key = old
+        self.new_key = new
+        self.conflict_key = (ring.ns_id, "rename")
+
+    def plan(self, overlay: Overlay) -> None:
+        ro = overlay.ring(self.ring.ns_id)
+        self.meta = self.ring.get(self.old_key)
+        if self.meta.seq in ro.removed:
+            raise NotFound(f"no entry {self.old_key!r}")
+        target = self.ring.by_key.get(self.new_key)
+        self.target = target if target is not None and target.seq != self.meta.seq else None
+        if self.target is not None:
+            ro.removed.add(self.target.seq)
+            ro.count -= 1
+            ro.bytes -= self.target.size
+
+    def txn(self, txn) -> None:
+        if self.target is not None:
+            self.ring.txn_remove(txn, self.target)
+        m = self.meta
+        self.new = EntryMeta(m.seq, self.new_key, m.size, m.stored_size, m.checksum, m.codec, m.tier,
+                             m.loc, m.mode, m.uid, m.gid, m.mtime_ns)
+        txn.put(entry_key(self.ring.ns_id, m.seq), self.new.pack(), db=self.ring.store.env.db(DB_ENTRIES))
+
+    def apply(self) -> None:
+        if self.target is not None:
+            self.ring.apply_remove(self.target, "deletes")
+        self.ring.apply_replace(self.meta, self.new)
+
+
+class SetEntryAttrs(Change):
+    def __init__(self, ring: Ring, key: bytes, mode, uid, gid, mtime_ns) -> None:
+        self.ring = ring
+        self.key = key
+        self.attrs = (mode, uid, gid, mtime_ns)
+        self.conflict_key = (ring.ns_id, key)
+
+    def plan(self, overlay: Overlay) -> None:
+        self.old = self.ring.get(self.key)
+        m = self.old
+        mode, uid, gid, mtime = self.attrs
+        self.meta = EntryMeta(m.seq, m.key, m.size, m.stored_size, m.checksum, m.codec, m.tier, m.loc,
+                              m.mode if mode is None else mode, m.uid if uid is None else uid,
+                              m.gid if gid is None else gid, m.mtime_ns if mtime is None else mtime)
+
+    def txn(self, txn) -> None:
+        txn.put(entry_key(self.ring.ns_id, self.meta.seq), self.meta.pack(),
+                db=self.ring.store.env.db(DB_ENTRIES))
+
+    def apply(self) -> None:
+        self.ring.apply_replace(self.old, self.meta)

@@ -1,0 +1,174 @@
+"""Sampling state of one replay buffer, indexed by ring slot.
+
+Holds each entry's raw priority and times sampled, and two trees over the slots: one
+with 1 per drawable entry (uniform draws and counts) and one with priority**alpha
+(proportional prioritized draws). An entry stops being drawable when it has been
+sampled `max_times_sampled` times; the buffer removes it once the batch holding it is
+released. Probabilities and importance weights follow the PER paper:
+P(i) = p_i^a / sum_k p_k^a, w_i = (N P(i))^-b / max_j w_j, with the max taken over the
+whole buffer (the entry with the smallest probability).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import BufferConfig
+from .sumtree import SumTree
+
+
+class Sampler:
+    def __init__(self, config: BufferConfig) -> None:
+        self.config = config
+        self.priority = np.zeros(0, dtype=np.float64)
+        self.times = np.zeros(0, dtype=np.int64)
+        self.live = np.zeros(0, dtype=bool)
+        self.exhausted = np.zeros(0, dtype=bool)
+        self.uniform = SumTree(1)
+        self.weighted = SumTree(1)
+        self.max_priority = 1.0
+        self.rng = np.random.default_rng(config.seed or None)
+
+    # ----- membership -----------------------------------------------------------------
+
+    def grow(self, capacity: int) -> None:
+        old = len(self.priority)
+        if capacity <= old:
+            return
+        pad = capacity - old
+        self.priority = np.concatenate([self.priority, np.zeros(pad)])
+        self.times = np.concatenate([self.times, np.zeros(pad, dtype=np.int64)])
+        self.live = np.concatenate([self.live, np.zeros(pad, dtype=bool)])
+        self.exhausted = np.concatenate([self.exhausted, np.zeros(pad, dtype=bool)])
+        self.uniform.grow(capacity)
+        self.weighted.grow(capacity)
+
+    def add(self, slot: int, priority: float, times: int = 0) -> None:
+        self.priority[slot] = priority
+        self.times[slot] = times
+        self.live[slot] = True
+        limit = self.config.max_times_sampled
+        self.exhausted[slot] = bool(limit and times >= limit)
+        self.max_priority = max(self.max_priority, priority)
+        self._refresh(np.array([slot]))
+
+    def remove(self, slot: int) -> None:
+        self.live[slot] = False
+        self.exhausted[slot] = False
+        self.priority[slot] = 0.0
+        self.times[slot] = 0
+        self._refresh(np.array([slot]))
+
+    def set_priorities(self, slots: np.ndarray, values: np.ndarray) -> None:
+        self.priority[slots] = values
+        if len(values):
+            self.max_priority = max(self.max_priority, float(values.max()))
+        self._refresh(slots)
+
+    def reconfigure(self, config: BufferConfig) -> None:
+        old = self.config
+        self.config = config
+        if config.seed != old.seed:
+            self.rng = np.random.default_rng(config.seed or None)
+        if config.alpha != old.alpha or config.max_times_sampled != old.max_times_sampled:
+            limit = config.max_times_sampled
+            self.exhausted = self.live & (self.times >= limit) if limit else np.zeros_like(self.live)
+            self._refresh(np.flatnonzero(self.live | (self.uniform.get(np.arange(len(self.live))) > 0)))
+
+    def _refresh(self, slots: np.ndarray) -> None:
+        drawable = self.live[slots] & ~self.exhausted[slots]
+        self.uniform.update(slots, drawable.astype(np.float64))
+        self.weighted.update(slots, np.where(drawable, self.priority[slots] ** self.config.alpha, 0.0))
+
+    # ----- drawing --------------------------------------------------------------------
+
+    def drawable_count(self) -> int:
+        return int(round(self.uniform.total()))
+
+    def draw(self, n: int, order) -> np.ndarray:
+        """Draw n slots without counting them (pre-sampling and `select` use this).
+
+        `order` yields the ring's entries oldest or newest first for fifo/lifo.
+        """
+        kind = self.config.sampler
+        if kind in ("fifo", "lifo"):
+            out = []
+            for meta in order(kind):
+                if not self.exhausted[meta.slot]:
+                    out.append(meta.slot)
+                    if len(out) == n:
+                        break
+            return np.array(out, dtype=np.int64)
+        if self.drawable_count() == 0:
+            return np.zeros(0, dtype=np.int64)
+        if kind == "prioritized" and self.weighted.total() > 0:
+            return self.weighted.sample(n, self.rng)
+        return self.uniform.sample(n, self.rng)
+
+    def select(self, n: int, order, hint=None, valid=None) -> tuple[np.ndarray, np.ndarray]:
+        """Draw a batch of n, count the draws, and return (slots, slots now exhausted).
+
+        `hint` is a pre-drawn (slots, seqs) pair; `valid(slot, seq)` tells whether a hinted
+        slot still holds the entry it held when drawn. An entry is never handed out more
+        than `max_times_sampled` times: once spent it leaves the trees and is redrawn.
+        """
+        limit = self.config.max_times_sampled
+        out: list[int] = []
+        budget: dict[int, int] = {}
+
+        def accept(slot: int) -> None:
+            if limit:
+                left = budget.get(slot, limit - int(self.times[slot]))
+                if left <= 0:
+                    return
+                budget[slot] = left - 1
+                if left == 1:  # spent by this batch: nobody may draw it again
+                    self.exhausted[slot] = True
+                    self._refresh(np.array([slot]))
+            out.append(slot)
+
+        if hint is not None:
+            for slot, seq in zip(*hint):
+                if len(out) < n and valid(int(slot), int(seq)) and not self.exhausted[slot]:
+                    accept(int(slot))
+        deterministic = self.config.sampler in ("fifo", "lifo")
+        while len(out) < n and self.drawable_count() > 0:
+            before = len(out)
+            for slot in self.draw(n - len(out), order):
+                if deterministic and slot in budget:
+                    continue
+                accept(int(slot))
+            if deterministic or len(out) == before and not limit:
+                break
+        slots = np.array(out, dtype=np.int64)
+        if len(slots):
+            np.add.at(self.times, slots, 1)
+        spent = np.array(sorted(s for s, left in budget.items() if left == 0), dtype=np.int64)
+        return slots, spent
+
+    def probabilities(self, slots: np.ndarray, spent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sampling probability and normalised importance weight of each drawn slot.
+
+        `spent` are the slots this batch exhausted: they already left the trees, so their
+        mass is added back to give the distribution the batch was drawn from.
+        """
+        n = len(slots)
+        kind = self.config.sampler
+        if n == 0:
+            return np.zeros(0), np.zeros(0)
+        if kind in ("fifo", "lifo"):
+            return np.ones(n), np.ones(n)
+        alpha = self.config.alpha
+        total = self.weighted.total() + float((self.priority[spent] ** alpha).sum())
+        if kind == "prioritized" and total > 0:
+            p = self.priority[slots] ** alpha
+            probs = p / total
+            smallest = self.weighted.min_positive()
+            spent_p = self.priority[spent] ** alpha
+            if (spent_p > 0).any():
+                smallest = min(smallest, float(spent_p[spent_p > 0].min()))
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                weights = np.where(probs > 0, (p / smallest) ** (-self.config.beta), 0.0)
+            return probs, weights
+        count = max(self.drawable_count() + len(spent), 1)
+        return np.full(n, 1.0 / count), np.ones(n)

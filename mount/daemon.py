@@ -1,0 +1,88 @@
+"""The mount daemon: opens a store, mounts it with pyfuse3 and serves until unmounted.
+
+Shutdown (fusermount3 -u, SIGTERM, SIGINT): pyfuse3's loop ends, the store drains its
+commit queue and syncs, and the store lock is released. The parent that spawned a
+background daemon learns readiness (or the error) through a pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pyfuse3
+import trio
+
+from distorefs.store import Store
+
+from .operations import Filesystem
+
+log = logging.getLogger(__name__)
+
+
+def serve(store_path: str, mountpoint: str, *, nvme_dir: str | None = None, allow_other: bool = False,
+          config: dict | None = None, ready_fd: int | None = None, debug_fuse: bool = False) -> None:
+    """Mount `store_path` at `mountpoint` and serve until unmounted (blocking)."""
+    try:
+        store = Store(store_path, nvme_dir=nvme_dir, config=config)
+    except Exception as exc:
+        _report(ready_fd, f"error: {exc}")
+        raise
+    fs = Filesystem(store)
+    options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
+    options |= {f"fsname={store.path}", "subtype=distorefs"}
+    if allow_other:
+        options.add("allow_other")
+    if debug_fuse:
+        options.add("debug")
+    try:
+        pyfuse3.init(fs, mountpoint, options)
+    except Exception as exc:
+        store.close()
+        _report(ready_fd, f"error: cannot mount {mountpoint}: {exc}")
+        raise
+    log.info("mounted %s at %s (pid %d)", store.path, mountpoint, os.getpid())
+    unmounted = False
+    try:
+        # By signal, pyfuse3 stops serving but the kernel mount is still there.
+        unmounted = not trio.run(_run, store, fs, ready_fd)
+    finally:
+        pyfuse3.close(unmount=not unmounted)
+        store.close()
+        log.info("unmounted %s", mountpoint)
+
+
+async def _run(store: Store, fs: Filesystem, ready_fd: int | None) -> bool:
+    """Serve until the mount ends; True if it ended by a signal rather than an unmount."""
+    signalled: list[int] = []
+    async with store.running():
+        fs.start_notifications()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_stop_on_signal, signalled)
+                _report(ready_fd, "ready")
+                await pyfuse3.main(min_tasks=4, max_tasks=64)
+                nursery.cancel_scope.cancel()
+        finally:
+            fs.stop_notifications()
+    return bool(signalled)
+
+
+async def _stop_on_signal(signalled: list[int]) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            signalled.append(signum)
+            pyfuse3.terminate()
+            return
+
+
+def _report(fd: int | None, message: str) -> None:
+    if fd is None:
+        return
+    try:
+        os.write(fd, message.encode() + b"\n")
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,187 @@
+"""Open-file handles of the FUSE layer: what an open file reads from and writes to.
+
+Each handle is a snapshot or a staging area; the core is called at open (to draw a
+batch or fetch a value) and at flush (to commit), never per read or write chunk.
+"""
+
+from __future__ import annotations
+
+import os
+
+from distorefs.batch import Batch
+from distorefs.buffer import Buffer
+from distorefs.errors import InvalidArgument, NotPermitted, TooLarge
+
+
+class Handle:
+    direct_io = False
+    keep_cache = False
+    nonseekable = False
+    node = None
+
+    async def read(self, off: int, size: int) -> bytes:
+        raise NotPermitted("not open for reading")
+
+    async def write(self, off: int, buf: bytes) -> int:
+        raise NotPermitted("not open for writing")
+
+    async def flush(self) -> None:
+        pass
+
+    async def release(self) -> None:
+        pass
+
+
+class BytesReader(Handle):
+    """A fixed value: an entry's content, or a rendered control file."""
+
+    def __init__(self, data: bytes, *, cacheable: bool) -> None:
+        self.data = data
+        self.keep_cache = cacheable
+        self.direct_io = not cacheable
+
+    async def read(self, off: int, size: int) -> bytes:
+        return self.data[off:off + size]
+
+
+class SampleReader(BytesReader):
+    """`sample/N` or `batch/N.npz`: a batch fixed for the life of the handle."""
+
+    def __init__(self, buffer: Buffer, batch: Batch, data: bytes) -> None:
+        super().__init__(data, cacheable=False)
+        self.buffer = buffer
+        self.batch = batch
+
+    async def release(self) -> None:
+        self.buffer.release(self.batch)
+
+
+class StagingWriter(Handle):
+    """Bytes written to a handle, kept in memory and committed whole.
+
+    Written data commits at flush (every close()). A handle that only created or
+    truncated its file commits at release instead: a shell's `>` closes a dup of the
+    descriptor before writing, and that flush must not publish an empty version.
+    """
+
+    def __init__(self, initial: bytes, limit: int, readable: bool) -> None:
+        self.data = bytearray(initial)
+        self.limit = limit
+        self.readable = readable
+        self.dirty = False  # something to commit
+        self.wrote = False  # ... and it came from write() or truncate()
+
+    async def read(self, off: int, size: int) -> bytes:
+        if not self.readable:
+            raise NotPermitted("not open for reading")
+        return bytes(self.data[off:off + size])
+
+    async def write(self, off: int, buf: bytes) -> int:
+        end = off + len(buf)
+        if end > self.limit:
+            raise TooLarge(f"write up to byte {end} exceeds the limit of {self.limit} bytes")
+        if off > len(self.data):
+            self.data.extend(bytes(off - len(self.data)))
+        self.data[off:end] = buf
+        self.dirty = self.wrote = True
+        return len(buf)
+
+    def truncate(self, size: int) -> None:
+        if size > self.limit:
+            raise TooLarge(f"size {size} exceeds the limit of {self.limit} bytes")
+        if size < len(self.data):
+            del self.data[size:]
+        else:
+            self.data.extend(bytes(size - len(self.data)))
+        self.dirty = self.wrote = True
+
+    async def flush(self) -> None:
+        if self.dirty and self.wrote:
+            await self._commit()
+
+    async def release(self) -> None:
+        if self.dirty:
+            await self._commit()
+
+    async def _commit(self) -> None:
+        # Cleared first: a failed commit was reported to close() and is not retried later.
+        self.dirty = self.wrote = False
+        await self.apply(bytes(self.data))
+
+    async def apply(self, data: bytes) -> None:
+        raise NotImplementedError
+
+
+class EntryWriter(StagingWriter):
+    """Insert or rewrite of one entry: visible, whole, when it commits."""
+
+    def __init__(self, node, initial: bytes, limit: int, readable: bool, owner, fresh: bool) -> None:
+        super().__init__(initial, limit, readable)
+        self.node = node
+        self.owner = owner
+        self.dirty = fresh  # created or truncated: commits even if nothing is written
+
+    async def apply(self, data: bytes) -> None:
+        await self.node.commit(data, self.owner)
+
+
+class ConfigWriter(StagingWriter):
+    """config.json: the JSON written is validated and applied at close (EINVAL keeps the old)."""
+
+    def __init__(self, apply, initial: bytes) -> None:
+        super().__init__(initial, 1 << 20, True)
+        self._apply = apply
+
+    async def apply(self, data: bytes) -> None:
+        await self._apply(data)
+
+
+class PrioritiesWriter(Handle):
+    """`priorities`: "KEY PRIORITY" lines, applied one write() at a time.
+
+    A line split across two writes is kept until its end arrives (or until close). A write
+    with a malformed line fails with EINVAL and applies none of its lines.
+    """
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.buffer = buffer
+        self.partial = b""
+
+    async def write(self, off: int, buf: bytes) -> int:
+        text = self.partial + buf
+        cut = text.rfind(b"\n") + 1
+        pairs = parse_priorities(text[:cut])
+        if pairs:
+            await self.buffer.set_priorities(pairs)
+        self.partial = text[cut:]
+        return len(buf)
+
+    async def flush(self) -> None:
+        if self.partial.strip():
+            line, self.partial = self.partial, b""
+            await self.buffer.set_priorities(parse_priorities(line))
+
+
+def parse_priorities(text: bytes) -> list[tuple[bytes, float]]:
+    pairs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith(b"#"):
+            continue
+        parts = line.rsplit(None, 1)
+        if len(parts) != 2:
+            raise InvalidArgument(f"priorities line {number}: expected 'KEY PRIORITY', got {line[:80]!r}")
+        try:
+            value = float(parts[1])
+        except ValueError:
+            raise InvalidArgument(f"priorities line {number}: bad priority {parts[1][:40]!r}") from None
+        pairs.append((parts[0], value))
+    return pairs
+
+
+def wants_write(flags: int) -> bool:
+    return flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+
+
+def wants_read(flags: int) -> bool:
+    return flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)

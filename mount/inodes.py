@@ -1,0 +1,116 @@
+"""The inode table: inode number <-> node, with the kernel's lookup counts.
+
+Fixed nodes (the root, `.distorefs/`, `buffers/`) have fixed numbers. Every other node
+gets a number when first looked up; numbers are never reused, so a kernel that still
+holds an old number can never reach a different object through it. A node whose
+object is gone (an evicted entry, a dropped buffer) stays reachable by number until the
+kernel forgets it, but no longer by its name.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Hashable
+
+import pyfuse3
+
+from distorefs.errors import NotFound
+
+ROOT_INODE = pyfuse3.ROOT_INODE
+
+
+class InodeTable:
+    def __init__(self) -> None:
+        self._nodes: dict[int, object] = {}
+        self._by_key: dict[Hashable, int] = {}
+        self._lookups: dict[int, int] = {}
+        self._fixed: set[int] = set()
+        self._next = itertools.count(1000)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def add_fixed(self, ino: int, key: Hashable, node) -> None:
+        node.ino = ino
+        self._nodes[ino] = node
+        self._by_key[key] = ino
+        self._fixed.add(ino)
+
+    def get(self, ino: int):
+        node = self._nodes.get(ino)
+        if node is None:
+            raise NotFound(f"stale inode {ino}")
+        return node
+
+    def ino_of(self, key: Hashable) -> int | None:
+        return self._by_key.get(key)
+
+    def node_of(self, key: Hashable):
+        ino = self._by_key.get(key)
+        return None if ino is None else self._nodes[ino]
+
+    def intern(self, key: Hashable, make: Callable[[], object]):
+        """The node for `key`, creating it (with a fresh inode number) if new."""
+        ino = self._by_key.get(key)
+        if ino is not None:
+            return self._nodes[ino]
+        node = make()
+        ino = next(self._next)
+        node.ino = ino  # type: ignore[attr-defined]
+        node.key = key  # type: ignore[attr-defined]
+        self._nodes[ino] = node
+        self._by_key[key] = ino
+        return node
+
+    def rekey(self, old: Hashable, new: Hashable) -> None:
+        ino = self._by_key.pop(old, None)
+        if ino is not None:
+            stale = self._by_key.get(new)
+            if stale is not None:
+                self._unname(stale)
+            self._by_key[new] = ino
+            self._nodes[ino].key = new  # type: ignore[attr-defined]
+
+    def unname(self, key: Hashable) -> int | None:
+        """Detach `key` from its node (the object is gone); the number lives until forget."""
+        ino = self._by_key.get(key)
+        if ino is not None:
+            self._unname(ino)
+        return ino
+
+    def _unname(self, ino: int) -> None:
+        node = self._nodes[ino]
+        if self._by_key.get(node.key) == ino:  # type: ignore[attr-defined]
+            del self._by_key[node.key]  # type: ignore[attr-defined]
+        node.key = None  # type: ignore[attr-defined]
+        if not self._lookups.get(ino) and ino not in self._fixed:
+            del self._nodes[ino]
+
+    def looked_up(self, ino: int, n: int = 1) -> None:
+        self._lookups[ino] = self._lookups.get(ino, 0) + n
+
+    def forget(self, ino: int, n: int) -> None:
+        left = self._lookups.get(ino, 0) - n
+        if left > 0:
+            self._lookups[ino] = left
+            return
+        self._lookups.pop(ino, None)
+        if ino in self._fixed:
+            return
+        node = self._nodes.get(ino)
+        if node is None:
+            return
+        if getattr(node, "open_handles", 0):
+            return  # forgotten while open (rare): dropped on release instead
+        self._nodes.pop(ino)
+        if node.key is not None and self._by_key.get(node.key) == ino:  # type: ignore[attr-defined]
+            del self._by_key[node.key]  # type: ignore[attr-defined]
+
+    def released(self, node) -> None:
+        """A handle on `node` closed; drop it if the kernel already forgot it."""
+        ino = node.ino
+        if not node.open_handles and ino not in self._lookups and ino not in self._fixed:
+            if self._nodes.get(ino) is node:
+                del self._nodes[ino]
+                if node.key is not None and self._by_key.get(node.key) == ino:
+                    del self._by_key[node.key]

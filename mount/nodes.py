@@ -1,0 +1,499 @@
+"""The path tree: one node class per kind of path, each translating FUSE calls to core calls.
+
+Nodes hold names and references into the core, never storage logic. A node method does
+its one core call and returns attributes, handles or child nodes; errors are the core's
+typed exceptions, turned into errno by `operations`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from typing import TYPE_CHECKING, Iterator
+
+import pyfuse3
+
+from distorefs import __version__
+from distorefs.buffer import Buffer
+from distorefs.catalog import TIER_NAMES, EntryMeta
+from distorefs.codec import CODEC_NAMES
+from distorefs.errors import (AlreadyExists, InvalidArgument, NotFound, NotPermitted, WouldBlock)
+from distorefs.names import check_name
+from distorefs.ring import Owner
+
+from .handles import (BytesReader, ConfigWriter, EntryWriter, Handle, PrioritiesWriter, SampleReader,
+                      wants_read, wants_write)
+
+if TYPE_CHECKING:
+    from .operations import Filesystem
+
+XATTR_PREFIX = b"user.distorefs."
+DIR_LONG = 3600.0
+NO_CACHE = 0.0
+
+
+def make_attrs(ino: int, mode: int, size: int, uid: int, gid: int, mtime_ns: int,
+               timeout: float, nlink: int = 1) -> pyfuse3.EntryAttributes:
+    a = pyfuse3.EntryAttributes()
+    a.st_ino = ino
+    a.st_mode = mode
+    a.st_nlink = nlink
+    a.st_uid = uid
+    a.st_gid = gid
+    a.st_size = size
+    a.st_blksize = 128 << 10
+    a.st_blocks = (size + 511) // 512
+    a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = mtime_ns
+    a.entry_timeout = timeout
+    a.attr_timeout = timeout
+    return a
+
+
+class Node:
+    ino: int = 0
+    key = None
+    open_handles = 0
+
+    def __init__(self, fs: "Filesystem") -> None:
+        self.fs = fs
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        raise NotImplementedError
+
+    # directories override these
+    async def lookup(self, name: bytes) -> "Node":
+        raise NotFound("not a directory")
+
+    def children(self, start: int) -> Iterator[tuple[bytes, "Node", int]]:
+        return iter(())
+
+    async def create(self, name: bytes, mode: int, flags: int, ctx) -> tuple["Node", Handle]:
+        raise NotPermitted("files cannot be created here")
+
+    async def mkdir(self, name: bytes, mode: int, ctx) -> "Node":
+        raise NotPermitted("directories cannot be created here")
+
+    async def rmdir(self, name: bytes) -> None:
+        raise NotPermitted("directories cannot be removed here")
+
+    async def unlink(self, name: bytes) -> None:
+        raise NotPermitted("files cannot be removed here")
+
+    async def rename(self, old: bytes, new_parent: "Node", new: bytes, flags: int) -> None:
+        raise NotPermitted("cannot rename here")
+
+    # files override these
+    async def open(self, flags: int, ctx) -> Handle:
+        raise NotPermitted("cannot open")
+
+    async def setattr(self, attr, fields, handle: Handle | None, ctx) -> None:
+        if fields.update_size:
+            raise NotPermitted("cannot truncate")
+        # other attribute changes on control paths are accepted and ignored (touch works)
+
+    def xattrs(self) -> dict[bytes, bytes]:
+        return {}
+
+    async def setxattr(self, name: bytes, value: bytes) -> None:
+        raise NotPermitted(f"attribute {name!r} is read-only")
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.attributes().st_mode)
+
+
+class StaticDir(Node):
+    """A directory whose children are fixed nodes."""
+
+    def __init__(self, fs: "Filesystem", entries: dict[bytes, Node] | None = None, mode: int = 0o755) -> None:
+        super().__init__(fs)
+        self.entries = entries or {}
+        self.mode = mode
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        return make_attrs(self.ino, stat.S_IFDIR | self.mode, 0, self.fs.uid, self.fs.gid, self.fs.started_ns,
+                          DIR_LONG, nlink=2)
+
+    async def lookup(self, name: bytes) -> Node:
+        node = self.entries.get(name)
+        if node is None:
+            raise NotFound(f"no {name!r}")
+        return node
+
+    def children(self, start: int):
+        for i, (name, node) in enumerate(list(self.entries.items())[start:], start + 1):
+            yield name, node, i
+
+
+class RenderedFile(Node):
+    """A read-only control file rendered at open (stats.json, config.json, version)."""
+
+    def __init__(self, fs: "Filesystem", render, size_known: bool = True, owner: Owner | None = None,
+                 write=None) -> None:
+        super().__init__(fs)
+        self.render = render
+        self.size_known = size_known
+        self.owner = owner
+        self.write_fn = write
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        size = len(self.render()) if self.size_known else 0
+        mode = 0o644 if self.write_fn else 0o444
+        uid, gid = (self.owner.uid, self.owner.gid) if self.owner else (self.fs.uid, self.fs.gid)
+        return make_attrs(self.ino, stat.S_IFREG | mode, size, uid, gid, time.time_ns(), NO_CACHE)
+
+    async def open(self, flags: int, ctx) -> Handle:
+        if wants_write(flags):
+            if self.write_fn is None:
+                raise NotPermitted("read-only file")
+            return ConfigWriter(self.write_fn, b"" if flags & os.O_TRUNC else self.render())
+        return BytesReader(self.render(), cacheable=False)
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        if fields.update_size and self.write_fn is not None:
+            if isinstance(handle, ConfigWriter):
+                handle.truncate(attr.st_size)
+            return  # truncation before a write: the write replaces the content at close
+        await super().setattr(attr, fields, handle, ctx)
+
+
+def _json(data) -> bytes:
+    return (json.dumps(data, indent=2, sort_keys=False) + "\n").encode()
+
+
+class BuffersDir(Node):
+    """buffers/: one directory per replay buffer; mkdir creates, rmdir drops an empty one."""
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        return make_attrs(self.ino, stat.S_IFDIR | 0o755, 0, self.fs.uid, self.fs.gid, self.fs.started_ns,
+                          NO_CACHE, nlink=2 + len(self.fs.store.buffers))
+
+    def _node(self, name: str) -> "BufferDir":
+        buf = self.fs.store.buffer(name)
+        node = self.fs.inodes.intern(("buffer", buf.ns_id), lambda: BufferDir(self.fs, buf))
+        return node
+
+    async def lookup(self, name: bytes) -> Node:
+        return self._node(name.decode("utf-8", "surrogateescape"))
+
+    def children(self, start: int):
+        names = sorted(self.fs.store.buffers)
+        for i, name in enumerate(names[start:], start + 1):
+            yield name.encode("utf-8", "surrogateescape"), self._node(name), i
+
+    async def mkdir(self, name: bytes, mode: int, ctx) -> Node:
+        check_name(name)
+        owner = Owner(stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
+        await self.fs.store.create_buffer(name.decode("utf-8", "surrogateescape"), owner)
+        return await self.lookup(name)
+
+    async def rmdir(self, name: bytes) -> None:
+        text = name.decode("utf-8", "surrogateescape")
+        buf = self.fs.store.buffer(text)
+        await self.fs.store.drop_buffer(text)
+        self.fs.inodes.unname(("buffer", buf.ns_id))
+
+
+class BufferDir(Node):
+    """buffers/NAME/: config.json, stats.json, priorities, entries/, sample/, batch/."""
+
+    def __init__(self, fs: "Filesystem", buf: Buffer) -> None:
+        super().__init__(fs)
+        self.buf = buf
+        store = fs.store
+        name = buf.name
+
+        async def configure(text: bytes) -> None:
+            await store.configure_buffer(name, text)
+
+        intern = fs.inodes.intern
+        ns = buf.ns_id
+        self.entries = {
+            b"config.json": lambda: intern(("config", ns), lambda: RenderedFile(
+                fs, lambda: buf.config.to_json(), owner=buf.owner, write=configure)),
+            b"stats.json": lambda: intern(("stats", ns), lambda: RenderedFile(
+                fs, lambda: _json(buf.stats()), owner=buf.owner)),
+            b"priorities": lambda: intern(("priorities", ns), lambda: PrioritiesFile(fs, buf)),
+            b"entries": lambda: intern(("entries", ns), lambda: EntriesDir(fs, buf)),
+            b"sample": lambda: intern(("sample", ns), lambda: DrawDir(fs, buf, npz=False)),
+            b"batch": lambda: intern(("batch", ns), lambda: DrawDir(fs, buf, npz=True)),
+        }
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        o = self.buf.owner
+        return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.buf.ctime_ns,
+                          DIR_LONG, nlink=5)
+
+    async def lookup(self, name: bytes) -> Node:
+        make = self.entries.get(name)
+        if make is None:
+            raise NotFound(f"no {name!r}")
+        return make()
+
+    def children(self, start: int):
+        for i, (name, make) in enumerate(list(self.entries.items())[start:], start + 1):
+            yield name, make(), i
+
+
+class PrioritiesFile(Node):
+    def __init__(self, fs: "Filesystem", buf: Buffer) -> None:
+        super().__init__(fs)
+        self.buf = buf
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        o = self.buf.owner
+        return make_attrs(self.ino, stat.S_IFREG | 0o644, 0, o.uid, o.gid, time.time_ns(), NO_CACHE)
+
+    async def open(self, flags: int, ctx) -> Handle:
+        if wants_write(flags):
+            return PrioritiesWriter(self.buf)
+        return BytesReader(self.buf.priorities_text(), cacheable=False)
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        if fields.update_size:
+            return  # `>` truncates before writing; priorities are updated, never truncated
+        await super().setattr(attr, fields, handle, ctx)
+
+
+class DrawDir(Node):
+    """sample/ or batch/: every name N (or N.npz) is a file that draws a batch when opened."""
+
+    def __init__(self, fs: "Filesystem", buf: Buffer, npz: bool) -> None:
+        super().__init__(fs)
+        self.buf = buf
+        self.npz = npz
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        o = self.buf.owner
+        return make_attrs(self.ino, stat.S_IFDIR | 0o555, 0, o.uid, o.gid, self.buf.ctime_ns, DIR_LONG, nlink=2)
+
+    async def lookup(self, name: bytes) -> Node:
+        text = name.decode("ascii", "replace")
+        if self.npz:
+            if not text.endswith(".npz"):
+                raise NotFound(f"batch files are named N.npz, got {text!r}")
+            text = text[:-4]
+        if not text.isdigit() or text != str(int(text)):
+            raise NotFound(f"not a batch size: {text!r}")
+        n = int(text)
+        self.buf.check_batch_size(n)
+        kind = "batchfile" if self.npz else "samplefile"
+        return self.fs.inodes.intern((kind, self.buf.ns_id, n), lambda: DrawFile(self.fs, self.buf, n, self.npz))
+
+
+class DrawFile(Node):
+    def __init__(self, fs: "Filesystem", buf: Buffer, n: int, npz: bool) -> None:
+        super().__init__(fs)
+        self.buf = buf
+        self.n = n
+        self.npz = npz
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        o = self.buf.owner
+        return make_attrs(self.ino, stat.S_IFREG | 0o444, 0, o.uid, o.gid, time.time_ns(), DIR_LONG)
+
+    async def open(self, flags: int, ctx) -> Handle:
+        if wants_write(flags):
+            raise NotPermitted("sample files are read-only")
+        nonblocking = bool(flags & os.O_NONBLOCK)
+        if self.npz:
+            batch, data = await self.buf.sample_npz(self.n, nonblocking)
+        else:
+            batch = await self.buf.sample(self.n, nonblocking)
+            data = batch.manifest()
+        return SampleReader(self.buf, batch, data)
+
+
+class EntriesDir(Node):
+    """entries/: one file per entry, listed in FIFO order (readdir offsets are sequence numbers)."""
+
+    def __init__(self, fs: "Filesystem", buf: Buffer) -> None:
+        super().__init__(fs)
+        self.buf = buf
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        o = self.buf.owner
+        return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.buf.ctime_ns,
+                          NO_CACHE, nlink=2)
+
+    def entry_node(self, key: bytes) -> "EntryNode":
+        return self.fs.inodes.intern(("entry", self.buf.ns_id, key), lambda: EntryNode(self.fs, self, key))
+
+    async def lookup(self, name: bytes) -> Node:
+        check_name(name)
+        node = self.fs.inodes.node_of(("entry", self.buf.ns_id, name))
+        if node is not None and node.meta() is None and not node.writers:
+            node = None
+        if node is None:
+            self.buf.ring.get(name)  # raises NotFound: pending entries of other writers stay invisible
+            node = self.entry_node(name)
+        return node
+
+    def children(self, start: int):
+        for meta in self.buf.ring.iter_from(start):
+            yield meta.key, self.entry_node(meta.key), meta.seq + 1
+
+    async def create(self, name: bytes, mode: int, flags: int, ctx) -> tuple[Node, Handle]:
+        self.buf.ring.check_insert(name, 0)
+        if flags & os.O_EXCL and name in self.buf.ring.by_key:
+            raise AlreadyExists(f"entry {name!r} exists")
+        node = self.entry_node(name)
+        owner = Owner(stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
+        handle = node.writer(b"", flags, owner)
+        return node, handle
+
+    async def unlink(self, name: bytes) -> None:
+        await self.buf.ring.delete(name)
+
+    async def rename(self, old: bytes, new_parent: Node, new: bytes, flags: int) -> None:
+        if new_parent is not self:
+            raise CrossDevice("entries move between buffers by copy")
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise InvalidArgument("RENAME_EXCHANGE is not supported for entries")
+        if flags & pyfuse3.RENAME_NOREPLACE and new in self.buf.ring.by_key:
+            raise AlreadyExists(f"entry {new!r} exists")
+        await self.buf.ring.rename(old, new)
+
+
+class CrossDevice(NotPermitted):
+    import errno as _e
+    errno = _e.EXDEV
+
+
+class EntryNode(Node):
+    """entries/KEY: reads return the committed value; writes stage and commit at close."""
+
+    def __init__(self, fs: "Filesystem", parent: EntriesDir, key: bytes) -> None:
+        super().__init__(fs)
+        self.parent = parent
+        self.name = key
+        self.buf = parent.buf
+        self.writers: list[EntryWriter] = []
+        self.last: EntryMeta | None = None
+
+    def meta(self) -> EntryMeta | None:
+        if self.key is None:
+            return None  # removed: the name now belongs to someone else, or no one
+        meta = self.buf.ring.by_key.get(self.name)
+        if meta is not None:
+            self.last = meta
+        return meta
+
+    def attributes(self) -> pyfuse3.EntryAttributes:
+        meta = self.meta()
+        timeout = self.fs.store.config.entry_timeout
+        if self.writers:
+            w = self.writers[-1]
+            o = w.owner
+            return make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, time.time_ns(), NO_CACHE)
+        if meta is None:
+            meta = self.last
+            if meta is None:
+                raise NotFound("entry is gone")
+            return make_attrs(self.ino, meta.mode, meta.size, meta.uid, meta.gid, meta.mtime_ns, NO_CACHE, nlink=0)
+        return make_attrs(self.ino, meta.mode, meta.size, meta.uid, meta.gid, meta.mtime_ns, timeout)
+
+    def writer(self, initial: bytes, flags: int, owner: Owner, fresh: bool = True) -> EntryWriter:
+        w = EntryWriter(self, initial, self.buf.ring.config.max_entry_bytes, wants_read(flags), owner, fresh)
+        self.writers.append(w)
+        return w
+
+    async def commit(self, data: bytes, owner: Owner) -> None:
+        if self.key is None:
+            raise NotFound("entry was removed while open for writing")
+        meta = self.meta()
+        if meta is not None:  # a rewrite keeps the entry's owner and mode
+            owner = Owner(meta.mode, meta.uid, meta.gid)
+        await self.buf.insert(self.name, data, owner)
+
+    def writer_closed(self, w: EntryWriter) -> None:
+        if w in self.writers:
+            self.writers.remove(w)
+
+    async def open(self, flags: int, ctx) -> Handle:
+        meta = self.meta()
+        if meta is None:
+            raise NotFound("no such entry (not committed yet, or removed)")
+        if wants_write(flags):
+            initial = b"" if flags & os.O_TRUNC else await self.buf.ring.read(meta)
+            return self.writer(initial, flags, Owner(meta.mode, meta.uid, meta.gid), bool(flags & os.O_TRUNC))
+        # direct_io: a rewrite's O_TRUNC open zeroes the kernel's size of this inode for
+        # every reader; with direct_io each handle reads its own snapshot whatever happens.
+        return BytesReader(await self.buf.ring.read(meta), cacheable=False)
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        if fields.update_size:
+            if isinstance(handle, EntryWriter):
+                handle.truncate(attr.st_size)
+            elif self.writers:
+                self.writers[-1].truncate(attr.st_size)
+            else:
+                meta = self.meta()
+                if meta is None:
+                    raise NotFound("entry is gone")
+                value = await self.buf.ring.read(meta)
+                size = attr.st_size
+                self.buf.ring.check_insert(self.name, size)
+                data = value[:size] + bytes(max(0, size - len(value)))
+                await self.buf.insert(self.name, data, Owner(meta.mode, meta.uid, meta.gid))
+        mode = stat.S_IFREG | (attr.st_mode & 0o7777) if fields.update_mode else None
+        uid = attr.st_uid if fields.update_uid else None
+        gid = attr.st_gid if fields.update_gid else None
+        mtime = attr.st_mtime_ns if fields.update_mtime else None
+        if mode is None and uid is None and gid is None and mtime is None:
+            return
+        if self.meta() is None:
+            for w in self.writers:  # not committed yet: the attributes go in with the commit
+                o = w.owner
+                w.owner = Owner(o.mode if mode is None else mode, o.uid if uid is None else uid,
+                                o.gid if gid is None else gid)
+            return
+        await self.buf.ring.set_attrs(self.name, mode=mode, uid=uid, gid=gid, mtime_ns=mtime)
+
+    def xattrs(self) -> dict[bytes, bytes]:
+        meta = self.meta()
+        if meta is None:
+            return {}
+        s = self.buf.sampler
+        return {
+            b"seq": b"%d" % meta.seq,
+            b"tier": TIER_NAMES[meta.tier].encode(),
+            b"size": b"%d" % meta.size,
+            b"stored_size": b"%d" % meta.stored_size,
+            b"compression": CODEC_NAMES[meta.codec].encode(),
+            b"checksum": b"crc32:%08x" % meta.checksum,
+            b"priority": b"%.9g" % s.priority[meta.slot],
+            b"times_sampled": b"%d" % s.times[meta.slot],
+        }
+
+    async def setxattr(self, name: bytes, value: bytes) -> None:
+        if name != b"priority":
+            await super().setxattr(name, value)
+        try:
+            priority = float(value.strip())
+        except ValueError:
+            raise InvalidArgument(f"priority must be a number, got {value[:40]!r}") from None
+        await self.buf.set_priorities([(self.name, priority)], strict=True)
+
+
+def build_tree(fs: "Filesystem") -> StaticDir:
+    """The fixed part of the tree; `buffers/` grows below it."""
+    from .inodes import ROOT_INODE
+    store = fs.store
+    ctl = StaticDir(fs, {
+        b"stats.json": RenderedFile(fs, lambda: _json(fs.stats())),
+        b"config.json": RenderedFile(fs, lambda: store.config.to_json()),
+        b"version": RenderedFile(fs, lambda: f"distorefs {__version__}\n".encode()),
+    })
+    buffers = BuffersDir(fs)
+    root = StaticDir(fs, {b".distorefs": ctl, b"buffers": buffers})
+    fs.inodes.add_fixed(ROOT_INODE, ("root",), root)
+    for i, (key, node) in enumerate([(("ctl",), ctl), (("buffers",), buffers)] +
+                                    [(("ctl", name), n) for name, n in ctl.entries.items()], 2):
+        fs.inodes.add_fixed(i, key, node)
+    return root
+
+
+__all__ = ["build_tree", "Node", "EntryNode", "EntriesDir", "XATTR_PREFIX", "WouldBlock"]

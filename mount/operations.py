@@ -1,0 +1,287 @@
+"""The pyfuse3 Operations: resolve the inode or handle, make one call, map errors to errno.
+
+Every handler goes through `_translate`, so no exception other than FUSEError ever
+reaches pyfuse3's main loop (which would end the mount): the core's typed errors carry
+their errno, OSError keeps its own, and anything unexpected is logged and becomes EIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import logging
+import os
+import time
+
+import pyfuse3
+
+from distorefs.errors import DistorefsError, NotFound
+from distorefs.ring import Ring
+from distorefs.catalog import EntryMeta
+from distorefs.store import Store
+
+from .handles import EntryWriter, Handle
+from .inodes import InodeTable
+from .nodes import XATTR_PREFIX, EntryNode, Node, build_tree
+from .notify import Invalidator
+
+log = logging.getLogger(__name__)
+
+
+def _translate(fn):
+    @functools.wraps(fn)
+    async def wrapper(self, *args):
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except DistorefsError as exc:
+            log.debug("%s%r: %s", fn.__name__, args[:2], exc)
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except OSError as exc:
+            log.warning("%s%r: %s", fn.__name__, args[:2], exc)
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("%s%r failed", fn.__name__, args[:2])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return wrapper
+
+
+class Filesystem(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self.store = store
+        self.inodes = InodeTable()
+        self.handles: dict[int, Handle] = {}
+        self._fh = itertools.count(1)
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        self.started_ns = time.time_ns()
+        self.invalidator: Invalidator | None = None
+        self.root = build_tree(self)
+        store.listeners.append(self._entry_changed)
+
+    def start_notifications(self) -> None:
+        """Kernel invalidations need a live session: start them once the mount is up."""
+        self.invalidator = Invalidator()
+
+    def stop_notifications(self) -> None:
+        if self.invalidator is not None:
+            self.invalidator.stop()
+            self.invalidator = None
+
+    def stats(self) -> dict:
+        s = self.store.stats()
+        s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
+                      "invalidations": self.invalidator.sent if self.invalidator else 0}
+        return s
+
+    # ----- the core tells us an entry changed or went away ---------------------------
+
+    def _entry_changed(self, ring: Ring, old: EntryMeta, new: EntryMeta | None) -> None:
+        key = ("entry", ring.ns_id, old.key)
+        ino = self.inodes.ino_of(key)
+        if ino is None:
+            return
+        node = self.inodes.get(ino)
+        if new is None:
+            if node.writers:
+                return  # a writer holds the name: its close recreates the entry
+            self.inodes.unname(key)
+            parent = self.inodes.ino_of(("entries", ring.ns_id))
+            if self.invalidator and parent is not None:
+                self.invalidator.entry(parent, old.key, ino)
+        elif new.key != old.key:
+            self.inodes.rekey(key, ("entry", ring.ns_id, new.key))
+            node.name = new.key
+        if self.invalidator and (new is None or new.checksum != old.checksum or new.size != old.size
+                                 or new.mode != old.mode or new.uid != old.uid or new.gid != old.gid):
+            self.invalidator.inode(ino)
+
+    # ----- helpers -------------------------------------------------------------------
+
+    def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
+        attrs = node.attributes()
+        self.inodes.looked_up(node.ino)
+        return attrs
+
+    def _open_handle(self, node: Node, handle: Handle) -> pyfuse3.FileInfo:
+        fh = next(self._fh)
+        handle.node = handle.node or node
+        self.handles[fh] = handle
+        node.open_handles += 1
+        return pyfuse3.FileInfo(fh=fh, direct_io=handle.direct_io, keep_cache=handle.keep_cache,
+                                nonseekable=handle.nonseekable)
+
+    def _handle(self, fh: int) -> Handle:
+        handle = self.handles.get(fh)
+        if handle is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        return handle
+
+    # ----- metadata ------------------------------------------------------------------
+
+    @_translate
+    async def lookup(self, parent_inode, name, ctx=None):
+        parent = self.inodes.get(parent_inode)
+        if name == b".":
+            return self._entry(parent)
+        node = await parent.lookup(name)
+        return self._entry(node)
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            try:
+                self.inodes.forget(ino, n)
+            except Exception:
+                log.exception("forget %d failed", ino)
+
+    @_translate
+    async def getattr(self, inode, ctx=None):
+        return self.inodes.get(inode).attributes()
+
+    @_translate
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        node = self.inodes.get(inode)
+        handle = self.handles.get(fh) if fh is not None else None
+        await node.setattr(attr, fields, handle, ctx)
+        return node.attributes()
+
+    @_translate
+    async def statfs(self, ctx):
+        s = self.store.statfs()
+        st = pyfuse3.StatvfsData()
+        st.f_bsize = st.f_frsize = 4096
+        st.f_blocks = (s["used"] + s["free"]) // 4096
+        st.f_bfree = st.f_bavail = s["free"] // 4096
+        st.f_files = s["files"] + (1 << 20)
+        st.f_ffree = st.f_favail = 1 << 20
+        st.f_namemax = 255
+        return st
+
+    # ----- directories ---------------------------------------------------------------
+
+    @_translate
+    async def opendir(self, inode, ctx):
+        node = self.inodes.get(inode)
+        if not node.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @_translate
+    async def readdir(self, fh, start_id, token):
+        node = self.inodes.get(fh)
+        for name, child, next_id in node.children(start_id):
+            attrs = child.attributes()
+            if not pyfuse3.readdir_reply(token, name, attrs, next_id):
+                break
+            self.inodes.looked_up(child.ino)
+
+    async def releasedir(self, fh):
+        pass
+
+    @_translate
+    async def fsyncdir(self, fh, datasync):
+        await self.store.sync()
+
+    @_translate
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        node = await self.inodes.get(parent_inode).mkdir(name, mode, ctx)
+        return self._entry(node)
+
+    @_translate
+    async def rmdir(self, parent_inode, name, ctx):
+        await self.inodes.get(parent_inode).rmdir(name)
+
+    @_translate
+    async def unlink(self, parent_inode, name, ctx):
+        await self.inodes.get(parent_inode).unlink(name)
+
+    @_translate
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        old_parent = self.inodes.get(parent_inode_old)
+        new_parent = self.inodes.get(parent_inode_new)
+        await old_parent.rename(name_old, new_parent, name_new, flags)
+
+    # ----- files ---------------------------------------------------------------------
+
+    @_translate
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        node, handle = await self.inodes.get(parent_inode).create(name, mode, flags, ctx)
+        info = self._open_handle(node, handle)
+        return info, self._entry(node)
+
+    @_translate
+    async def open(self, inode, flags, ctx):
+        node = self.inodes.get(inode)
+        handle = await node.open(flags, ctx)
+        return self._open_handle(node, handle)
+
+    @_translate
+    async def read(self, fh, off, size):
+        return await self._handle(fh).read(off, size)
+
+    @_translate
+    async def write(self, fh, off, buf):
+        return await self._handle(fh).write(off, buf)
+
+    @_translate
+    async def flush(self, fh):
+        await self._handle(fh).flush()
+
+    @_translate
+    async def fsync(self, fh, datasync):
+        await self._handle(fh).flush()
+        await self.store.sync()
+
+    async def release(self, fh):
+        handle = self.handles.pop(fh, None)
+        if handle is None:
+            return
+        node = handle.node
+        try:
+            await handle.release()
+        except DistorefsError as exc:
+            log.warning("commit at release of %r failed: %s", getattr(node, "name", node), exc)
+        except Exception:
+            log.exception("release failed")
+        if isinstance(node, EntryNode) and isinstance(handle, EntryWriter):
+            node.writer_closed(handle)
+        if node is not None:
+            node.open_handles -= 1
+            self.inodes.released(node)
+
+    # ----- extended attributes -------------------------------------------------------
+
+    @_translate
+    async def getxattr(self, inode, name, ctx):
+        if not name.startswith(XATTR_PREFIX):
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        value = self.inodes.get(inode).xattrs().get(name[len(XATTR_PREFIX):])
+        if value is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return value
+
+    @_translate
+    async def listxattr(self, inode, ctx):
+        return [XATTR_PREFIX + k for k in self.inodes.get(inode).xattrs()]
+
+    @_translate
+    async def setxattr(self, inode, name, value, ctx):
+        if not name.startswith(XATTR_PREFIX):
+            raise pyfuse3.FUSEError(errno.ENOTSUP)
+        await self.inodes.get(inode).setxattr(name[len(XATTR_PREFIX):], value)
+
+    @_translate
+    async def removexattr(self, inode, name, ctx):
+        if not name.startswith(XATTR_PREFIX):
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        raise pyfuse3.FUSEError(errno.EACCES)
+
+
+__all__ = ["Filesystem", "NotFound"]

@@ -1,0 +1,367 @@
+"""Value tiers: the shared conformance suite for both backends, plus the
+behaviour only one tier has (segment rolling/collection/corruption, LMDB map
+growth limits, LmdbEnv locking rules)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from distorefs.backends import segments as segments_mod
+from distorefs.backends.lmdbenv import LmdbEnv
+from distorefs.backends.lmdbvalues import LmdbValues
+from distorefs.backends.segments import HEADER, LOCATION, SegmentValues
+from distorefs.errors import CorruptValue, NoSpace, NotFound
+
+try:
+    from .backend_conformance import BackendConformance
+except ImportError:  # tests/unit is not a package: pytest put it on sys.path
+    from backend_conformance import BackendConformance
+
+SEGMENT_BYTES = 1 << 20
+
+
+def _open_env(tmp_path: Path, map_size: int | None) -> LmdbEnv:
+    return LmdbEnv(tmp_path / "meta", **({"map_size": map_size} if map_size else {}))
+
+
+# ---------------------------------------------------------------------------
+# LMDB tier
+# ---------------------------------------------------------------------------
+
+
+class TestLmdbValues(BackendConformance):
+    def make_backend(self, tmp_path, map_size=None):
+        return LmdbValues(_open_env(tmp_path, map_size))
+
+    def raw_read(self, backend, loc):
+        # Raw lmdb on the environment, bypassing LmdbValues.
+        raw_env = backend.env._env
+        db = raw_env.open_db(b"values", create=False)
+        with raw_env.begin(db=db) as txn:
+            return txn.get(loc)
+
+    def missing_location(self):
+        return b"no-such-vkey"
+
+    def test_aborted_put_is_not_readable(self, backend):
+        def fn(txn):
+            backend.put(txn, b"doomed", b"d" * 100)
+            raise RuntimeError("abort")
+
+        with pytest.raises(RuntimeError):
+            backend.env.write(fn)
+        with pytest.raises(NotFound):
+            backend.get(b"doomed")
+        assert self.raw_read(backend, b"doomed") is None
+
+    def test_location_is_vkey_and_replace_counts_once(self, backend):
+        assert self.put(backend, b"same", b"x" * 100) == b"same"
+        assert self.put(backend, b"same", b"y" * 40) == b"same"
+        assert backend.get(b"same") == b"y" * 40
+        assert backend.usage().live_bytes == 40
+        self.delete(backend, b"same")
+        self.delete(backend, b"same")
+        assert backend.usage().live_bytes == 0
+
+    def test_map_full_growth_with_one_big_txn(self, opener):
+        backend = opener(map_size=64 << 10)
+        data = os.urandom(6 << 20)
+        loc = self.put(backend, b"big", data)
+        assert backend.get(loc) == data
+        used, map_size = backend.env.usage()
+        assert map_size >= used >= len(data)
+
+    def test_no_space_when_map_cannot_grow(self, opener, monkeypatch):
+        backend = opener(map_size=64 << 10)
+        real = os.statvfs
+
+        def full_disk(path):
+            st = real(path)
+            return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0, st.f_files, st.f_ffree, st.f_favail, st.f_flag, st.f_namemax))
+
+        monkeypatch.setattr(os, "statvfs", full_disk)
+        with pytest.raises(NoSpace):
+            self.put(backend, b"big", os.urandom(1 << 20))
+        monkeypatch.undo()
+        assert backend.usage().live_bytes == 0
+        assert self.put(backend, b"small", b"s") == b"small"
+
+
+class TestLmdbEnv:
+    def test_nested_write_is_refused(self, tmp_path):
+        env = LmdbEnv(tmp_path / "e")
+        try:
+            with pytest.raises(RuntimeError):
+                env.write(lambda txn: env.write(lambda t: None))
+            with pytest.raises(RuntimeError):
+                env.read(lambda txn: env.write(lambda t: None))
+            # a read nested in a write is fine
+            db = env.db(b"x")
+            env.write(lambda txn: txn.put(b"k", b"v", db=db))
+            assert env.write(lambda txn: env.read(lambda r: bytes(r.get(b"k", db=db)))) == b"v"
+        finally:
+            env.close()
+
+    def test_write_returns_result_and_reruns_on_map_full(self, tmp_path):
+        env = LmdbEnv(tmp_path / "e", map_size=64 << 10)
+        try:
+            db = env.db(b"x")
+            calls = []
+
+            def fn(txn):
+                calls.append(1)
+                for i in range(64):
+                    txn.put(b"%d" % i, b"v" * 8192, db=db)
+                return "done"
+
+            assert env.write(fn) == "done"
+            assert len(calls) > 1
+            assert env.read(lambda txn: txn.stat(db)["entries"]) == 64
+        finally:
+            env.close()
+
+    def test_reads_run_safely_during_map_growth(self, tmp_path):
+        env = LmdbEnv(tmp_path / "e", map_size=64 << 10)
+        db = env.db(b"x")
+        env.write(lambda txn: txn.put(b"anchor", b"a" * 100, db=db))
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def reader():
+            try:
+                while not stop.is_set():
+                    assert env.read(lambda txn: bytes(txn.get(b"anchor", db=db))) == b"a" * 100
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader) for _ in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(40):
+                env.write(lambda txn, i=i: txn.put(b"k%d" % i, os.urandom(100 << 10), db=db))
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+            _, map_size = env.usage()
+            env.close()
+        assert not errors, errors
+        assert map_size >= 4 << 20
+
+    def test_directory_mode_and_sync(self, tmp_path):
+        env = LmdbEnv(tmp_path / "e")
+        try:
+            assert (tmp_path / "e").stat().st_mode & 0o777 == 0o700
+            env.sync()
+            used, map_size = env.usage()
+            assert 0 < used <= map_size == 1 << 30
+        finally:
+            env.close()
+
+
+# ---------------------------------------------------------------------------
+# Segment (NVMe) tier
+# ---------------------------------------------------------------------------
+
+
+def _segment_path(directory: Path, seg: int) -> Path:
+    return directory / f"seg-{seg:08d}.dat"
+
+
+class TestSegmentValues(BackendConformance):
+    def make_backend(self, tmp_path, map_size=None, segment_bytes=SEGMENT_BYTES):
+        return SegmentValues(_open_env(tmp_path, map_size), tmp_path / "nvme", segment_bytes=segment_bytes)
+
+    def raw_read(self, backend, loc):
+        # Read the file bytes at the location's offset, bypassing SegmentValues.
+        seg, off, size = struct.unpack("<IQQ", loc)
+        try:
+            with open(_segment_path(backend.directory, seg), "rb") as f:
+                f.seek(off)
+                return f.read(size)
+        except FileNotFoundError:
+            return None
+
+    def make_unreachable(self, backend, loc):
+        # Roll past the deleted value's segment, then collect it.
+        self.put(backend, b"filler", b"f" * backend.segment_bytes)
+        assert backend.collect() > 0
+
+    def missing_location(self):
+        return LOCATION.pack(99999, HEADER.size, 10)
+
+    def _segs(self, backend):
+        return sorted(int(p.name[4:12]) for p in backend.directory.glob("seg-*.dat"))
+
+    def test_rolls_and_collects_dead_segments(self, tmp_path):
+        backend = self.make_backend(tmp_path, segment_bytes=64 << 10)
+        try:
+            locs = [self.put(backend, b"r%d" % i, os.urandom(20 << 10)) for i in range(10)]
+            segs = self._segs(backend)
+            assert len(segs) >= 3
+            assert all(p.stat().st_size <= 64 << 10 for p in backend.directory.glob("seg-*.dat"))
+            first = LOCATION.unpack(locs[0])[0]
+            in_first = [l for l in locs if LOCATION.unpack(l)[0] == first]
+            rest = [l for l in locs if LOCATION.unpack(l)[0] != first]
+            backend.get(in_first[0])  # caches a read fd that collect must close
+
+            self.delete(backend, in_first[0])
+            assert backend.collect() == 0  # still one live record in it
+            for loc in in_first[1:]:
+                self.delete(backend, loc)
+            size = _segment_path(backend.directory, first).stat().st_size
+            assert backend.collect() == size
+            assert not _segment_path(backend.directory, first).exists()
+            with pytest.raises(NotFound):
+                backend.get(in_first[0])
+            for loc in rest:
+                assert len(backend.get(loc)) == 20 << 10
+            # the current segment is never collected, even when dead
+            for loc in rest:
+                self.delete(backend, loc)
+            backend.collect()
+            assert len(self._segs(backend)) == 1
+            assert backend.usage().live_bytes == 0
+            backend.sync()
+        finally:
+            self.close(backend)
+
+    def test_big_value_larger_than_segment(self, tmp_path):
+        backend = self.make_backend(tmp_path, segment_bytes=4096)
+        try:
+            a = self.put(backend, b"a", b"a" * 100)
+            big = self.put(backend, b"big", b"B" * 10000)
+            assert LOCATION.unpack(big)[0] == LOCATION.unpack(a)[0] + 1
+            assert backend.get(big) == b"B" * 10000
+        finally:
+            self.close(backend)
+
+    @pytest.mark.parametrize(
+        "where",
+        [
+            pytest.param(lambda off: off - HEADER.size, id="magic"),
+            pytest.param(lambda off: off - HEADER.size + 6, id="length"),
+            pytest.param(lambda off: off - 4, id="crc"),
+            pytest.param(lambda off: off + 3, id="data"),
+        ],
+    )
+    def test_corrupt_record_raises_corrupt_value(self, backend, where):
+        loc = self.put(backend, b"c", b"payload" * 100)
+        seg, off, _ = LOCATION.unpack(loc)
+        with open(_segment_path(backend.directory, seg), "r+b") as f:
+            f.seek(where(off))
+            byte = f.read(1)
+            f.seek(where(off))
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(CorruptValue):
+            backend.get(loc)
+
+    def test_truncated_file_raises_corrupt_value(self, backend):
+        loc = self.put(backend, b"t", b"t" * 1000)
+        seg, off, _ = LOCATION.unpack(loc)
+        os.truncate(_segment_path(backend.directory, seg), off + 10)
+        with pytest.raises(CorruptValue):
+            backend.get(loc)
+
+    def test_no_space_leaves_nothing_referenced(self, backend, monkeypatch):
+        keep = self.put(backend, b"keep", b"k" * 100)
+        seg = LOCATION.unpack(keep)[0]
+        size_before = _segment_path(backend.directory, seg).stat().st_size
+        live_before = backend.usage().live_bytes
+        real = os.pwritev
+
+        def enospc(fd, bufs, offset):
+            real(fd, [bytes(memoryview(bufs[0])[:7])], offset)  # a torn partial write
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(segments_mod.os, "pwritev", enospc)
+        with pytest.raises(NoSpace):
+            self.put(backend, b"nospace", b"n" * 5000)
+        monkeypatch.undo()
+        assert backend.usage().live_bytes == live_before
+        assert _segment_path(backend.directory, seg).stat().st_size == size_before
+        loc = self.put(backend, b"after", b"a" * 10)
+        assert backend.get(loc) == b"a" * 10
+        assert dict(backend.locations()).keys() == {keep, loc}
+
+    def test_reopen_starts_fresh_segment_and_collects_orphans(self, tmp_path):
+        backend = self.make_backend(tmp_path)
+        kept = self.put(backend, b"kept", b"k" * 100)
+        self.close(backend)
+        # A segment holding only an uncommitted put, as after a crash.
+        orphan = _segment_path(tmp_path / "nvme", 2)
+        orphan.write_bytes(b"garbage")
+        # A torn tail on the committed segment.
+        with open(_segment_path(tmp_path / "nvme", 1), "ab") as f:
+            f.write(b"DSEG\x00")
+
+        backend = self.make_backend(tmp_path)
+        try:
+            loc = self.put(backend, b"new", b"n" * 10)
+            assert LOCATION.unpack(loc)[0] == 3
+            assert backend.get(kept) == b"k" * 100
+            assert set(dict(backend.locations())) == {kept, loc}
+            assert backend.collect() == len(b"garbage")
+            assert not orphan.exists()
+            assert backend.get(kept) == b"k" * 100
+        finally:
+            self.close(backend)
+
+    def test_rerun_after_map_full_counts_once(self, backend):
+        calls = []
+
+        def fn(txn):
+            loc = backend.put(txn, b"rerun", b"r" * 1000)
+            calls.append(loc)
+            if len(calls) == 1:
+                raise lmdb.MapFullError("forced for the test")
+            return loc
+
+        loc = backend.env.write(fn)
+        assert len(calls) == 2 and calls[0] != loc
+        assert backend.get(loc) == b"r" * 1000
+        assert backend.usage().live_bytes == 1000
+
+    def test_concurrent_gets_while_collecting(self, tmp_path):
+        backend = self.make_backend(tmp_path, segment_bytes=32 << 10)
+        try:
+            live = [self.put(backend, b"live%d" % i, bytes([i]) * 8000) for i in range(8)]
+            errors: list[BaseException] = []
+            stop = threading.Event()
+
+            def reader():
+                try:
+                    while not stop.is_set():
+                        for i, loc in enumerate(live):
+                            assert backend.get(loc) == bytes([i]) * 8000
+                except BaseException as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=reader) for _ in range(4)]
+            for t in threads:
+                t.start()
+            try:
+                for round_ in range(30):
+                    dead = [self.put(backend, b"d%d" % j, os.urandom(8000)) for j in range(8)]
+                    backend.env.write(lambda txn: [backend.delete(txn, l) for l in dead])
+                    backend.collect()
+                    backend.sync()
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join()
+            assert not errors, errors
+            assert backend.usage().live_bytes == 8 * 8000
+        finally:
+            self.close(backend)
+
+    def test_directory_mode(self, backend):
+        assert backend.directory.stat().st_mode & 0o777 == 0o700

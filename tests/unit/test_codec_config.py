@@ -1,0 +1,100 @@
+"""Codec (compression + checksums) and config validation, without FUSE."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from distorefs import codec
+from distorefs.config import BufferConfig, StoreConfig
+from distorefs.errors import CorruptValue, InvalidConfig
+from distorefs.names import check_name
+from distorefs.errors import InvalidName
+
+
+def frames(n: int = 110 * 1024) -> bytes:
+    rng = np.random.default_rng(1)
+    base = np.repeat(rng.integers(0, 255, (n // 64,), dtype=np.uint8), 64)
+    return base.tobytes()
+
+
+def test_roundtrip_compressible_uses_zstd():
+    raw = frames()
+    enc = codec.encode(raw, "zstd", 1)
+    assert enc.codec == codec.ZSTD
+    assert len(enc.stored) < len(raw) // 4
+    assert codec.decode(enc.stored, enc.codec, enc.size, enc.checksum) == raw
+
+
+def test_incompressible_is_stored_raw():
+    raw = os.urandom(200_000)
+    enc = codec.encode(raw, "zstd", 1)
+    assert enc.codec == codec.RAW
+    assert enc.stored == raw
+
+
+def test_compression_off_and_small_values():
+    assert codec.encode(frames(), "none").codec == codec.RAW
+    enc = codec.encode(b"x" * 10, "zstd")
+    assert enc.codec == codec.RAW and enc.stored == b"x" * 10
+    assert codec.decode(b"", codec.RAW, 0, codec.encode(b"").checksum) == b""
+
+
+@pytest.mark.parametrize("flip", [0, 100, -1])
+def test_corruption_detected(flip):
+    raw = frames()
+    for compression in ("zstd", "none"):
+        enc = codec.encode(raw, compression)
+        bad = bytearray(enc.stored)
+        bad[flip] ^= 0x40
+        with pytest.raises(CorruptValue):
+            codec.decode(bytes(bad), enc.codec, enc.size, enc.checksum)
+
+
+def test_buffer_config_defaults_and_merge():
+    base = BufferConfig()
+    merged = BufferConfig.from_json(b'{"capacity": 10, "sampler": "prioritized"}', base)
+    assert merged.capacity == 10 and merged.sampler == "prioritized"
+    assert merged.alpha == base.alpha
+    assert json.loads(merged.to_json())["capacity"] == 10
+
+
+@pytest.mark.parametrize("text, word", [
+    (b'{"capacity": 0}', "capacity"),
+    (b'{"capacity": 1.5}', "capacity"),
+    (b'{"sampler": "random"}', "sampler"),
+    (b'{"alpha": "x"}', "alpha"),
+    (b'{"beta": 2}', "beta"),
+    (b'{"bogus": 1}', "bogus"),
+    (b'{"compression": "lz4"}', "compression"),
+    (b'[1, 2]', "object"),
+    (b'{not json', "JSON"),
+    (b'{"max_times_sampled": -1}', "max_times_sampled"),
+    (b'{"alpha": NaN}', "alpha"),
+])
+def test_invalid_buffer_config_names_the_problem(text, word):
+    with pytest.raises(InvalidConfig, match=word):
+        BufferConfig.from_json(text, BufferConfig())
+
+
+def test_store_config_nested_default_buffer():
+    config = StoreConfig.from_dict({"cache_bytes": 1 << 20, "default_buffer": {"capacity": 7}})
+    assert config.cache_bytes == 1 << 20
+    assert isinstance(config.default_buffer, BufferConfig)
+    assert config.default_buffer.capacity == 7
+    again = StoreConfig.from_json(config.to_json())
+    assert again == config
+    with pytest.raises(InvalidConfig):
+        StoreConfig.from_dict({"segment_bytes": 10})
+
+
+@pytest.mark.parametrize("name", [b"", b".", b"..", b"a/b", b"a\0b", b"x" * 256])
+def test_invalid_names(name):
+    with pytest.raises(InvalidName):
+        check_name(name)
+
+
+def test_valid_names():
+    for name in (b"a", b"step-1.npy", b"x" * 255, "ünï".encode(), b"with space"):
+        assert check_name(name) == name

@@ -1,0 +1,275 @@
+"""The store, ring and replay buffer as a library: no FUSE, a real LMDB store on disk."""
+
+import io
+import math
+import zipfile
+
+import numpy as np
+import pytest
+import trio
+
+from distorefs.errors import AlreadyExists, InvalidArgument, NotEmpty, NotFound, StoreLocked, TooLarge, WouldBlock
+from distorefs.ring import Owner
+from distorefs.store import Store
+
+OWNER = Owner(0o100644, 1000, 1000)
+LARGE = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+DIR = Owner(0o40755, 1000, 1000)
+
+
+def run(path, fn, **store_kwargs):
+    """Open the store at `path`, run `await fn(store)` with its tasks running, close it."""
+    store = Store(path, **store_kwargs)
+    result = None
+
+    async def main():
+        nonlocal result
+        async with store.running():
+            result = await fn(store)
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
+    return result
+
+
+def npy(value, shape=(4, 3)) -> bytes:
+    out = io.BytesIO()
+    np.save(out, np.full(shape, value, dtype=np.float32))
+    return out.getvalue()
+
+
+async def fill(buf, n, start=0, size=None):
+    for i in range(start, start + n):
+        data = npy(i) if size is None else bytes([i % 256]) * size
+        await buf.insert(b"k%d" % i, data, OWNER)
+
+
+def test_insert_read_rewrite_delete(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await fill(buf, 5)
+        ring = buf.ring
+        assert [m.key for m in ring.oldest()] == [b"k0", b"k1", b"k2", b"k3", b"k4"]
+        seq = ring.get(b"k2").seq
+        await buf.insert(b"k2", b"new", OWNER)
+        assert ring.get(b"k2").seq == seq  # rewrite keeps the FIFO position
+        assert await ring.read(ring.get(b"k2")) == b"new"
+        await ring.delete(b"k0")
+        with pytest.raises(NotFound):
+            ring.get(b"k0")
+        with pytest.raises(NotFound):
+            await ring.delete(b"k0")
+        await ring.rename(b"k3", b"renamed")
+        assert ring.get(b"renamed").seq == seq + 1
+        assert [m.key for m in ring.oldest()] == [b"k1", b"k2", b"renamed", b"k4"]
+        assert ring.at(0).key == b"k1" and ring.at(3).key == b"k4"
+        with pytest.raises(AlreadyExists):
+            await store.create_buffer("rb", DIR)
+        with pytest.raises(NotEmpty):
+            await store.drop_buffer("rb")
+    run(tmp_path / "s", body)
+
+
+def test_eviction_by_capacity_and_bytes(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"capacity": 3}')
+        await fill(buf, 6)
+        assert [m.key for m in buf.ring.oldest()] == [b"k3", b"k4", b"k5"]
+        assert buf.ring.counters["evictions"] == 3
+        await store.configure_buffer("rb", b'{"capacity": 100, "max_bytes": 2500}')
+        await fill(buf, 5, start=10, size=1000)
+        assert buf.ring.bytes <= 2500
+        assert [m.key for m in buf.ring.oldest()] == [b"k13", b"k14"]
+        with pytest.raises(TooLarge):
+            await buf.insert(b"big", b"x" * 3000, OWNER)
+        await store.configure_buffer("rb", b'{"capacity": 1}')
+        assert [m.key for m in buf.ring.oldest()] == [b"k14"]
+    run(tmp_path / "s", body)
+
+
+def test_concurrent_inserts_group_commit(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"capacity": 150}')
+        async with trio.open_nursery() as nursery:
+            for w in range(8):
+                async def writer(w=w):
+                    for i in range(40):
+                        await buf.insert(b"w%d-%d" % (w, i), npy(w * 1000 + i), OWNER)
+                nursery.start_soon(writer)
+        assert len(buf.ring) == 150
+        seqs = [m.seq for m in buf.ring.oldest()]
+        assert seqs == sorted(seqs) and len(set(seqs)) == 150
+        assert store.committer.groups < 320  # concurrent inserts shared transactions
+        for meta in buf.ring.oldest():
+            w, i = map(int, meta.key[1:].split(b"-"))
+            assert np.load(io.BytesIO(await buf.ring.read(meta)))[0, 0] == w * 1000 + i
+    run(tmp_path / "s", body)
+
+
+def test_everything_persists(tmp_path):
+    async def write(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"sampler": "prioritized", "alpha": 0.7}')
+        await fill(buf, 10)
+        await buf.insert(b"large", LARGE, OWNER)  # 1 MiB incompressible: the nvme tier
+        await buf.set_priorities([(b"k3", 9.0), (b"k4", 0.5)])
+        await buf.sample(4)
+        return {m.key: m.seq for m in buf.ring.oldest()}, buf.sampler.times.copy()
+
+    seqs, times = run(tmp_path / "s", write, config={"cache_bytes": 0})
+
+    async def read(store):
+        buf = store.buffer("rb")
+        assert buf.config.sampler == "prioritized" and buf.config.alpha == 0.7
+        assert {m.key: m.seq for m in buf.ring.oldest()} == seqs
+        assert buf.sampler.priority[buf.ring.get(b"k3").slot] == 9.0
+        assert buf.sampler.priority[buf.ring.get(b"k4").slot] == 0.5
+        assert buf.sampler.times.sum() == times.sum() == 4
+        large = buf.ring.get(b"large")
+        assert large.tier == 1
+        assert await buf.ring.read(large) == LARGE
+        assert np.load(io.BytesIO(await buf.ring.read(buf.ring.get(b"k7"))))[0, 0] == 7
+        await buf.insert(b"after", b"x", OWNER)
+        assert buf.ring.get(b"after").seq == max(seqs.values()) + 1
+
+    run(tmp_path / "s", read, config={"cache_bytes": 0})
+
+
+def test_second_open_is_refused(tmp_path):
+    store = Store(tmp_path / "s")
+    try:
+        with pytest.raises(StoreLocked, match="already in use"):
+            Store(tmp_path / "s")
+    finally:
+        store.close()
+    Store(tmp_path / "s").close()  # released on close
+
+
+def test_sampling_modes(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await fill(buf, 6)
+        await store.configure_buffer("rb", b'{"sampler": "fifo"}')
+        assert [m.key for m in (await buf.sample(3)).metas] == [b"k0", b"k1", b"k2"]
+        await store.configure_buffer("rb", b'{"sampler": "lifo"}')
+        assert [m.key for m in (await buf.sample(2)).metas] == [b"k5", b"k4"]
+        await store.configure_buffer("rb", b'{"sampler": "uniform", "seed": 3}')
+        batch = await buf.sample(600)
+        assert np.allclose(batch.probabilities, 1 / 6) and np.all(batch.weights == 1)
+        counts = np.bincount([int(m.key[1:]) for m in batch.metas], minlength=6)
+        assert counts.min() > 60  # stratified uniform over 6 entries: ~100 each
+        with pytest.raises(InvalidArgument):
+            await buf.sample(0)
+    run(tmp_path / "s", body)
+
+
+def test_prioritized_probabilities_and_weights(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"sampler": "prioritized", "alpha": 0.5, "beta": 0.4, "seed": 7}')
+        await fill(buf, 4)
+        await buf.set_priorities([(b"k0", 1.0), (b"k1", 4.0), (b"k2", 9.0), (b"k3", 16.0)])
+        expected = np.array([1, 2, 3, 4]) / 10.0  # p ** 0.5 normalised
+        draws = np.zeros(4)
+        for _ in range(100):
+            batch = await buf.sample(64)
+            for meta, p, w in zip(batch.metas, batch.probabilities, batch.weights):
+                i = int(meta.key[1:])
+                draws[i] += 1
+                assert math.isclose(p, expected[i], rel_tol=1e-9)
+                assert math.isclose(w, (expected[i] / expected[0]) ** -0.4, rel_tol=1e-9)
+        freq = draws / draws.sum()
+        assert np.allclose(freq, expected, atol=0.02)
+        # zero priority: never drawn
+        await buf.set_priorities([(b"k3", 0.0)])
+        batch = await buf.sample(500)
+        assert b"k3" not in {m.key for m in batch.metas}
+    run(tmp_path / "s", body)
+
+
+def test_max_times_sampled_and_release(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"max_times_sampled": 2, "presample_batches": 0}')
+        await fill(buf, 3)
+        batch = await buf.sample(6)  # 3 entries x 2 draws each: everything spent
+        keys = [m.key for m in batch.metas]
+        assert sorted(keys) == sorted([b"k0", b"k1", b"k2"] * 2)
+        assert len(batch.spent) == 3
+        assert len(buf.ring) == 3  # still readable while the batch is held
+        with pytest.raises(WouldBlock):
+            await buf.sample(1, nonblocking=True)
+        buf.release(batch)
+        await store.committer.drain()
+        assert len(buf.ring) == 0
+        assert buf.counters["exhausted"] == 3
+    run(tmp_path / "s", body)
+
+
+def test_min_size_to_sample_waits(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"min_size_to_sample": 3}')
+        await fill(buf, 2)
+        with pytest.raises(WouldBlock):
+            await buf.sample(2, nonblocking=True)
+        got = []
+
+        async def sampler():
+            got.append(await buf.sample(2))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sampler)
+            await trio.sleep(0.05)
+            assert not got
+            await fill(buf, 1, start=5)
+        assert len(got[0].metas) == 2
+    run(tmp_path / "s", body)
+
+
+def test_priority_updates_validate_and_skip_unknown(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await fill(buf, 3)
+        with pytest.raises(InvalidArgument):
+            await buf.set_priorities([(b"k0", 2.0), (b"k1", float("nan"))])
+        assert buf.sampler.priority[buf.ring.get(b"k0").slot] == 1.0  # nothing of the bad call applied
+        with pytest.raises(InvalidArgument):
+            await buf.set_priorities([(b"k0", -1.0)])
+        assert await buf.set_priorities([(b"k0", 2.0), (b"gone", 3.0)]) == 1
+        assert buf.counters["priority_unknown_keys"] == 1
+        with pytest.raises(NotFound):
+            await buf.set_priorities([(b"gone", 3.0)], strict=True)
+        # new entries get the max priority seen so far (PER)
+        await fill(buf, 1, start=9)
+        assert buf.sampler.priority[buf.ring.get(b"k9").slot] == 2.0
+    run(tmp_path / "s", body)
+
+
+def test_batch_npz_stacks_fields(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"sampler": "fifo"}')
+        for i in range(3):
+            out = io.BytesIO()
+            np.savez(out, obs=np.full((2, 2), i, np.uint8), reward=np.float32(i), keys=np.int64(i))
+            await buf.insert(b"e%d" % i, out.getvalue(), OWNER)
+        _, data = await buf.sample_npz(3)
+        z = np.load(io.BytesIO(data))
+        assert z["obs"].shape == (3, 2, 2) and list(z["obs"][:, 0, 0]) == [0, 1, 2]
+        assert list(z["reward"]) == [0, 1, 2]
+        assert list(z["entry_keys"]) == [0, 1, 2]  # a field named like a reserved array
+        assert list(z["keys"]) == ["e0", "e1", "e2"]
+        assert z["weights"].dtype == np.float64
+        await buf.insert(b"raw", b"hello", OWNER)
+        await store.configure_buffer("rb", b'{"sampler": "lifo"}')
+        _, data = await buf.sample_npz(2)
+        z = np.load(io.BytesIO(data))
+        off = z["offsets"]
+        assert bytes(z["data"][off[0]:off[1]]) == b"hello"
+        assert zipfile.is_zipfile(io.BytesIO(data))
+    run(tmp_path / "s", body)

@@ -1,0 +1,1 @@
+"""The `distorefs` command line: mount, umount, status, stats, bench."""

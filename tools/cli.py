@@ -1,0 +1,201 @@
+"""The `distorefs` command: mount, umount, status, stats, bench, demo."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .mounts import find_mount, mounts
+
+
+@click.group()
+@click.version_option(package_name="distorefs")
+def main() -> None:
+    """distorefs: RL training data as files (replay buffers, ...) on a FUSE mount."""
+
+
+def _parse_config(items: tuple[str, ...]) -> dict:
+    config = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--config")
+        try:
+            config[key] = json.loads(value)
+        except ValueError:
+            config[key] = value
+    return config
+
+
+@main.command()
+@click.argument("store", type=click.Path(file_okay=False))
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--foreground", "-f", is_flag=True, help="Stay attached; log to stderr.")
+@click.option("--nvme-dir", type=click.Path(file_okay=False), help="Directory for segment files (default STORE/segments).")
+@click.option("--allow-other", is_flag=True, help="Let other users access the mount (needs user_allow_other).")
+@click.option("--config", "-o", "config", multiple=True, metavar="KEY=VALUE", help="Store setting, e.g. -o cache_bytes=1073741824.")
+@click.option("--debug", is_flag=True, help="Debug logging (and FUSE request tracing).")
+@click.option("--ready-fd", type=int, hidden=True)
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the mount to be ready.")
+def mount(store, mountpoint, foreground, nvme_dir, allow_other, config, debug, ready_fd, timeout) -> None:
+    """Mount STORE (created if missing) at MOUNTPOINT."""
+    mnt = Path(mountpoint)
+    if not mnt.is_dir():
+        raise click.ClickException(f"mount point {mountpoint} is not a directory")
+    overrides = _parse_config(config)
+    if foreground:
+        from distorefs.mount.daemon import serve
+        handler = logging.StreamHandler() if ready_fd is None else logging.FileHandler(Path(store) / "daemon.log")
+        logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, handlers=[handler],
+                            format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+        try:
+            serve(store, mountpoint, nvme_dir=nvme_dir, allow_other=allow_other, config=overrides or None,
+                  ready_fd=ready_fd, debug_fuse=debug)
+        except Exception as exc:
+            raise click.ClickException(str(exc))
+        return
+    existing = find_mount(mountpoint)
+    if existing is not None:
+        raise click.ClickException(f"{mountpoint} is already a distorefs mount of {existing.store}")
+    Path(store).mkdir(mode=0o700, parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "distorefs.tools.cli", "mount", "--foreground", "--ready-fd", str(write_fd),
+           str(store), str(mountpoint)]
+    if nvme_dir:
+        cmd += ["--nvme-dir", str(nvme_dir)]
+    if allow_other:
+        cmd.append("--allow-other")
+    if debug:
+        cmd.append("--debug")
+    for item in config:
+        cmd += ["--config", item]
+    log_path = Path(store) / "daemon.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_file,
+                                stderr=log_file, start_new_session=True)
+    os.close(write_fd)
+    message = _read_ready(read_fd, timeout)
+    if message != "ready":
+        if proc.poll() is None and not message:
+            proc.terminate()
+        raise click.ClickException(message or f"the daemon did not get ready (see {log_path})")
+    click.echo(f"mounted {Path(store).resolve()} at {Path(mountpoint).resolve()} (daemon pid {proc.pid})")
+
+
+def _read_ready(fd: int, timeout: float) -> str:
+    import select
+    deadline = time.monotonic() + timeout
+    data = b""
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+            if data.endswith(b"\n"):
+                break
+    finally:
+        os.close(fd)
+    return data.decode(errors="replace").strip()
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path())
+@click.option("--lazy", "-z", is_flag=True, help="Detach now even if busy (fusermount3 -z).")
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the daemon to flush and exit.")
+def umount(mountpoint, lazy, timeout) -> None:
+    """Unmount MOUNTPOINT cleanly: the daemon flushes everything before it exits."""
+    info = find_mount(mountpoint)
+    if info is None:
+        raise click.ClickException(f"{mountpoint} is not a distorefs mount")
+    pid = info.pid
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(info.mountpoint)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise click.ClickException(f"fusermount3 failed: {result.stderr.strip()}")
+    if pid is not None:
+        deadline = time.monotonic() + timeout
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                    break  # exited, not yet reaped by its parent
+            except OSError:
+                break
+            time.sleep(0.05)
+        if Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+            raise click.ClickException(f"daemon {pid} is still flushing after {timeout}s")
+    click.echo(f"unmounted {info.mountpoint}")
+
+
+@main.command()
+def status() -> None:
+    """List mounted stores with their daemon PID, health and uptime."""
+    found = mounts()
+    if not found:
+        click.echo("no distorefs mounts")
+        return
+    for m in found:
+        try:
+            stats = json.loads((m.mountpoint / ".distorefs" / "stats.json").read_bytes())
+            health = "ok" if not stats.get("corrupt_reads") else f"{stats['corrupt_reads']} corrupt reads"
+            uptime = f"{stats['uptime_s']:.0f}s"
+        except OSError as exc:
+            health, uptime = f"unreachable ({exc.strerror})", "-"
+        click.echo(f"{m.mountpoint}  store={m.store}  pid={m.pid}  health={health}  uptime={uptime}")
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--watch", "-w", is_flag=True, help="Refresh every second.")
+def stats(path, watch) -> None:
+    """Print stats.json of a mount (or of a buffer directory inside it)."""
+    p = Path(path)
+    target = p / "stats.json" if (p / "stats.json").exists() else p / ".distorefs" / "stats.json"
+    while True:
+        text = target.read_text()
+        if watch:
+            click.clear()
+        click.echo(text)
+        if not watch:
+            return
+        time.sleep(1)
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--actors", default=4, show_default=True)
+@click.option("--seconds", default=5.0, show_default=True)
+def demo(mountpoint, actors, seconds) -> None:
+    """Run a short RL-style workload against a mounted store (what `make run` shows)."""
+    from .workload import run_workload
+    run_workload(Path(mountpoint), actors=actors, seconds=seconds)
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: each prints a table, writes JSON and a PNG chart."""
+
+
+@bench.command("buffers")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--quick", is_flag=True, help="Smaller counts (a smoke run).")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False),
+              help="Where stores and baseline directories go (default: a temp dir under the current one).")
+def bench_buffers(out, quick, workdir) -> None:
+    """Replay-buffer insert/sample/read throughput vs plain files, bindfs and cpprb."""
+    from .bench_buffers import run
+    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Finding distorefs mounts and their daemons (from /proc/mounts and the store lock file)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+FSTYPE = "fuse.distorefs"
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    store: Path
+    mountpoint: Path
+
+    @property
+    def pid(self) -> int | None:
+        return daemon_pid(self.store)
+
+
+def _unescape(field: str) -> str:
+    # /proc/mounts escapes space, tab, newline and backslash as octal.
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def mounts() -> list[MountInfo]:
+    out = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] == FSTYPE:
+                out.append(MountInfo(Path(_unescape(parts[0])), Path(_unescape(parts[1]))))
+    return out
+
+
+def find_mount(mountpoint: str | os.PathLike) -> MountInfo | None:
+    target = Path(mountpoint).resolve()
+    for m in mounts():
+        if m.mountpoint == target:
+            return m
+    return None
+
+
+def daemon_pid(store: Path) -> int | None:
+    try:
+        text = (store / "lock").read_text()
+    except OSError:
+        return None
+    parts = text.split()
+    if len(parts) >= 2 and parts[0] == "pid" and parts[1].isdigit():
+        pid = int(parts[1])
+        return pid if Path(f"/proc/{pid}").exists() else None
+    return None
