@@ -113,7 +113,7 @@ class LmdbEnv:
             lock=True,
             mode=0o600,
         )
-        self._dbs: dict[bytes, object] = {}
+        self._dbs: dict[bytes, lmdb._Database] = {}
         self._dbs_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._rw = _SharedExclusiveLock()
@@ -122,8 +122,12 @@ class LmdbEnv:
 
     # -- databases -----------------------------------------------------------
 
-    def db(self, name: bytes) -> object:
-        """Handle of the named database, created on first use and cached."""
+    def db(self, name: bytes) -> lmdb._Database:
+        """Handle of the named database, created on first use and cached.
+
+        Open every database before using it in write(): creating one needs its
+        own write transaction, so a first call inside ``fn`` raises RuntimeError.
+        """
         handle = self._dbs.get(name)
         if handle is not None:
             return handle

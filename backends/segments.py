@@ -14,6 +14,15 @@ vkey trails the data; it is only there so a scan (``locations``) or a repair
 tool can name what a record holds. A location is ``(segment id u32, offset of
 the data u64, length u64)``.
 
+Accounting: the ``segments`` db maps segment id -> (live bytes, total bytes,
+live records), updated in the caller's transaction. ``collect()`` unlinks a
+non-current segment once its live *records* reach 0 (counting records, not
+bytes, keeps a segment holding only empty values alive). ``delete`` cannot
+tell whether a location was already deleted: callers delete each location
+exactly once (the store's reference counts guarantee it). Segment files that
+have no record at open time hold only uncommitted puts; ``collect()`` removes
+them too.
+
 Crash model: bytes are written with ``pwrite`` and made durable only by
 ``sync()``; the caller must sync this tier before it makes durable any
 metadata that references the new locations. Bytes of a put whose transaction
@@ -167,20 +176,21 @@ class SegmentValues(ValueBackend):
                 raise RuntimeError("SegmentValues is closed")
             if self._offset > 0 and self._offset + record > self.segment_bytes:
                 self._roll()
-            if self._fd is None:
-                self._fd = os.open(self._path(self._cur), os.O_WRONLY | os.O_CREAT, 0o600)
-                self._offset = os.fstat(self._fd).st_size
-                self._dir_dirty = True
             seg, start = self._cur, self._offset
             try:
+                if self._fd is None:
+                    self._fd = os.open(self._path(seg), os.O_WRONLY | os.O_CREAT, 0o600)
+                    self._dir_dirty = True
+                    start = self._offset = os.fstat(self._fd).st_size
                 _pwrite_all(self._fd, (header, view, vkey), start)
             except OSError as exc:
                 # Drop the torn record so the file stays walkable; the offset
                 # is not advanced, so the next put overwrites whatever remains.
-                try:
-                    os.ftruncate(self._fd, start)
-                except OSError:
-                    pass
+                if self._fd is not None:
+                    try:
+                        os.ftruncate(self._fd, start)
+                    except OSError:
+                        pass
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise NoSpace(f"{self.directory}: no space for a {size}-byte value") from exc
                 raise
@@ -252,10 +262,10 @@ class SegmentValues(ValueBackend):
                 except FileNotFoundError:
                     raise NotFound(f"segment {seg} does not exist") from None
                 reader = self._readers[seg] = _Reader(fd)
-                self._evict_readers()
             else:
                 self._readers.move_to_end(seg)
-            reader.refs += 1
+            reader.refs += 1  # before evicting, so the new entry is never chosen
+            self._evict_readers()
             return reader
 
     def _release(self, reader: _Reader) -> None:

@@ -116,14 +116,23 @@ class Buffer:
         return batch
 
     async def sample_npz(self, n: int, nonblocking: bool = False) -> tuple[Batch, bytes]:
-        batch = await self.sample(n, nonblocking)
-        try:
-            values = await self.ring.read_many(batch.metas)
-            data = await trio.to_thread.run_sync(build_npz, batch, values)
-        except BaseException:
-            self.release(batch)
-            raise
-        return batch, data
+        """Draw a batch and render it as npz; a batch that lost an entry to eviction while
+        its values were read is drawn again."""
+        for attempt in range(3):
+            batch = await self.sample(n, nonblocking)
+            try:
+                values = await self.ring.read_many(batch.metas)
+                data = await trio.to_thread.run_sync(build_npz, batch, values)
+            except NotFound:
+                self.release(batch)
+                if attempt == 2:
+                    raise
+                continue
+            except BaseException:
+                self.release(batch)
+                raise
+            return batch, data
+        raise AssertionError("unreachable")
 
     def release(self, batch: Batch) -> None:
         """The handle holding `batch` is closed: remove the entries it spent."""

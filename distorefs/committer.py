@@ -94,6 +94,9 @@ class Committer:
         self._idle = trio.Event()
         self._idle.set()
         self._queued = 0
+        self._started = 0  # groups taken from the queue
+        self._finished = 0  # groups committed (or failed) and applied
+        self._group_done = trio.Event()
 
     async def submit(self, change: Change) -> None:
         """Queue `change` and wait until it is committed and applied (or failed)."""
@@ -114,15 +117,25 @@ class Committer:
         return pending
 
     async def drain(self) -> None:
-        """Wait until everything queued so far is committed."""
+        """Wait until the queue is empty (everything queued, now and meanwhile, committed)."""
         while self._queued:
             await self._idle.wait()
+
+    async def settle(self) -> None:
+        """Wait until the group being committed right now (if any) is applied in memory."""
+        target = self._started
+        while self._finished < target:
+            await self._group_done.wait()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
             group = await self._next_group()
+            self._started += 1
             await self._commit(group)
+            self._finished += 1
+            self._group_done.set()
+            self._group_done = trio.Event()
             self._queued -= len(group)
             if self._queued == 0:
                 self._idle.set()

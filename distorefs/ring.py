@@ -24,7 +24,7 @@ from .catalog import (DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, TIER_NAMES, en
                       ns_prefix, pack_f64, split_entry_key)
 from .committer import Change, Overlay
 from .config import RingConfig
-from .errors import NotFound, TooLarge
+from .errors import CorruptValue, NotFound, TooLarge
 from .names import check_name
 from .placement import choose_tier
 
@@ -121,13 +121,41 @@ class Ring:
         return self.store.cache.get(self._cache_key(meta))
 
     async def read(self, meta: EntryMeta) -> bytes:
-        """The whole decoded value of `meta` (memory tier first, then its disk tier)."""
-        value = self.store.cache.get(self._cache_key(meta))
-        if value is None:
-            value = await trio.to_thread.run_sync(self.store.load_value, meta, self._what(meta))
-            self.store.cache.put(self._cache_key(meta), value)
+        """The whole decoded value of `meta` (memory tier first, then its disk tier).
+
+        If the entry was rewritten while its value was being read, the current version is
+        returned; if it was removed, NotFound. Only a current value that does not verify
+        is corruption (EIO, logged, counted).
+        """
+        value = await self._load(meta)
         self.counters["reads"] += 1
         self.counters["read_bytes"] += len(value)
+        return value
+
+    async def _load(self, meta: EntryMeta) -> bytes:
+        for _ in range(8):
+            value = self.store.cache.get(self._cache_key(meta))
+            if value is not None:
+                break
+            try:
+                value = await trio.to_thread.run_sync(self.store.load_value, meta, self._what(meta))
+            except (NotFound, CorruptValue) as exc:
+                if self.by_key.get(meta.key) is meta:
+                    # A group that removes or rewrites it may have committed without being
+                    # applied yet: let the committer catch up before calling it damage.
+                    await self.store.committer.settle()
+                current = self.by_key.get(meta.key)
+                if current is meta:
+                    raise self.store.report_corrupt(exc) from None
+                if current is None or current.seq != meta.seq:
+                    raise NotFound(f"{self._what(meta)} was removed while being read") from None
+                meta = current  # rewritten meanwhile: read the new version
+                continue
+            if self.by_seq.get(meta.seq) is meta:
+                self.store.cache.put(self._cache_key(meta), value)
+            break
+        else:
+            raise NotFound(f"{self._what(meta)} keeps changing; try again")
         return value
 
     async def read_many(self, metas: list[EntryMeta]) -> list[bytes]:
@@ -139,6 +167,8 @@ class Ring:
             loaded = await trio.to_thread.run_sync(
                 self.store.load_values, [(metas[i], self._what(metas[i])) for i in missing])
             for i, value in zip(missing, loaded):
+                if value is None:
+                    value = await self._load(metas[i])  # races and corruption, one at a time
                 values[i] = value
                 cache.put(self._cache_key(metas[i]), value)
         self.counters["reads"] += len(metas)
@@ -146,14 +176,14 @@ class Ring:
         return values  # type: ignore[return-value]
 
     async def prefetch(self, metas: list[EntryMeta]) -> None:
-        """Pull values into the memory tier ahead of their reads."""
+        """Pull values into the memory tier ahead of their reads (failures are left to the read)."""
         cache = self.store.cache
         todo = [m for m in metas if cache.peek(self._cache_key(m)) is None]
         if todo:
             loaded = await trio.to_thread.run_sync(
-                self.store.load_values, [(m, self._what(m)) for m in todo], True)
+                self.store.load_values, [(m, self._what(m)) for m in todo])
             for meta, value in zip(todo, loaded):
-                if value is not None:
+                if value is not None and self.by_seq.get(meta.seq) is meta:
                     cache.put(self._cache_key(meta), value)
 
     def _what(self, meta: EntryMeta) -> str:

@@ -173,28 +173,38 @@ class Store:
         return self._gen
 
     def load_value(self, meta: EntryMeta, what: str) -> bytes:
-        """Read and verify one value from its disk tier (worker thread)."""
+        """Read and verify one value from its disk tier (worker thread).
+
+        Raises NotFound when the value is not there and CorruptValue when its bytes do not
+        verify. Either can be a race (the entry was evicted or rewritten after `meta` was
+        taken) rather than damage: the caller, who knows what is current, decides.
+        """
         try:
             stored = self.backends[meta.tier].get(meta.loc)
             if len(stored) != meta.stored_size:
-                raise CorruptValue(f"{what}: stored size {len(stored)}, expected {meta.stored_size}")
+                raise CorruptValue(f"stored size {len(stored)}, expected {meta.stored_size}")
             value = codec.decode(stored, meta.codec, meta.size, meta.checksum, what)
         except (CorruptValue, NotFound) as exc:
-            self.counters["corrupt_reads"] += 1
-            log.error("corrupt value: %s", exc)
-            raise CorruptValue(str(exc)) from None
+            # Backend errors name only a location: say which entry it is.
+            message = str(exc) if str(exc).startswith(what) else f"{what}: {exc}"
+            raise type(exc)(message) from None
         self.counters["disk_reads"] += 1
         self.counters["disk_read_bytes"] += meta.stored_size
         return value
 
-    def load_values(self, items: list[tuple[EntryMeta, str]], skip_errors: bool = False) -> list[bytes | None]:
+    def report_corrupt(self, exc: DistorefsError) -> CorruptValue:
+        """Count and log a value that failed to verify; the read fails with EIO."""
+        self.counters["corrupt_reads"] += 1
+        log.error("corrupt value: %s", exc)
+        return CorruptValue(str(exc))
+
+    def load_values(self, items: list[tuple[EntryMeta, str]]) -> list[bytes | None]:
+        """Values of many entries in one worker-thread call; None where a read failed."""
         out: list[bytes | None] = []
         for meta, what in items:
             try:
                 out.append(self.load_value(meta, what))
             except DistorefsError:
-                if not skip_errors:
-                    raise
                 out.append(None)
         return out
 

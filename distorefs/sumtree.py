@@ -15,10 +15,11 @@ a few numpy calls per level rather than ~20 binary-tree levels. A parallel
 tree keeps, per node, the minimum positive leaf below it.
 
 Speed notes (batch 256, 1M slots; see tools/bench_sumtree.py):
-* numpy's row-wise reductions and cumsum over many short rows are slow
-  (a Python-level loop per row, in effect), so prefix sums within rows are a
-  matmul with a triangular matrix of ones, row sums a matvec with ones, and
-  row minima are taken over a transposed copy (an element-wise fold).
+* numpy's axis=1 reductions and cumsum over many short rows are slow (they
+  restart a tiny inner loop per row), so prefix sums within rows are a
+  matmul with a triangular matrix of ones, row sums a matvec with ones, row
+  minima are taken over a transposed copy (an element-wise fold), and
+  "how many prefix sums are <= q" is a popcount over the comparison bytes.
 * Parents are always recomputed from their children, never patched with
   deltas, so sums do not drift however many updates are applied.
 """
@@ -31,8 +32,9 @@ import numpy as np
 
 __all__ = ["SumTree", "DEFAULT_BRANCHING"]
 
-# Measured at 1M slots, batch 256: 16 beat 8 (too many levels) and 32 (the
-# per-row matmul grows as B^2).
+# Measured at 1M slots, batch 256 (sample / update, us): 8 -> 92 / 45 (one
+# more level to update), 16 -> 95 / 38, 32 -> 108 / 54 (per-row work grows
+# as B^2 in the prefix-sum matmul).
 DEFAULT_BRANCHING = 16
 
 # The tree stops at a level of at most this many nodes. find() does one
@@ -81,31 +83,18 @@ class SumTree:
     def _build(self, capacity: int, old_leaves: np.ndarray) -> None:
         """(Re)create every level for `capacity` slots, seeding the leaves."""
         b = self._b
-        leaves = np.zeros(_round_up(capacity, b))
-        leaves[: len(old_leaves)] = old_leaves
-        sums = [leaves]
+        sizes = [_round_up(capacity, b)]
+        while sizes[-1] > TOP_MAX:
+            sizes.append(_round_up(sizes[-1] // b, b))
+        self._sums = [np.zeros(size) for size in sizes]
         # mins[k] mirrors sums[k] for k >= 1 (inf = no positive leaf below);
         # leaf minima come from the leaves themselves, so mins[0] is unused.
-        mins = [np.empty(0)]
-        while len(sums[-1]) > TOP_MAX:
-            rows = sums[-1].reshape(-1, b)
-            width = _round_up(len(rows), b)
-            s = np.zeros(width)
-            s[: len(rows)] = rows.sum(axis=1)
-            m = np.full(width, np.inf)
-            if len(sums) == 1:
-                m[: len(rows)] = np.where(rows > 0.0, rows, np.inf).min(axis=1)
-            else:
-                m[: len(rows)] = mins[-1].reshape(-1, b).min(axis=1)
-            sums.append(s)
-            mins.append(m)
+        self._mins = [np.empty(0)] + [np.full(size, np.inf) for size in sizes[1:]]
+        self._rows = [lvl.reshape(-1, b) for lvl in self._sums]
+        self._min_rows = [lvl.reshape(-1, b) for lvl in self._mins]
         self._capacity = capacity
-        self._sums = sums
-        self._mins = mins
-        self._rows = [lvl.reshape(-1, b) for lvl in sums]
-        self._min_rows = [lvl.reshape(-1, b) for lvl in mins]
-        self._total: float | None = None  # caches, dropped by every update
-        self._min_positive: float | None = None
+        self._sums[0][: len(old_leaves)] = old_leaves
+        self._refresh_ancestors(None)
 
     @property
     def capacity(self) -> int:
@@ -174,22 +163,40 @@ class SumTree:
             ordered = s[order]
             last = np.append(ordered[1:] != ordered[:-1], True)
             leaves[ordered[last]] = v[order][last]
-        self._total = self._min_positive = None
+        self._refresh_ancestors(s)
 
-        # Recompute every ancestor from its children. Repeated parents are not
-        # deduplicated: they compute and write identical values, which costs
-        # less than removing them.
+    def _refresh_ancestors(self, slots: np.ndarray | None) -> None:
+        """Recompute the sums and minima above `slots` (None: above every slot).
+
+        Repeated parents are not deduplicated: they compute and write
+        identical values, which costs less than removing them. Once a level's
+        parent list is so long that gathering their children would touch
+        more than the whole child level, that level and all above it are
+        recomputed wholesale instead.
+        """
+        self._total = self._min_positive = None
         b = self._b
+        parents = slots
         for k in range(1, len(self._sums)):
-            s = s // b
-            children = self._rows[k - 1].take(s, axis=0)
-            self._sums[k][s] = children @ self._ones
-            if k == 1:
-                t = children.T.copy()
-                np.copyto(t, np.inf, where=t == 0.0)  # zero leaves are not "positive"
-                self._mins[k][s] = t.min(axis=0)
+            child_rows, child_mins = self._rows[k - 1], self._min_rows[k - 1]
+            if parents is not None:
+                parents = parents // b
+                if parents.size * b >= child_rows.size:
+                    parents = None
+            if parents is None:
+                where: np.ndarray | slice = slice(0, len(child_rows))
+                children, min_children = child_rows, child_mins
             else:
-                self._mins[k][s] = _row_min(self._min_rows[k - 1].take(s, axis=0))
+                where = parents
+                children = child_rows.take(parents, axis=0)
+                min_children = None if k == 1 else child_mins.take(parents, axis=0)
+            self._sums[k][where] = children @ self._ones
+            if k == 1:  # leaves: a zero is not "positive", so it counts as inf
+                t = children.T.copy()
+                np.copyto(t, np.inf, where=t == 0.0)
+                self._mins[k][where] = t.min(axis=0)
+            else:
+                self._mins[k][where] = _row_min(min_children)
 
     # --------------------------------------------------------------- queries
 

@@ -70,6 +70,7 @@ class StagingWriter(Handle):
         self.readable = readable
         self.dirty = False  # something to commit
         self.wrote = False  # ... and it came from write() or truncate()
+        self.failed: Exception | None = None  # a refused write: close() reports it, nothing commits
 
     async def read(self, off: int, size: int) -> bytes:
         if not self.readable:
@@ -79,7 +80,8 @@ class StagingWriter(Handle):
     async def write(self, off: int, buf: bytes) -> int:
         end = off + len(buf)
         if end > self.limit:
-            raise TooLarge(f"write up to byte {end} exceeds the limit of {self.limit} bytes")
+            self.failed = TooLarge(f"write up to byte {end} exceeds the limit of {self.limit} bytes")
+            raise self.failed
         if off > len(self.data):
             self.data.extend(bytes(off - len(self.data)))
         self.data[off:end] = buf
@@ -88,7 +90,8 @@ class StagingWriter(Handle):
 
     def truncate(self, size: int) -> None:
         if size > self.limit:
-            raise TooLarge(f"size {size} exceeds the limit of {self.limit} bytes")
+            self.failed = TooLarge(f"size {size} exceeds the limit of {self.limit} bytes")
+            raise self.failed
         if size < len(self.data):
             del self.data[size:]
         else:
@@ -96,11 +99,13 @@ class StagingWriter(Handle):
         self.dirty = self.wrote = True
 
     async def flush(self) -> None:
+        if self.failed is not None:
+            raise self.failed  # a partial entry is never published
         if self.dirty and self.wrote:
             await self._commit()
 
     async def release(self) -> None:
-        if self.dirty:
+        if self.dirty and self.failed is None:
             await self._commit()
 
     async def _commit(self) -> None:

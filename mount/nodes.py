@@ -59,8 +59,12 @@ class Node:
     def __init__(self, fs: "Filesystem") -> None:
         self.fs = fs
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        """Attributes; `ctx` (the asking process) matters only where content is per open."""
         raise NotImplementedError
+
+    def released(self, handle: Handle) -> None:
+        """A handle opened on this node was closed."""
 
     # directories override these
     async def lookup(self, name: bytes) -> "Node":
@@ -112,7 +116,7 @@ class StaticDir(Node):
         self.entries = entries or {}
         self.mode = mode
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         return make_attrs(self.ino, stat.S_IFDIR | self.mode, 0, self.fs.uid, self.fs.gid, self.fs.started_ns,
                           DIR_LONG, nlink=2)
 
@@ -138,7 +142,7 @@ class RenderedFile(Node):
         self.owner = owner
         self.write_fn = write
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         size = len(self.render()) if self.size_known else 0
         mode = 0o644 if self.write_fn else 0o444
         uid, gid = (self.owner.uid, self.owner.gid) if self.owner else (self.fs.uid, self.fs.gid)
@@ -166,7 +170,7 @@ def _json(data) -> bytes:
 class BuffersDir(Node):
     """buffers/: one directory per replay buffer; mkdir creates, rmdir drops an empty one."""
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         return make_attrs(self.ino, stat.S_IFDIR | 0o755, 0, self.fs.uid, self.fs.gid, self.fs.started_ns,
                           NO_CACHE, nlink=2 + len(self.fs.store.buffers))
 
@@ -221,7 +225,7 @@ class BufferDir(Node):
             b"batch": lambda: intern(("batch", ns), lambda: DrawDir(fs, buf, npz=True)),
         }
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.buf.ctime_ns,
                           DIR_LONG, nlink=5)
@@ -242,7 +246,7 @@ class PrioritiesFile(Node):
         super().__init__(fs)
         self.buf = buf
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         return make_attrs(self.ino, stat.S_IFREG | 0o644, 0, o.uid, o.gid, time.time_ns(), NO_CACHE)
 
@@ -265,7 +269,7 @@ class DrawDir(Node):
         self.buf = buf
         self.npz = npz
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         return make_attrs(self.ino, stat.S_IFDIR | 0o555, 0, o.uid, o.gid, self.buf.ctime_ns, DIR_LONG, nlink=2)
 
@@ -284,15 +288,26 @@ class DrawDir(Node):
 
 
 class DrawFile(Node):
+    """sample/N or batch/N.npz. Each open has its own content, so its size differs per open:
+    the size reported is that of the batch the asking process opened last (zipfile, and so
+    np.load, seeks to the end to find the npz directory), never cached by the kernel."""
+
     def __init__(self, fs: "Filesystem", buf: Buffer, n: int, npz: bool) -> None:
         super().__init__(fs)
         self.buf = buf
         self.n = n
         self.npz = npz
+        self.sizes: dict[int, int] = {}  # pid -> size of its newest open batch
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
-        return make_attrs(self.ino, stat.S_IFREG | 0o444, 0, o.uid, o.gid, time.time_ns(), DIR_LONG)
+        size = self.sizes.get(ctx.pid, 0) if ctx is not None else 0
+        return make_attrs(self.ino, stat.S_IFREG | 0o444, size, o.uid, o.gid, time.time_ns(), NO_CACHE)
+
+    def released(self, handle: Handle) -> None:
+        pid = getattr(handle, "pid", None)
+        if pid is not None and self.sizes.get(pid) == len(handle.data):  # type: ignore[attr-defined]
+            del self.sizes[pid]
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
@@ -303,7 +318,10 @@ class DrawFile(Node):
         else:
             batch = await self.buf.sample(self.n, nonblocking)
             data = batch.manifest()
-        return SampleReader(self.buf, batch, data)
+        self.sizes[ctx.pid] = len(data)
+        handle = SampleReader(self.buf, batch, data)
+        handle.pid = ctx.pid
+        return handle
 
 
 class EntriesDir(Node):
@@ -313,7 +331,7 @@ class EntriesDir(Node):
         super().__init__(fs)
         self.buf = buf
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.buf.ctime_ns,
                           NO_CACHE, nlink=2)
@@ -381,7 +399,7 @@ class EntryNode(Node):
             self.last = meta
         return meta
 
-    def attributes(self) -> pyfuse3.EntryAttributes:
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         meta = self.meta()
         timeout = self.fs.store.config.entry_timeout
         if self.writers:

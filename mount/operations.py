@@ -143,14 +143,14 @@ class Filesystem(pyfuse3.Operations):
 
     @_translate
     async def getattr(self, inode, ctx=None):
-        return self.inodes.get(inode).attributes()
+        return self.inodes.get(inode).attributes(ctx)
 
     @_translate
     async def setattr(self, inode, attr, fields, fh, ctx):
         node = self.inodes.get(inode)
         handle = self.handles.get(fh) if fh is not None else None
         await node.setattr(attr, fields, handle, ctx)
-        return node.attributes()
+        return node.attributes(ctx)
 
     @_translate
     async def statfs(self, ctx):
@@ -253,6 +253,7 @@ class Filesystem(pyfuse3.Operations):
         if isinstance(node, EntryNode) and isinstance(handle, EntryWriter):
             node.writer_closed(handle)
         if node is not None:
+            node.released(handle)
             node.open_handles -= 1
             self.inodes.released(node)
 

@@ -1,10 +1,11 @@
 """Benchmark distorefs' SumTree against cpprb's C++ PrioritizedReplayBuffer.
 
-Both sides are filled with `entries` random priorities, then a loop alternates
-one batched sample and one batched priority update (the shape of a PER
-training step) for `seconds` each, timing every op. Reports median
-microseconds per op, ops/s, and distorefs/cpprb time ratios (< 1 means
-distorefs is faster).
+Both sides are filled with the same `entries` random priorities. Each then
+runs a loop alternating one batched sample and one batched priority update
+(the shape of a PER training step), timing every op. The two sides take
+turns in short rounds, so a noisy neighbour on the machine slows both alike
+instead of skewing the ratio. Reports median microseconds per op, ops/s, and
+distorefs/cpprb time ratios (< 1 means distorefs is faster).
 
 What each timed op covers:
 * distorefs sample: `tree.sample(batch)` plus the per-slot probabilities
@@ -15,7 +16,7 @@ What each timed op covers:
 * cpprb: `sample(batch, beta=0.4)` and `update_priorities(indexes, priorities)`.
 
 Random inputs are drawn before timing, so neither side pays for the RNG
-outside its sampler. Run: `PYTHONPATH=. python tools/bench_sumtree.py`.
+outside its own sampler. Run: `python tools/bench_sumtree.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -31,46 +33,49 @@ import numpy as np
 _BETA = 0.4
 _ALPHA = 0.6
 _POOL = 512  # pre-drawn update batches, cycled
+_ROUNDS = 10  # turns each side takes; more rounds = fairer under load
 
 
-def _time_alternating(
-    sample: Callable[[], object], update: Callable[[int], object], seconds: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """Alternate sample/update ops for ~2*seconds; per-op times in seconds."""
-    for i in range(20):  # warm caches and lazy paths before timing
-        sample()
-        update(i)
-    ts: list[float] = []
-    tu: list[float] = []
-    clock = time.perf_counter
-    deadline = clock() + 2 * seconds
-    i = 0
-    while clock() < deadline:
-        t0 = clock()
-        sample()
-        t1 = clock()
-        update(i)
-        t2 = clock()
-        ts.append(t1 - t0)
-        tu.append(t2 - t1)
-        i += 1
-    return np.array(ts), np.array(tu)
+@dataclass
+class _Side:
+    name: str
+    sample: Callable[[], object]
+    update: Callable[[int], object]
+    fill_s: float
+    sample_s: list[float] = field(default_factory=list)
+    update_s: list[float] = field(default_factory=list)
+
+    def run_for(self, seconds: float) -> None:
+        """Alternate sample/update for `seconds`, recording each op's time."""
+        clock = time.perf_counter
+        deadline = clock() + seconds
+        i = len(self.update_s)
+        while clock() < deadline:
+            t0 = clock()
+            self.sample()
+            t1 = clock()
+            self.update(i)
+            t2 = clock()
+            self.sample_s.append(t1 - t0)
+            self.update_s.append(t2 - t1)
+            i += 1
+
+    def summary(self) -> dict:
+        s_us = float(np.median(self.sample_s) * 1e6)
+        u_us = float(np.median(self.update_s) * 1e6)
+        p = self.name
+        return {
+            f"{p}_sample_us": round(s_us, 2),
+            f"{p}_update_us": round(u_us, 2),
+            f"{p}_sample_ops_s": round(1e6 / s_us),
+            f"{p}_update_ops_s": round(1e6 / u_us),
+            f"{p}_ops_timed": len(self.sample_s),
+            f"{p}_fill_s": round(self.fill_s, 3),
+        }
 
 
-def _summary(prefix: str, ts: np.ndarray, tu: np.ndarray) -> dict:
-    s_us = float(np.median(ts) * 1e6)
-    u_us = float(np.median(tu) * 1e6)
-    return {
-        f"{prefix}_sample_us": round(s_us, 2),
-        f"{prefix}_update_us": round(u_us, 2),
-        f"{prefix}_sample_ops_s": round(1e6 / s_us),
-        f"{prefix}_update_ops_s": round(1e6 / u_us),
-        f"{prefix}_ops_timed": int(ts.size),
-    }
-
-
-def _bench_distorefs(priorities: np.ndarray, slots: np.ndarray, values: np.ndarray,
-                     batch: int, seconds: float) -> dict:
+def _distorefs_side(priorities: np.ndarray, slots: np.ndarray, values: np.ndarray,
+                    batch: int) -> _Side:
     from distorefs.sumtree import SumTree
 
     entries = priorities.size
@@ -84,18 +89,17 @@ def _bench_distorefs(priorities: np.ndarray, slots: np.ndarray, values: np.ndarr
         idx = tree.sample(batch, rng)
         total = tree.total()
         probs = tree.get(idx) / total
-        weights = (probs * entries) ** -_BETA / (tree.min_positive() / total * entries) ** -_BETA
-        return idx, weights
+        max_weight = (tree.min_positive() / total * entries) ** -_BETA
+        return idx, (probs * entries) ** -_BETA / max_weight
 
     def update(i: int) -> None:
         tree.update(slots[i % _POOL], values[i % _POOL])
 
-    ts, tu = _time_alternating(sample, update, seconds)
-    return {**_summary("distorefs", ts, tu), "distorefs_fill_s": round(fill_s, 3)}
+    return _Side("distorefs", sample, update, fill_s)
 
 
-def _bench_cpprb(priorities: np.ndarray, slots: np.ndarray, values: np.ndarray,
-                 batch: int, seconds: float) -> dict:
+def _cpprb_side(priorities: np.ndarray, slots: np.ndarray, values: np.ndarray,
+                batch: int) -> _Side:
     from cpprb import PrioritizedReplayBuffer  # lazy: optional dependency
 
     entries = priorities.size
@@ -113,22 +117,36 @@ def _bench_cpprb(priorities: np.ndarray, slots: np.ndarray, values: np.ndarray,
     def update(i: int) -> None:
         rb.update_priorities(slots[i % _POOL], values[i % _POOL])
 
-    ts, tu = _time_alternating(sample, update, seconds)
-    return {**_summary("cpprb", ts, tu), "cpprb_fill_s": round(fill_s, 3)}
+    return _Side("cpprb", sample, update, fill_s)
 
 
 def run(entries: int = 1_000_000, batch: int = 256, seconds: float = 3.0) -> dict:
-    """Time both implementations; `seconds` is spent per side, per op kind.
+    """Time both implementations, each for `seconds` of sample+update loop.
 
     cpprb fields are None (with a "note") when cpprb cannot be imported.
     """
     from distorefs.sumtree import DEFAULT_BRANCHING
 
     rng = np.random.default_rng(0)
-    # Strictly positive so cpprb and distorefs see the same population.
+    # Strictly positive so both sides hold exactly the same population.
     priorities = rng.random(entries) + 1e-6
     slots = rng.integers(0, entries, size=(_POOL, batch))
     values = rng.random((_POOL, batch)) + 1e-6
+
+    sides = [_distorefs_side(priorities, slots, values, batch)]
+    note = "ratio = distorefs time / cpprb time per op; < 1 means distorefs is faster"
+    try:
+        sides.append(_cpprb_side(priorities, slots, values, batch))
+    except ImportError as exc:
+        note = f"cpprb not importable ({exc}); distorefs numbers only"
+
+    for side in sides:  # warm caches and lazy paths, untimed
+        side.run_for(0.05)
+        side.sample_s.clear()
+        side.update_s.clear()
+    for _ in range(_ROUNDS):
+        for side in sides:
+            side.run_for(seconds / _ROUNDS)
 
     out: dict = {
         "entries": entries,
@@ -137,19 +155,17 @@ def run(entries: int = 1_000_000, batch: int = 256, seconds: float = 3.0) -> dic
         "numpy": np.__version__,
         "branching": DEFAULT_BRANCHING,
     }
-    out.update(_bench_distorefs(priorities, slots, values, batch, seconds))
-    cp_keys = [f"cpprb_{k}" for k in
-               ("sample_us", "update_us", "sample_ops_s", "update_ops_s", "ops_timed", "fill_s")]
-    try:
-        out.update(_bench_cpprb(priorities, slots, values, batch, seconds))
-    except ImportError as exc:
-        out.update({k: None for k in cp_keys})
-        out.update(ratio_sample=None, ratio_update=None,
-                   note=f"cpprb not importable ({exc}); distorefs numbers only")
-        return out
-    out["ratio_sample"] = round(out["distorefs_sample_us"] / out["cpprb_sample_us"], 3)
-    out["ratio_update"] = round(out["distorefs_update_us"] / out["cpprb_update_us"], 3)
-    out["note"] = "ratio = distorefs time / cpprb time per op; < 1 means distorefs is faster"
+    for side in sides:
+        out.update(side.summary())
+    if len(sides) == 2:
+        out["ratio_sample"] = round(out["distorefs_sample_us"] / out["cpprb_sample_us"], 3)
+        out["ratio_update"] = round(out["distorefs_update_us"] / out["cpprb_update_us"], 3)
+    else:
+        for key in ("sample_us", "update_us", "sample_ops_s", "update_ops_s",
+                    "ops_timed", "fill_s"):
+            out[f"cpprb_{key}"] = None
+        out["ratio_sample"] = out["ratio_update"] = None
+    out["note"] = note
     return out
 
 
