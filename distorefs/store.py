@@ -87,7 +87,8 @@ class Store:
         self.committer = Committer(self.env.write)
         self.buffers: dict[str, Buffer] = {}
         self.listeners: list[EntryListener] = []
-        self.counters = {"corrupt_reads": 0, "disk_reads": 0, "disk_read_bytes": 0, "syncs": 0}
+        self.counters = {"corrupt_reads": 0, "disk_reads": 0, "disk_read_bytes": 0, "syncs": 0,
+                         "segment_bytes_freed": 0}
         self.started = time.time()
         self._gen = 0
         self._nursery: trio.Nursery | None = None
@@ -142,6 +143,9 @@ class Store:
             await trio.sleep(self.config.sync_interval)
             if self.committer.groups != self._synced_groups:
                 await self.sync()
+                # Segments whose every value was evicted or deleted give their space back.
+                freed = await trio.to_thread.run_sync(self.backends[TIER_NVME].collect)
+                self.counters["segment_bytes_freed"] += freed
 
     async def sync(self) -> None:
         """Make everything committed so far durable (fsync)."""

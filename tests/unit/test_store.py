@@ -273,3 +273,18 @@ def test_batch_npz_stacks_fields(tmp_path):
         assert bytes(z["data"][off[0]:off[1]]) == b"hello"
         assert zipfile.is_zipfile(io.BytesIO(data))
     run(tmp_path / "s", body)
+
+
+def test_dead_segments_are_collected(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"capacity": 2, "compression": "none"}')
+        for i in range(4):  # each 1 MiB value fills a 1 MiB segment: one segment per value
+            await buf.insert(b"big%d" % i, LARGE, OWNER)
+        await trio.sleep(0.5)  # a few sync intervals
+        segments = sorted((tmp_path / "s" / "segments").glob("seg-*.dat"))
+        assert store.counters["segment_bytes_freed"] >= 2 * len(LARGE)
+        assert len(segments) <= 3  # the two evicted values' segments are gone
+        for key in (b"big2", b"big3"):
+            assert await buf.ring.read(buf.ring.get(key)) == LARGE
+    run(tmp_path / "s", body, config={"segment_bytes": 1 << 20, "sync_interval": 0.1, "cache_bytes": 0})
