@@ -11,6 +11,7 @@ Every entry holds a slot (a dense small integer) so samplers can keep per-entry 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -448,10 +449,8 @@ class RenameEntry(Change):
     def txn(self, txn) -> None:
         if self.target is not None:
             self.ring.txn_remove(txn, self.target)
-        m = self.meta
-        self.new = EntryMeta(m.seq, self.new_key, m.size, m.stored_size, m.checksum, m.codec, m.tier,
-                             m.loc, m.mode, m.uid, m.gid, m.mtime_ns)
-        txn.put(entry_key(self.ring.ns_id, m.seq), self.new.pack(), db=self.ring.store.env.db(DB_ENTRIES))
+        self.new = dataclasses.replace(self.meta, key=self.new_key)
+        txn.put(entry_key(self.ring.ns_id, self.new.seq), self.new.pack(), db=self.ring.store.env.db(DB_ENTRIES))
 
     def apply(self) -> None:
         if self.target is not None:
@@ -468,11 +467,8 @@ class SetEntryAttrs(Change):
 
     def plan(self, overlay: Overlay) -> None:
         self.old = self.ring.get(self.key)
-        m = self.old
-        mode, uid, gid, mtime = self.attrs
-        self.meta = EntryMeta(m.seq, m.key, m.size, m.stored_size, m.checksum, m.codec, m.tier, m.loc,
-                              m.mode if mode is None else mode, m.uid if uid is None else uid,
-                              m.gid if gid is None else gid, m.mtime_ns if mtime is None else mtime)
+        changes = dict(zip(("mode", "uid", "gid", "mtime_ns"), self.attrs))
+        self.meta = dataclasses.replace(self.old, **{k: v for k, v in changes.items() if v is not None})
 
     def txn(self, txn) -> None:
         txn.put(entry_key(self.ring.ns_id, self.meta.seq), self.meta.pack(),
