@@ -148,7 +148,9 @@ class LmdbEnv:
         """Run ``fn(txn)`` in one write transaction, commit, return its result.
 
         On ``MapFullError`` the transaction is aborted, the map doubled and
-        ``fn`` run again from scratch, so ``fn`` must be safe to rerun. Any
+        ``fn`` run again from scratch, so ``fn`` must be safe to rerun. Values
+        read inside are views valid until the next write in the transaction:
+        ``fn`` copies what it keeps or returns. Any
         other exception aborts the transaction and propagates.
         Raises ``NoSpace`` when the disk cannot hold a larger map.
         """
@@ -157,7 +159,9 @@ class LmdbEnv:
             self._local.writing = True
             try:
                 while True:
-                    txn = self._env.begin(write=True)
+                    # buffers=True: reads inside return views, not copies (a delete can
+                    # learn a value's length without copying it); fn copies what it keeps.
+                    txn = self._env.begin(write=True, buffers=True)
                     try:
                         result = fn(txn)
                         txn.commit()

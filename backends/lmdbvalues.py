@@ -61,11 +61,12 @@ class LmdbValues(ValueBackend):
     def delete(self, txn: lmdb.Transaction, loc: bytes) -> None:
         if not 0 < len(loc) <= _MAX_KEY:
             return
-        # pop() copies the old value; that is the only way to learn its length
-        # in a non-buffers write txn, and deletes are far rarer than reads.
-        old = txn.pop(loc, db=self._values)
+        # Write transactions use buffers=True: the view gives the length without a copy.
+        old = txn.get(loc, db=self._values)
         if old is not None:
-            self._add_live(txn, -len(old))
+            size = len(old)
+            txn.delete(loc, db=self._values)
+            self._add_live(txn, -size)
 
     def _add_live(self, txn: lmdb.Transaction, delta: int) -> None:
         raw = txn.get(_LIVE_KEY, db=self._meta)

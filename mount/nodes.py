@@ -35,7 +35,9 @@ NO_CACHE = 0.0
 
 
 def make_attrs(ino: int, mode: int, size: int, uid: int, gid: int, mtime_ns: int,
-               timeout: float, nlink: int = 1) -> pyfuse3.EntryAttributes:
+               timeout: float, nlink: int = 1, entry_timeout: float | None = None) -> pyfuse3.EntryAttributes:
+    """Attributes; `timeout` is how long the kernel may cache them (and the name, unless
+    `entry_timeout` says otherwise). Every avoided LOOKUP/GETATTR is a daemon round trip."""
     a = pyfuse3.EntryAttributes()
     a.st_ino = ino
     a.st_mode = mode
@@ -46,7 +48,7 @@ def make_attrs(ino: int, mode: int, size: int, uid: int, gid: int, mtime_ns: int
     a.st_blksize = 128 << 10
     a.st_blocks = (size + 511) // 512
     a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = mtime_ns
-    a.entry_timeout = timeout
+    a.entry_timeout = timeout if entry_timeout is None else entry_timeout
     a.attr_timeout = timeout
     return a
 
@@ -172,7 +174,7 @@ class BuffersDir(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         return make_attrs(self.ino, stat.S_IFDIR | 0o755, 0, self.fs.uid, self.fs.gid, self.fs.started_ns,
-                          NO_CACHE, nlink=2 + len(self.fs.store.buffers))
+                          DIR_LONG, nlink=2 + len(self.fs.store.buffers))
 
     def _node(self, name: str) -> "BufferDir":
         buf = self.fs.store.buffer(name)
@@ -302,7 +304,8 @@ class DrawFile(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         size = self.sizes.get(ctx.pid, 0) if ctx is not None else 0
-        return make_attrs(self.ino, stat.S_IFREG | 0o444, size, o.uid, o.gid, time.time_ns(), NO_CACHE)
+        return make_attrs(self.ino, stat.S_IFREG | 0o444, size, o.uid, o.gid, time.time_ns(), NO_CACHE,
+                          entry_timeout=DIR_LONG)
 
     def released(self, handle: Handle) -> None:
         pid = getattr(handle, "pid", None)
@@ -334,7 +337,7 @@ class EntriesDir(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.buf.ctime_ns,
-                          NO_CACHE, nlink=2)
+                          DIR_LONG, nlink=2)
 
     def entry_node(self, key: bytes) -> "EntryNode":
         return self.fs.inodes.intern(("entry", self.buf.ns_id, key), lambda: EntryNode(self.fs, self, key))
@@ -405,7 +408,8 @@ class EntryNode(Node):
         if self.writers:
             w = self.writers[-1]
             o = w.owner
-            return make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, time.time_ns(), NO_CACHE)
+            # The kernel tracks the size of what it writes itself; the name is stable.
+            return make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, time.time_ns(), timeout)
         if meta is None:
             meta = self.last
             if meta is None:
