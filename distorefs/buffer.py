@@ -204,7 +204,7 @@ class Buffer:
             **self.ring.stats(),
             "drawable": s.drawable_count(),
             "max_priority": s.max_priority,
-            "priority_total": self.sampler.weighted.total(),
+            "priority_total": self.sampler.weighted_total(),
             "presampled_batches": {str(n): len(q) for n, q in self._presampled.items()},
             **self.counters,
         }

@@ -3,6 +3,8 @@
 The checksum (CRC-32 of the raw content) is computed at encode time and verified after
 every decode from disk, so corruption anywhere between the writer's bytes and the
 reader's — on disk, in a segment, or in decompression — surfaces as `CorruptValue`.
+zstd frames also carry their own checksum of the content (XXH64), which decompression
+verifies at memory speed; such values skip the separate CRC pass on read.
 Compression is skipped when it does not save at least `MIN_SAVING` of the size.
 """
 
@@ -37,7 +39,8 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
         cache = _local.compressors = {}
     comp = cache.get(level)
     if comp is None:
-        comp = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        comp = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True,
+                                                        write_checksum=True)
     return comp
 
 
@@ -64,19 +67,20 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
 
 def encode(raw: bytes | bytearray | memoryview, compression: str = "zstd", level: int = 1) -> Encoded:
     """Encode `raw` for storage. Runs in a worker thread for large values."""
-    raw = memoryview(raw)
-    crc = checksum(raw)
-    size = len(raw)
+    plain = raw if isinstance(raw, bytes) else bytes(raw)
+    view = memoryview(plain)
+    crc = checksum(view)
+    size = len(view)
     if compression == "zstd" and size >= MIN_COMPRESS_BYTES:
         comp = _compressor(level)
         if size > 4 * PROBE_BYTES:
-            probe = comp.compress(raw[:PROBE_BYTES])
+            probe = comp.compress(view[:PROBE_BYTES])
             if len(probe) > PROBE_BYTES * (1 - MIN_SAVING):
-                return Encoded(bytes(raw), RAW, size, crc)
-        packed = comp.compress(raw)
+                return Encoded(plain, RAW, size, crc)
+        packed = comp.compress(view)
         if len(packed) <= size * (1 - MIN_SAVING):
             return Encoded(packed, ZSTD, size, crc)
-    return Encoded(bytes(raw), RAW, size, crc)
+    return Encoded(plain, RAW, size, crc)
 
 
 def decode(stored: bytes | memoryview, codec: int, size: int, expected_crc: int, what: str = "value") -> bytes:
@@ -85,9 +89,12 @@ def decode(stored: bytes | memoryview, codec: int, size: int, expected_crc: int,
         raw = bytes(stored)
     elif codec == ZSTD:
         try:
+            verified = zstandard.get_frame_parameters(stored).has_checksum
             raw = _decompressor().decompress(stored, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise CorruptValue(f"{what}: zstd frame is corrupt ({exc})") from None
+        if verified and len(raw) == size:
+            return raw  # the frame's own content checksum was checked by decompress
     else:
         raise CorruptValue(f"{what}: unknown codec {codec}")
     if len(raw) != size:

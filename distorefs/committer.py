@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Hashable
@@ -64,6 +66,9 @@ class Change(ABC):
     def plan(self, overlay: Overlay) -> None:
         """Decide the effects (on the event loop). May raise DistorefsError to fail alone."""
 
+    def prepare(self) -> None:
+        """CPU work before the transaction (worker thread, run in parallel across the group)."""
+
     @abstractmethod
     def txn(self, txn: Any) -> None:
         """Write the change inside the group's LMDB transaction (worker thread; may rerun)."""
@@ -86,6 +91,7 @@ class Committer:
     def __init__(self, write_txn) -> None:
         """`write_txn(fn)` runs fn(txn) in one write transaction (LmdbEnv.write), blocking."""
         self._write_txn = write_txn
+        self._pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="distorefs-prepare")
         self._send, self._recv = trio.open_memory_channel[_Pending](math.inf)
         self._held: list[_Pending] = []
         self.groups = 0
@@ -182,8 +188,18 @@ class Committer:
             for pending in planned:
                 pending.change.txn(txn)
 
+        def work() -> None:
+            # One thread hop per group: prepare (compression) spreads over the pool when
+            # the group has several changes, then the transaction runs here.
+            if len(planned) > 1:
+                for future in [self._pool.submit(p.change.prepare) for p in planned]:
+                    future.result()
+            else:
+                planned[0].change.prepare()
+            self._write_txn(write)
+
         try:
-            await trio.to_thread.run_sync(self._write_txn, write)
+            await trio.to_thread.run_sync(work)
         except Exception as exc:
             if len(planned) > 1:
                 for pending in planned:

@@ -34,9 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Values at most this big are encoded on the event loop: a thread hop costs more.
-INLINE_ENCODE_BYTES = 32 << 10
-
 
 @dataclass(frozen=True)
 class Owner:
@@ -203,12 +200,7 @@ class Ring:
     async def insert(self, key: bytes, data: bytes, owner: Owner, priority: float | None = None) -> EntryMeta:
         """Insert or rewrite `key` with `data`; returns once committed."""
         self.check_insert(key, len(data))
-        if len(data) > INLINE_ENCODE_BYTES:
-            enc = await trio.to_thread.run_sync(
-                codec.encode, data, self.config.compression, self.config.compression_level)
-        else:
-            enc = codec.encode(data, self.config.compression, self.config.compression_level)
-        change = InsertEntry(self, key, enc, data, owner, priority)
+        change = InsertEntry(self, key, data, owner, priority)
         await self.store.committer.submit(change)
         return change.meta  # type: ignore[return-value]
 
@@ -341,11 +333,14 @@ def _scan(txn, db, prefix: bytes, decode) -> dict[int, object]:
 
 
 class InsertEntry(Change):
-    def __init__(self, ring: Ring, key: bytes, enc: codec.Encoded, raw: bytes, owner: Owner,
-                 priority: float | None) -> None:
+    """Insert or rewrite. The value is compressed in `prepare`, inside the commit
+    group's one thread call (one thread hop per insert instead of two); zstd releases
+    the GIL, so the event loop keeps serving requests meanwhile."""
+
+    def __init__(self, ring: Ring, key: bytes, raw: bytes, owner: Owner, priority: float | None) -> None:
         self.ring = ring
         self.key = key
-        self.enc = enc
+        self.enc: codec.Encoded | None = None
         self.raw = raw
         self.owner = owner
         self.priority = priority
@@ -361,18 +356,26 @@ class InsertEntry(Change):
         self.old = old
         if old is not None:
             self.seq = old.seq
-            ro.bytes += self.enc.size - old.size
+            ro.bytes += len(self.raw) - old.size
         else:
             self.seq = ring.next_seq
             ring.next_seq += 1
             ro.count += 1
-            ro.bytes += self.enc.size
+            ro.bytes += len(self.raw)
         self.victims = ring.plan_evictions(ro, protect=self.seq)
-        self.tier = choose_tier(len(self.enc.stored), ring.store.config)
         self.mtime_ns = time.time_ns()
 
+    def prepare(self) -> None:
+        if self.enc is None:  # kept across a rerun of the transaction
+            config = self.ring.config
+            self.enc = codec.encode(self.raw, config.compression, config.compression_level)
+
     def txn(self, txn) -> None:
-        ring, store, enc = self.ring, self.ring.store, self.enc
+        ring, store = self.ring, self.ring.store
+        self.prepare()
+        enc = self.enc
+        assert enc is not None
+        self.tier = choose_tier(len(enc.stored), store.config)
         for victim in self.victims:
             ring.txn_remove(txn, victim)
         if self.old is not None:
@@ -396,7 +399,7 @@ class InsertEntry(Change):
         else:
             ring.apply_add(self.meta, self.priority)
             ring.counters["inserts"] += 1
-        ring.counters["inserted_bytes"] += self.enc.size
+        ring.counters["inserted_bytes"] += len(self.raw)
         ring.store.cache.put(ring._cache_key(self.meta), bytes(self.raw))
 
 

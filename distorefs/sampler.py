@@ -28,10 +28,12 @@ class Sampler:
         self.weighted = SumTree(1)
         self.max_priority = 1.0
         self.rng = np.random.default_rng(config.seed or None)
+        self._queued: list[int] = []
 
     # ----- membership -----------------------------------------------------------------
 
     def grow(self, capacity: int) -> None:
+        self._flush()
         old = len(self.priority)
         if capacity <= old:
             return
@@ -44,15 +46,24 @@ class Sampler:
         self.weighted.grow(capacity)
 
     def add(self, slot: int, priority: float, times: int = 0) -> None:
+        """Queue a new entry; queued entries reach the trees in one vectorised update
+        before the next read of the sampler (one numpy call per insert is the cost)."""
         self.priority[slot] = priority
         self.times[slot] = times
         self.live[slot] = True
         limit = self.config.max_times_sampled
         self.exhausted[slot] = bool(limit and times >= limit)
         self.max_priority = max(self.max_priority, priority)
-        self._refresh(np.array([slot]))
+        self._queued.append(slot)
+
+    def _flush(self) -> None:
+        if self._queued:
+            slots = np.array(self._queued, dtype=np.int64)
+            self._queued.clear()
+            self._refresh(slots)
 
     def remove(self, slot: int) -> None:
+        self._flush()
         self.live[slot] = False
         self.exhausted[slot] = False
         self.priority[slot] = 0.0
@@ -60,12 +71,14 @@ class Sampler:
         self._refresh(np.array([slot]))
 
     def set_priorities(self, slots: np.ndarray, values: np.ndarray) -> None:
+        self._flush()
         self.priority[slots] = values
         if len(values):
             self.max_priority = max(self.max_priority, float(values.max()))
         self._refresh(slots)
 
     def reconfigure(self, config: BufferConfig) -> None:
+        self._flush()
         old = self.config
         self.config = config
         if config.seed != old.seed:
@@ -82,7 +95,13 @@ class Sampler:
 
     # ----- drawing --------------------------------------------------------------------
 
+    def weighted_total(self) -> float:
+        """Sum of priority**alpha over drawable entries."""
+        self._flush()
+        return self.weighted.total()
+
     def drawable_count(self) -> int:
+        self._flush()
         return int(round(self.uniform.total()))
 
     def draw(self, n: int, order) -> np.ndarray:
@@ -90,6 +109,7 @@ class Sampler:
 
         `order` yields the ring's entries oldest or newest first for fifo/lifo.
         """
+        self._flush()
         kind = self.config.sampler
         if kind in ("fifo", "lifo"):
             out = []
@@ -112,6 +132,7 @@ class Sampler:
         slot still holds the entry it held when drawn. An entry is never handed out more
         than `max_times_sampled` times: once spent it leaves the trees and is redrawn.
         """
+        self._flush()
         limit = self.config.max_times_sampled
         out: list[int] = []
         budget: dict[int, int] = {}
@@ -152,6 +173,7 @@ class Sampler:
         `spent` are the slots this batch exhausted: they already left the trees, so their
         mass is added back to give the distribution the batch was drawn from.
         """
+        self._flush()
         n = len(slots)
         kind = self.config.sampler
         if n == 0:

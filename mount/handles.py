@@ -37,11 +37,12 @@ class BytesReader(Handle):
 
     def __init__(self, data: bytes, *, cacheable: bool) -> None:
         self.data = data
+        self.view = memoryview(data)
         self.keep_cache = cacheable
         self.direct_io = not cacheable
 
-    async def read(self, off: int, size: int) -> bytes:
-        return self.data[off:off + size]
+    async def read(self, off: int, size: int) -> memoryview:
+        return self.view[off:off + size]  # pyfuse3 replies from any buffer: no copy
 
 
 class SampleReader(BytesReader):
