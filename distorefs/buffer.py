@@ -20,7 +20,7 @@ from .batch import Batch, build_npz
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
 from .config import BufferConfig
-from .errors import InvalidArgument, NotFound, WouldBlock
+from .errors import InvalidArgument, NotFound, TooLarge, WouldBlock
 from .ring import Owner, RemoveEntry, Ring
 from .sampler import Sampler
 
@@ -121,6 +121,10 @@ class Buffer:
         for attempt in range(3):
             batch = await self.sample(n, nonblocking)
             try:
+                size = sum(m.size for m in batch.metas)
+                if size > self.store.config.max_batch_bytes:  # the npz is built in memory
+                    raise TooLarge(f"buffers/{self.name}: a batch of {n} is {size} bytes, over "
+                                   f"max_batch_bytes ({self.store.config.max_batch_bytes})")
                 values = await self.ring.read_many(batch.metas)
                 data = await trio.to_thread.run_sync(build_npz, batch, values)
             except NotFound:

@@ -154,6 +154,7 @@ class StoreConfig(_Config):
     sync_interval: float = 1.0
     entry_timeout: float = 300.0
     max_batch_entries: int = 65536
+    max_batch_bytes: int = 1 << 30
     default_buffer: BufferConfig = field(default_factory=BufferConfig)
 
     def validate(self) -> None:
@@ -164,6 +165,7 @@ class StoreConfig(_Config):
         _require(self.sync_interval > 0, f"sync_interval must be > 0 seconds, got {self.sync_interval}")
         _require(self.entry_timeout >= 0, f"entry_timeout must be >= 0 seconds, got {self.entry_timeout}")
         _require(self.max_batch_entries >= 1, f"max_batch_entries must be >= 1, got {self.max_batch_entries}")
+        _require(self.max_batch_bytes >= 1 << 20, f"max_batch_bytes must be >= 1 MiB, got {self.max_batch_bytes}")
 
     @classmethod
     def from_dict(cls, data: Any, base: "StoreConfig | None" = None) -> "StoreConfig":

@@ -288,3 +288,17 @@ def test_dead_segments_are_collected(tmp_path):
         for key in (b"big2", b"big3"):
             assert await buf.ring.read(buf.ring.get(key)) == LARGE
     run(tmp_path / "s", body, config={"segment_bytes": 1 << 20, "sync_interval": 0.1, "cache_bytes": 0})
+
+
+def test_batch_bytes_are_bounded(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await buf.insert(b"a", LARGE, OWNER)
+        await buf.insert(b"b", b"small", OWNER)
+        await store.configure_buffer("rb", b'{"sampler": "fifo"}')
+        with pytest.raises(TooLarge):
+            await buf.sample_npz(2)  # 1 MiB + 5 bytes > 1 MiB
+        await store.configure_buffer("rb", b'{"sampler": "lifo"}')
+        _, data = await buf.sample_npz(1)  # just "b": fits
+        assert np.load(io.BytesIO(data))["keys"][0] == "b"
+    run(tmp_path / "s", body, config={"max_batch_bytes": 1 << 20})
