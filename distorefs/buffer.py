@@ -263,3 +263,5 @@ class SetPriorities(Change):
             values = np.array([r[1] for r in rows], dtype=np.float64)
             self.buffer.sampler.set_priorities(slots, values)
         self.buffer.counters["priority_updates"] += len(rows)
+        # entries evicted between the write and its commit: skipped like unknown keys
+        self.buffer.counters["priority_unknown_keys"] += len(self.metas) - len(rows)
