@@ -27,6 +27,7 @@ from .sampler import Sampler
 
 class Buffer:
     kind = "buffers"
+    config_type = BufferConfig
 
     def __init__(self, store, ns_id: int, name: str, config: BufferConfig, owner: Owner, ctime_ns: int) -> None:
         self.store = store

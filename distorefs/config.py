@@ -114,6 +114,11 @@ class RingConfig(_Config):
 
 
 @dataclass
+class BankConfig(RingConfig):
+    """A memory bank (banks/NAME/config.json): a ring with nothing more."""
+
+
+@dataclass
 class BufferConfig(RingConfig):
     """A replay buffer: a ring plus a sampler (DESIGN.md §2, buffers/NAME/config.json)."""
 

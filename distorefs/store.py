@@ -28,6 +28,7 @@ from distorefs.backends.base import ValueBackend
 from distorefs.backends.lmdbenv import LmdbEnv
 from distorefs.backends.lmdbvalues import LmdbValues
 from distorefs.backends.segments import SegmentValues
+from .bank import Bank
 from .buffer import Buffer
 from .cache import ValueCache
 from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, TIER_LMDB, TIER_NAMES, TIER_NVME, EntryMeta, pack_u32, unpack_u32
@@ -40,6 +41,8 @@ from .ring import Owner, Ring
 log = logging.getLogger(__name__)
 
 EntryListener = Callable[[Ring, EntryMeta, "EntryMeta | None"], None]
+Namespace = Buffer | Bank
+KINDS: dict[str, type] = {"buffers": Buffer, "banks": Bank}
 
 
 class Store:
@@ -85,7 +88,9 @@ class Store:
         }
         self.cache = ValueCache(self.config.cache_bytes)
         self.committer = Committer(self.env.write)
-        self.buffers: dict[str, Buffer] = {}
+        self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
+        self.buffers: dict[str, Buffer] = self.namespaces["buffers"]  # type: ignore[assignment]
+        self.banks: dict[str, Bank] = self.namespaces["banks"]  # type: ignore[assignment]
         self.listeners: list[EntryListener] = []
         self.counters = {"corrupt_reads": 0, "disk_reads": 0, "disk_read_bytes": 0, "syncs": 0,
                          "segment_bytes_freed": 0}
@@ -107,11 +112,14 @@ class Store:
         for k, v in cursor:
             kind, _, name = bytes(k).decode().partition("/")
             record = json.loads(bytes(v))
-            if kind == "buffers":
-                buf = Buffer(self, record["id"], name, BufferConfig.from_dict(record["config"]),
-                             Owner(record["mode"], record["uid"], record["gid"]), record["ctime_ns"])
-                buf.ring.load(txn)
-                self.buffers[name] = buf
+            cls = KINDS.get(kind)
+            if cls is None:
+                log.error("namespace %s/%s of unknown kind: left alone", kind, name)
+                continue
+            ns = cls(self, record["id"], name, cls.config_type.from_dict(record["config"]),
+                     Owner(record["mode"], record["uid"], record["gid"]), record["ctime_ns"])
+            ns.ring.load(txn)
+            self.namespaces[kind][name] = ns
 
     # ----- running -------------------------------------------------------------------
 
@@ -221,27 +229,44 @@ class Store:
 
     # ----- namespaces ----------------------------------------------------------------
 
-    async def create_buffer(self, name: str, owner: Owner, config: BufferConfig | None = None) -> Buffer:
+    async def create(self, kind: str, name: str, owner: Owner, config=None) -> Namespace:
+        """Create namespace `kind`/`name` (buffers or banks) with `config` or the defaults."""
         check_name(name.encode("utf-8", "surrogateescape"))
-        change = CreateBuffer(self, name, owner, config or self.config.default_buffer)
-        await self.committer.submit(change)
-        return self.buffers[name]
+        cls = KINDS[kind]
+        if config is None:
+            config = self.config.default_buffer if kind == "buffers" else cls.config_type()
+        await self.committer.submit(CreateNamespace(self, kind, name, owner, config))
+        return self.namespaces[kind][name]
+
+    async def drop(self, kind: str, name: str) -> None:
+        """Remove an empty namespace (NotEmpty while it has entries)."""
+        await self.committer.submit(DropNamespace(self, self.namespace(kind, name)))
+
+    def namespace(self, kind: str, name: str) -> Namespace:
+        ns = self.namespaces[kind].get(name)
+        if ns is None:
+            raise NotFound(f"no {kind}/{name}")
+        return ns
+
+    async def configure(self, kind: str, name: str, text: bytes):
+        """Merge a JSON config into the namespace's; an invalid one raises InvalidConfig, old kept."""
+        ns = self.namespace(kind, name)
+        config = ns.config_type.from_json(text, ns.config)
+        await self.committer.submit(ConfigureNamespace(self, ns, config))
+        return config
+
+    # Shorthands for the replay buffers most callers deal with.
+    async def create_buffer(self, name: str, owner: Owner, config: BufferConfig | None = None) -> Buffer:
+        return await self.create("buffers", name, owner, config)  # type: ignore[return-value]
 
     async def drop_buffer(self, name: str) -> None:
-        await self.committer.submit(DropBuffer(self, name))
+        await self.drop("buffers", name)
 
     def buffer(self, name: str) -> Buffer:
-        buf = self.buffers.get(name)
-        if buf is None:
-            raise NotFound(f"no buffer {name!r}")
-        return buf
+        return self.namespace("buffers", name)  # type: ignore[return-value]
 
     async def configure_buffer(self, name: str, text: bytes) -> BufferConfig:
-        """Merge a JSON config into the buffer's; an invalid one raises InvalidConfig, old kept."""
-        buf = self.buffer(name)
-        config = BufferConfig.from_json(text, buf.config)
-        await self.committer.submit(ConfigureBuffer(self, buf, config))
-        return config
+        return await self.configure("buffers", name, text)
 
     # ----- reporting -----------------------------------------------------------------
 
@@ -249,7 +274,7 @@ class Store:
         st = os.statvfs(self.path)
         used = sum(b.usage().used_bytes for b in self.backends.values())
         return {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize, "used": used,
-                "files": sum(len(b.ring) for b in self.buffers.values())}
+                "files": sum(len(ns.ring) for kind in self.namespaces.values() for ns in kind.values())}
 
     def stats(self) -> dict[str, Any]:
         tiers = {}
@@ -258,7 +283,7 @@ class Store:
             tiers[TIER_NAMES[tier]] = {"used_bytes": u.used_bytes, "live_bytes": u.live_bytes,
                                        "capacity_bytes": u.capacity_bytes}
         buffers = {name: b.stats() for name, b in sorted(self.buffers.items())}
-        totals = {k: sum(b[k] for b in buffers.values())
+        totals = {k: sum(b.get(k, 0) for b in buffers.values())
                   for k in ("entries", "bytes", "stored_bytes", "inserts", "rewrites", "deletes", "evictions",
                             "reads", "read_bytes", "batches", "sampled_entries", "priority_updates")}
         return {
@@ -272,6 +297,7 @@ class Store:
                         "failures": self.committer.failures},
             **self.counters,
             "buffers": buffers,
+            "banks": {name: b.stats() for name, b in sorted(self.banks.items())},
         }
 
 
@@ -284,67 +310,71 @@ def _spent_removal(buf: Buffer, meta: EntryMeta) -> Change:
     return RemoveEntry(buf.ring, meta.key, meta.seq, "exhausted")
 
 
-class CreateBuffer(Change):
-    def __init__(self, store: Store, name: str, owner: Owner, config: BufferConfig) -> None:
+class CreateNamespace(Change):
+    def __init__(self, store: Store, kind: str, name: str, owner: Owner, config) -> None:
         self.store = store
+        self.kind = kind
         self.name = name
         self.owner = owner
         self.config = config
-        self.conflict_key = ("ns", name)
+        self.conflict_key = ("ns", kind, name)
 
     def plan(self, overlay: Overlay) -> None:
-        if self.name in self.store.buffers:
-            raise AlreadyExists(f"buffer {self.name!r} exists")
+        if self.name in self.store.namespaces[self.kind]:
+            raise AlreadyExists(f"{self.kind}/{self.name} exists")
         self.ctime_ns = time.time_ns()
 
     def txn(self, txn) -> None:
         meta_db = self.store.env.db(DB_META)
         self.ns_id = unpack_u32(bytes(txn.get(b"next_ns", db=meta_db)))
         txn.put(b"next_ns", pack_u32(self.ns_id + 1), db=meta_db)
-        record = {"id": self.ns_id, "kind": "buffers", "config": self.config.to_dict(),
+        record = {"id": self.ns_id, "kind": self.kind, "config": self.config.to_dict(),
                   "mode": self.owner.mode, "uid": self.owner.uid, "gid": self.owner.gid,
                   "ctime_ns": self.ctime_ns}
-        txn.put(f"buffers/{self.name}".encode(), json.dumps(record).encode(), db=self.store.env.db(DB_NS))
+        txn.put(f"{self.kind}/{self.name}".encode(), json.dumps(record).encode(), db=self.store.env.db(DB_NS))
 
     def apply(self) -> None:
-        self.store.buffers[self.name] = Buffer(self.store, self.ns_id, self.name, self.config, self.owner,
-                                               self.ctime_ns)
+        cls = KINDS[self.kind]
+        self.store.namespaces[self.kind][self.name] = cls(self.store, self.ns_id, self.name, self.config,
+                                                          self.owner, self.ctime_ns)
 
 
-class DropBuffer(Change):
-    def __init__(self, store: Store, name: str) -> None:
+class DropNamespace(Change):
+    def __init__(self, store: Store, ns: Namespace) -> None:
         self.store = store
-        self.name = name
-        self.conflict_key = ("ns", name)
+        self.ns = ns
+        self.conflict_key = ("ns", ns.kind, ns.name)
 
     def plan(self, overlay: Overlay) -> None:
-        buf = self.store.buffer(self.name)
-        if len(buf.ring) + overlay.ring(buf.ns_id).count > 0:
-            raise NotEmpty(f"buffer {self.name!r} still has {len(buf.ring)} entries")
+        ns = self.ns
+        if self.store.namespaces[ns.kind].get(ns.name) is not ns:
+            raise NotFound(f"no {ns.kind}/{ns.name}")
+        if len(ns.ring) + overlay.ring(ns.ns_id).count > 0:
+            raise NotEmpty(f"{ns.kind}/{ns.name} still has {len(ns.ring)} entries")
 
     def txn(self, txn) -> None:
-        txn.delete(f"buffers/{self.name}".encode(), db=self.store.env.db(DB_NS))
+        txn.delete(f"{self.ns.kind}/{self.ns.name}".encode(), db=self.store.env.db(DB_NS))
 
     def apply(self) -> None:
-        del self.store.buffers[self.name]
+        del self.store.namespaces[self.ns.kind][self.ns.name]
 
 
-class ConfigureBuffer(Change):
+class ConfigureNamespace(Change):
     """A new configuration; shrinking capacity or max_bytes evicts the oldest at once."""
 
-    def __init__(self, store: Store, buf: Buffer, config: BufferConfig) -> None:
+    def __init__(self, store: Store, ns: Namespace, config) -> None:
         self.store = store
-        self.buf = buf
+        self.ns = ns
         self.config = config
-        self.conflict_key = ("ns", buf.name)
+        self.conflict_key = ("ns", ns.kind, ns.name)
 
     def plan(self, overlay: Overlay) -> None:
-        self.victims = self.buf.ring.plan_evictions(overlay.ring(self.buf.ns_id), config=self.config)
+        self.victims = self.ns.ring.plan_evictions(overlay.ring(self.ns.ns_id), config=self.config)
 
     def txn(self, txn) -> None:
         for victim in self.victims:
-            self.buf.ring.txn_remove(txn, victim)
-        key = f"buffers/{self.buf.name}".encode()
+            self.ns.ring.txn_remove(txn, victim)
+        key = f"{self.ns.kind}/{self.ns.name}".encode()
         db = self.store.env.db(DB_NS)
         record = json.loads(bytes(txn.get(key, db=db)))
         record["config"] = self.config.to_dict()
@@ -352,5 +382,5 @@ class ConfigureBuffer(Change):
 
     def apply(self) -> None:
         for victim in self.victims:
-            self.buf.ring.apply_remove(victim, "evictions")
-        self.buf.reconfigure(self.config)
+            self.ns.ring.apply_remove(victim, "evictions")
+        self.ns.reconfigure(self.config)

@@ -169,68 +169,67 @@ def _json(data) -> bytes:
     return (json.dumps(data, indent=2, sort_keys=False) + "\n").encode()
 
 
-class BuffersDir(Node):
-    """buffers/: one directory per replay buffer; mkdir creates, rmdir drops an empty one."""
+class NamespacesDir(Node):
+    """buffers/ or banks/: one directory per namespace; mkdir creates, rmdir drops an empty one."""
+
+    def __init__(self, fs: "Filesystem", kind: str) -> None:
+        super().__init__(fs)
+        self.kind = kind
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         return make_attrs(self.ino, stat.S_IFDIR | 0o755, 0, self.fs.uid, self.fs.gid, self.fs.started_ns,
-                          DIR_LONG, nlink=2 + len(self.fs.store.buffers))
+                          DIR_LONG, nlink=2 + len(self.fs.store.namespaces[self.kind]))
 
-    def _node(self, name: str) -> "BufferDir":
-        buf = self.fs.store.buffer(name)
-        node = self.fs.inodes.intern(("buffer", buf.ns_id), lambda: BufferDir(self.fs, buf))
-        return node
+    def _node(self, name: str) -> Node:
+        ns = self.fs.store.namespace(self.kind, name)
+        make = BufferDir if self.kind == "buffers" else BankDir
+        return self.fs.inodes.intern(("ns", ns.ns_id), lambda: make(self.fs, ns))
 
     async def lookup(self, name: bytes) -> Node:
         return self._node(name.decode("utf-8", "surrogateescape"))
 
     def children(self, start: int):
-        names = sorted(self.fs.store.buffers)
+        names = sorted(self.fs.store.namespaces[self.kind])
         for i, name in enumerate(names[start:], start + 1):
             yield name.encode("utf-8", "surrogateescape"), self._node(name), i
 
     async def mkdir(self, name: bytes, mode: int, ctx) -> Node:
         check_name(name)
         owner = Owner(stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
-        await self.fs.store.create_buffer(name.decode("utf-8", "surrogateescape"), owner)
+        await self.fs.store.create(self.kind, name.decode("utf-8", "surrogateescape"), owner)
         return await self.lookup(name)
 
     async def rmdir(self, name: bytes) -> None:
         text = name.decode("utf-8", "surrogateescape")
-        buf = self.fs.store.buffer(text)
-        await self.fs.store.drop_buffer(text)
-        self.fs.inodes.unname(("buffer", buf.ns_id))
+        ns = self.fs.store.namespace(self.kind, text)
+        await self.fs.store.drop(self.kind, text)
+        self.fs.inodes.unname(("ns", ns.ns_id))
 
 
-class BufferDir(Node):
-    """buffers/NAME/: config.json, stats.json, priorities, entries/, sample/, batch/."""
+class RingDir(Node):
+    """A namespace directory: fixed children made on demand (config.json, entries/, ...)."""
 
-    def __init__(self, fs: "Filesystem", buf: Buffer) -> None:
+    def __init__(self, fs: "Filesystem", ns) -> None:
         super().__init__(fs)
-        self.buf = buf
-        store = fs.store
-        name = buf.name
+        self.ns = ns
+        intern = fs.inodes.intern
+        nsid = ns.ns_id
 
         async def configure(text: bytes) -> None:
-            await store.configure_buffer(name, text)
+            await fs.store.configure(ns.kind, ns.name, text)
 
-        intern = fs.inodes.intern
-        ns = buf.ns_id
         self.entries = {
-            b"config.json": lambda: intern(("config", ns), lambda: RenderedFile(
-                fs, lambda: buf.config.to_json(), owner=buf.owner, write=configure)),
-            b"stats.json": lambda: intern(("stats", ns), lambda: RenderedFile(
-                fs, lambda: _json(buf.stats()), owner=buf.owner)),
-            b"priorities": lambda: intern(("priorities", ns), lambda: PrioritiesFile(fs, buf)),
-            b"entries": lambda: intern(("entries", ns), lambda: EntriesDir(fs, buf)),
-            b"sample": lambda: intern(("sample", ns), lambda: DrawDir(fs, buf, npz=False)),
-            b"batch": lambda: intern(("batch", ns), lambda: DrawDir(fs, buf, npz=True)),
+            b"config.json": lambda: intern(("config", nsid), lambda: RenderedFile(
+                fs, lambda: ns.config.to_json(), owner=ns.owner, write=configure)),
+            b"stats.json": lambda: intern(("stats", nsid), lambda: RenderedFile(
+                fs, lambda: _json(ns.stats()), owner=ns.owner)),
+            b"entries": lambda: intern(("entries", nsid), lambda: EntriesDir(fs, ns)),
         }
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
-        o = self.buf.owner
-        return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.buf.ctime_ns,
-                          DIR_LONG, nlink=5)
+        o = self.ns.owner
+        return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.ns.ctime_ns,
+                          DIR_LONG, nlink=2 + len(self.entries))
 
     async def lookup(self, name: bytes) -> Node:
         make = self.entries.get(name)
@@ -241,6 +240,51 @@ class BufferDir(Node):
     def children(self, start: int):
         for i, (name, make) in enumerate(list(self.entries.items())[start:], start + 1):
             yield name, make(), i
+
+
+class BankDir(RingDir):
+    """banks/NAME/: config.json, stats.json, entries/, at/."""
+
+    def __init__(self, fs: "Filesystem", bank) -> None:
+        super().__init__(fs, bank)
+        self.entries[b"at"] = lambda: fs.inodes.intern(("at", bank.ns_id), lambda: AtDir(fs, bank))
+
+
+class AtDir(Node):
+    """banks/NAME/at/: `at/I` is the entry at FIFO position I (0 = oldest). Positions shift
+    as entries come and go, so the kernel must not cache these names (see names_move)."""
+
+    names_move = True
+
+    def __init__(self, fs: "Filesystem", bank) -> None:
+        super().__init__(fs)
+        self.bank = bank
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        o = self.bank.owner
+        return make_attrs(self.ino, stat.S_IFDIR | 0o555, 0, o.uid, o.gid, self.bank.ctime_ns, DIR_LONG, nlink=2)
+
+    async def lookup(self, name: bytes) -> Node:
+        text = name.decode("ascii", "replace")
+        if not text.isdigit() or text != str(int(text)):
+            raise NotFound(f"not a position: {text!r}")
+        meta = self.bank.at(int(text))
+        entries = self.fs.inodes.intern(("entries", self.bank.ns_id), lambda: EntriesDir(self.fs, self.bank))
+        return entries.entry_node(meta.key)
+
+
+class BufferDir(RingDir):
+    """buffers/NAME/: config.json, stats.json, priorities, entries/, sample/, batch/."""
+
+    def __init__(self, fs: "Filesystem", buf: Buffer) -> None:
+        super().__init__(fs, buf)
+        intern = fs.inodes.intern
+        ns = buf.ns_id
+        self.entries.update({
+            b"priorities": lambda: intern(("priorities", ns), lambda: PrioritiesFile(fs, buf)),
+            b"sample": lambda: intern(("sample", ns), lambda: DrawDir(fs, buf, npz=False)),
+            b"batch": lambda: intern(("batch", ns), lambda: DrawDir(fs, buf, npz=True)),
+        })
 
 
 class PrioritiesFile(Node):
@@ -478,20 +522,22 @@ class EntryNode(Node):
         meta = self.meta()
         if meta is None:
             return {}
-        s = self.buf.sampler
-        return {
+        attrs = {
             b"seq": b"%d" % meta.seq,
             b"tier": TIER_NAMES[meta.tier].encode(),
             b"size": b"%d" % meta.size,
             b"stored_size": b"%d" % meta.stored_size,
             b"compression": CODEC_NAMES[meta.codec].encode(),
             b"checksum": b"crc32:%08x" % meta.checksum,
-            b"priority": b"%.9g" % s.priority[meta.slot],
-            b"times_sampled": b"%d" % s.times[meta.slot],
         }
+        if isinstance(self.buf, Buffer):
+            s = self.buf.sampler
+            attrs[b"priority"] = b"%.9g" % s.priority[meta.slot]
+            attrs[b"times_sampled"] = b"%d" % s.times[meta.slot]
+        return attrs
 
     async def setxattr(self, name: bytes, value: bytes) -> None:
-        if name != b"priority":
+        if name != b"priority" or not isinstance(self.buf, Buffer):
             await super().setxattr(name, value)
         try:
             priority = float(value.strip())
@@ -501,7 +547,7 @@ class EntryNode(Node):
 
 
 def build_tree(fs: "Filesystem") -> StaticDir:
-    """The fixed part of the tree; `buffers/` grows below it."""
+    """The fixed part of the tree; `buffers/` and `banks/` grow below it."""
     from .inodes import ROOT_INODE
     store = fs.store
     ctl = StaticDir(fs, {
@@ -509,10 +555,11 @@ def build_tree(fs: "Filesystem") -> StaticDir:
         b"config.json": RenderedFile(fs, lambda: store.config.to_json()),
         b"version": RenderedFile(fs, lambda: f"distorefs {__version__}\n".encode()),
     })
-    buffers = BuffersDir(fs)
-    root = StaticDir(fs, {b".distorefs": ctl, b"buffers": buffers})
+    buffers = NamespacesDir(fs, "buffers")
+    banks = NamespacesDir(fs, "banks")
+    root = StaticDir(fs, {b".distorefs": ctl, b"buffers": buffers, b"banks": banks})
     fs.inodes.add_fixed(ROOT_INODE, ("root",), root)
-    for i, (key, node) in enumerate([(("ctl",), ctl), (("buffers",), buffers)] +
+    for i, (key, node) in enumerate([(("ctl",), ctl), (("buffers",), buffers), (("banks",), banks)] +
                                     [(("ctl", name), n) for name, n in ctl.entries.items()], 2):
         fs.inodes.add_fixed(i, key, node)
     return root

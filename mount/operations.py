@@ -132,7 +132,10 @@ class Filesystem(pyfuse3.Operations):
         if name == b".":
             return self._entry(parent)
         node = await parent.lookup(name)
-        return self._entry(node)
+        attrs = self._entry(node)
+        if getattr(parent, "names_move", False):
+            attrs.entry_timeout = 0  # at/I names another entry as the ring moves
+        return attrs
 
     async def forget(self, inode_list):
         for ino, n in inode_list:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import trio
 
-from distorefs.errors import AlreadyExists, InvalidArgument, NotEmpty, NotFound, StoreLocked, TooLarge, WouldBlock
+from distorefs.errors import (AlreadyExists, InvalidArgument, InvalidConfig, NotEmpty, NotFound, StoreLocked,
+                             TooLarge, WouldBlock)
 from distorefs.ring import Owner
 from distorefs.store import Store
 
@@ -302,3 +303,31 @@ def test_batch_bytes_are_bounded(tmp_path):
         _, data = await buf.sample_npz(1)  # just "b": fits
         assert np.load(io.BytesIO(data))["keys"][0] == "b"
     run(tmp_path / "s", body, config={"max_batch_bytes": 1 << 20})
+
+
+def test_bank_ring_positions_and_persistence(tmp_path):
+    async def write(store):
+        bank = await store.create("banks", "mem", DIR)
+        await store.configure("banks", "mem", b'{"capacity": 3}')
+        for i in range(5):
+            await bank.insert(b"m%d" % i, b"x" * (i + 1) * 100, OWNER)
+        assert [bank.at(i).key for i in range(3)] == [b"m2", b"m3", b"m4"]
+        with pytest.raises(NotFound):
+            bank.at(3)
+        with pytest.raises(InvalidConfig):
+            await store.configure("banks", "mem", b'{"sampler": "uniform"}')
+        with pytest.raises(AlreadyExists):
+            await store.create("banks", "mem", DIR)
+        await store.create_buffer("mem", DIR)  # a buffer and a bank may share a name
+
+    run(tmp_path / "s", write)
+
+    async def read(store):
+        bank = store.namespace("banks", "mem")
+        assert bank.config.capacity == 3
+        assert [bank.at(i).key for i in range(3)] == [b"m2", b"m3", b"m4"]
+        assert await bank.ring.read(bank.at(0)) == b"x" * 300
+        assert store.stats()["banks"]["mem"]["entries"] == 3
+        assert "mem" in store.buffers
+
+    run(tmp_path / "s", read)
