@@ -148,6 +148,22 @@ class BufferConfig(RingConfig):
 
 
 @dataclass
+class WeightsConfig(_Config):
+    """The parameter server (weights/config.json)."""
+
+    keep_versions: int = 2
+    chunk_bytes: int = 4 << 20
+    compression: str = "none"
+
+    def validate(self) -> None:
+        _require(1 <= self.keep_versions <= 1000, f"keep_versions must be in 1..1000, got {self.keep_versions}")
+        _require(64 << 10 <= self.chunk_bytes <= 256 << 20,
+                 f"chunk_bytes must be in 64 KiB..256 MiB, got {self.chunk_bytes}")
+        _require(self.compression in COMPRESSIONS,
+                 f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+
+
+@dataclass
 class StoreConfig(_Config):
     """Store-wide settings, kept in the store and shown in .distorefs/config.json."""
 

@@ -33,10 +33,11 @@ from .buffer import Buffer
 from .cache import ValueCache
 from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, TIER_LMDB, TIER_NAMES, TIER_NVME, EntryMeta, pack_u32, unpack_u32
 from .committer import Change, Committer, Overlay
-from .config import BufferConfig, StoreConfig
+from .config import BufferConfig, StoreConfig, WeightsConfig
 from .errors import AlreadyExists, CorruptValue, DistorefsError, NotEmpty, NotFound, StoreLocked
 from .names import check_name
 from .ring import Owner, Ring
+from .weights import DB_WNODES, WeightsTree
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Store:
 
     def _open(self, nvme_dir: str | None, overrides: dict | None) -> None:
         self.env = LmdbEnv(self.path / "meta")
-        for name in (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED):
+        for name in (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES):
             self.env.db(name)  # opening a db writes: do it once, before any transaction
         stored = self.env.read(lambda txn: _copy(txn.get(b"config", db=self.env.db(DB_META))))
         base = StoreConfig.from_json(stored) if stored else StoreConfig()
@@ -98,6 +99,8 @@ class Store:
         self._gen = 0
         self._nursery: trio.Nursery | None = None
         self._synced_groups = 0
+        stored = self.env.read(lambda txn: _copy(txn.get(b"weights", db=self.env.db(DB_META))))
+        self.weights = WeightsTree(self, WeightsConfig.from_json(stored) if stored else WeightsConfig())
         self.env.read(self._load_namespaces)
 
     def _init_meta(self, txn) -> None:
@@ -108,6 +111,7 @@ class Store:
             txn.put(b"next_ns", pack_u32(1), db=db)
 
     def _load_namespaces(self, txn) -> None:
+        self.weights.load(txn)
         cursor = txn.cursor(db=self.env.db(DB_NS))
         for k, v in cursor:
             kind, _, name = bytes(k).decode().partition("/")
@@ -255,6 +259,11 @@ class Store:
         await self.committer.submit(ConfigureNamespace(self, ns, config))
         return config
 
+    async def configure_weights(self, text: bytes) -> WeightsConfig:
+        config = WeightsConfig.from_json(text, self.weights.config)
+        await self.committer.submit(ConfigureWeights(self, config))
+        return config
+
     # Shorthands for the replay buffers most callers deal with.
     async def create_buffer(self, name: str, owner: Owner, config: BufferConfig | None = None) -> Buffer:
         return await self.create("buffers", name, owner, config)  # type: ignore[return-value]
@@ -298,6 +307,7 @@ class Store:
             **self.counters,
             "buffers": buffers,
             "banks": {name: b.stats() for name, b in sorted(self.banks.items())},
+            "weights": self.weights.stats(),
         }
 
 
@@ -384,3 +394,16 @@ class ConfigureNamespace(Change):
         for victim in self.victims:
             self.ns.ring.apply_remove(victim, "evictions")
         self.ns.reconfigure(self.config)
+
+
+class ConfigureWeights(Change):
+    def __init__(self, store: Store, config: WeightsConfig) -> None:
+        self.store = store
+        self.config = config
+        self.conflict_key = ("weights",)
+
+    def txn(self, txn) -> None:
+        txn.put(b"weights", self.config.to_json(), db=self.store.env.db(DB_META))
+
+    def apply(self) -> None:
+        self.store.weights.config = self.config

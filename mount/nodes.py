@@ -69,7 +69,7 @@ class Node:
         """A handle opened on this node was closed."""
 
     # directories override these
-    async def lookup(self, name: bytes) -> "Node":
+    async def lookup(self, name: bytes, ctx=None) -> "Node":
         raise NotFound("not a directory")
 
     def children(self, start: int) -> Iterator[tuple[bytes, "Node", int]]:
@@ -89,6 +89,12 @@ class Node:
 
     async def rename(self, old: bytes, new_parent: "Node", new: bytes, flags: int) -> None:
         raise NotPermitted("cannot rename here")
+
+    async def symlink(self, name: bytes, target: bytes, ctx) -> "Node":
+        raise NotPermitted("symlinks live under weights/")
+
+    def readlink(self) -> bytes:
+        raise InvalidArgument("not a symlink")
 
     # files override these
     async def open(self, flags: int, ctx) -> Handle:
@@ -122,7 +128,7 @@ class StaticDir(Node):
         return make_attrs(self.ino, stat.S_IFDIR | self.mode, 0, self.fs.uid, self.fs.gid, self.fs.started_ns,
                           DIR_LONG, nlink=2)
 
-    async def lookup(self, name: bytes) -> Node:
+    async def lookup(self, name: bytes, ctx=None) -> Node:
         node = self.entries.get(name)
         if node is None:
             raise NotFound(f"no {name!r}")
@@ -185,7 +191,7 @@ class NamespacesDir(Node):
         make = BufferDir if self.kind == "buffers" else BankDir
         return self.fs.inodes.intern(("ns", ns.ns_id), lambda: make(self.fs, ns))
 
-    async def lookup(self, name: bytes) -> Node:
+    async def lookup(self, name: bytes, ctx=None) -> Node:
         return self._node(name.decode("utf-8", "surrogateescape"))
 
     def children(self, start: int):
@@ -231,7 +237,7 @@ class RingDir(Node):
         return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.ns.ctime_ns,
                           DIR_LONG, nlink=2 + len(self.entries))
 
-    async def lookup(self, name: bytes) -> Node:
+    async def lookup(self, name: bytes, ctx=None) -> Node:
         make = self.entries.get(name)
         if make is None:
             raise NotFound(f"no {name!r}")
@@ -264,7 +270,7 @@ class AtDir(Node):
         o = self.bank.owner
         return make_attrs(self.ino, stat.S_IFDIR | 0o555, 0, o.uid, o.gid, self.bank.ctime_ns, DIR_LONG, nlink=2)
 
-    async def lookup(self, name: bytes) -> Node:
+    async def lookup(self, name: bytes, ctx=None) -> Node:
         text = name.decode("ascii", "replace")
         if not text.isdigit() or text != str(int(text)):
             raise NotFound(f"not a position: {text!r}")
@@ -319,7 +325,7 @@ class DrawDir(Node):
         o = self.buf.owner
         return make_attrs(self.ino, stat.S_IFDIR | 0o555, 0, o.uid, o.gid, self.buf.ctime_ns, DIR_LONG, nlink=2)
 
-    async def lookup(self, name: bytes) -> Node:
+    async def lookup(self, name: bytes, ctx=None) -> Node:
         text = name.decode("ascii", "replace")
         if self.npz:
             if not text.endswith(".npz"):
@@ -386,7 +392,7 @@ class EntriesDir(Node):
     def entry_node(self, key: bytes) -> "EntryNode":
         return self.fs.inodes.intern(("entry", self.buf.ns_id, key), lambda: EntryNode(self.fs, self, key))
 
-    async def lookup(self, name: bytes) -> Node:
+    async def lookup(self, name: bytes, ctx=None) -> Node:
         check_name(name)
         node = self.fs.inodes.node_of(("entry", self.buf.ns_id, name))
         if node is not None and node.meta() is None and not node.writers:
@@ -555,11 +561,18 @@ def build_tree(fs: "Filesystem") -> StaticDir:
         b"config.json": RenderedFile(fs, lambda: store.config.to_json()),
         b"version": RenderedFile(fs, lambda: f"distorefs {__version__}\n".encode()),
     })
+    from distorefs.weights import ROOT_ID
+
+    from .control import WaitFile
+    from .weights_nodes import WeightsDir
+    ctl.entries[b"wait"] = WaitFile(fs)
     buffers = NamespacesDir(fs, "buffers")
     banks = NamespacesDir(fs, "banks")
-    root = StaticDir(fs, {b".distorefs": ctl, b"buffers": buffers, b"banks": banks})
+    weights = WeightsDir(fs, ROOT_ID)
+    root = StaticDir(fs, {b".distorefs": ctl, b"buffers": buffers, b"banks": banks, b"weights": weights})
     fs.inodes.add_fixed(ROOT_INODE, ("root",), root)
-    for i, (key, node) in enumerate([(("ctl",), ctl), (("buffers",), buffers), (("banks",), banks)] +
+    for i, (key, node) in enumerate([(("ctl",), ctl), (("buffers",), buffers), (("banks",), banks),
+                                     (("wdir", ROOT_ID), weights)] +
                                     [(("ctl", name), n) for name, n in ctl.entries.items()], 2):
         fs.inodes.add_fixed(i, key, node)
     return root

@@ -15,6 +15,7 @@ import os
 import time
 
 import pyfuse3
+import trio
 
 from distorefs.errors import DistorefsError, NotFound
 from distorefs.ring import Ring
@@ -63,6 +64,8 @@ class Filesystem(pyfuse3.Operations):
         self.gid = os.getgid()
         self.started_ns = time.time_ns()
         self.invalidator: Invalidator | None = None
+        self.pending_weights: dict = {}  # (dir id, name) -> writer of a created, unpublished file
+        self.writer_redirects: dict = {}  # (file id, pid) -> True: its next lookup gets a private inode
         self.root = build_tree(self)
         store.listeners.append(self._entry_changed)
 
@@ -131,7 +134,7 @@ class Filesystem(pyfuse3.Operations):
         parent = self.inodes.get(parent_inode)
         if name == b".":
             return self._entry(parent)
-        node = await parent.lookup(name)
+        node = await parent.lookup(name, ctx)
         attrs = self._entry(node)
         if getattr(parent, "names_move", False):
             attrs.entry_timeout = 0  # at/I names another entry as the ring moves
@@ -210,6 +213,27 @@ class Filesystem(pyfuse3.Operations):
         old_parent = self.inodes.get(parent_inode_old)
         new_parent = self.inodes.get(parent_inode_new)
         await old_parent.rename(name_old, new_parent, name_new, flags)
+
+    @_translate
+    async def symlink(self, parent_inode, name, target, ctx):
+        node = await self.inodes.get(parent_inode).symlink(name, target, ctx)
+        return self._entry(node)
+
+    @_translate
+    async def readlink(self, inode, ctx):
+        return self.inodes.get(inode).readlink()
+
+    async def forget_name(self, parent_id: int, name: bytes) -> None:
+        """Make the kernel drop its cached weights/ name before close() returns, so every
+        later open looks it up again and finds the newly published version."""
+        parent = self.inodes.ino_of(("wdir", parent_id))
+        if parent is None:
+            return  # the kernel never looked the directory up: nothing cached
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTCONN):
+                log.warning("invalidating weights name %r: %s", name, exc)
 
     # ----- files ---------------------------------------------------------------------
 

@@ -1,0 +1,71 @@
+"""`.distorefs/wait`: block until a weights file passes a version, without polling.
+
+Write one line "PATH VERSION" (PATH below weights/, e.g. "MODEL/model.bin 12"), then read:
+the read returns "NEWVERSION\\n" once the file's version is above VERSION, at once if it
+already is. Under O_NONBLOCK the read fails with EAGAIN instead of waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from typing import TYPE_CHECKING
+
+import pyfuse3
+
+from distorefs.errors import InvalidArgument
+
+from .handles import Handle
+from .nodes import NO_CACHE, Node, make_attrs
+
+if TYPE_CHECKING:
+    from .operations import Filesystem
+
+
+class WaitHandle(Handle):
+    direct_io = True
+
+    def __init__(self, fs: "Filesystem", nonblocking: bool) -> None:
+        self.fs = fs
+        self.nonblocking = nonblocking
+        self.request: tuple[str, int] | None = None
+        self.answer: bytes | None = None
+        self.served = 0
+
+    async def write(self, off: int, buf: bytes) -> int:
+        try:
+            path, version = buf.decode().strip().rsplit(None, 1)
+            number = int(version)
+        except ValueError:
+            raise InvalidArgument(f"expected 'PATH VERSION', got {buf[:80]!r}") from None
+        path = path.strip("/")
+        if path.startswith("weights/"):
+            path = path[len("weights/"):]
+        self.request = (path, number)
+        self.answer = None
+        self.served = 0
+        return len(buf)
+
+    async def read(self, off: int, size: int) -> bytes:
+        # The read follows the write on the same descriptor, so `off` is past the request:
+        # the answer is served from its own cursor (then EOF), whatever the file offset.
+        if self.request is None:
+            raise InvalidArgument("write 'PATH VERSION' first")
+        if self.answer is None:
+            number = await self.fs.store.weights.wait_newer(*self.request, self.nonblocking)
+            self.answer, self.served = b"%d\n" % number, 0
+        chunk = self.answer[self.served:self.served + size]
+        self.served += len(chunk)
+        return chunk
+
+
+class WaitFile(Node):
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        return make_attrs(self.ino, stat.S_IFREG | 0o666, 0, self.fs.uid, self.fs.gid, time.time_ns(), NO_CACHE)
+
+    async def open(self, flags: int, ctx) -> Handle:
+        return WaitHandle(self.fs, bool(flags & os.O_NONBLOCK))
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        pass  # `>` truncates first: nothing to truncate
