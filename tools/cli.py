@@ -197,5 +197,16 @@ def bench_buffers(out, quick, workdir) -> None:
     run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
 
 
+@bench.command("weights")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--quick", is_flag=True, help="Smaller file, fewer readers, shorter (a smoke run).")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False),
+              help="Where the store and the ext4 baseline go (default: a temp dir under the current one).")
+def bench_weights(out, quick, workdir) -> None:
+    """One writer republishing a file while many readers read it: distorefs vs tmpfs vs ext4."""
+    from .bench_weights import run
+    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+
+
 if __name__ == "__main__":
     main()
