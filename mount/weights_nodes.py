@@ -63,8 +63,9 @@ class WeightsWriter(Handle):
     direct_io = True
 
     def __init__(self, fs: "Filesystem", parent_id: int, name: bytes, owner: Owner, node_id: int | None,
-                 readable: bool) -> None:
+                 readable: bool, pid: int = 0) -> None:
         self.fs = fs
+        self.pid = pid
         self.parent_id, self.name, self.owner, self.node_id = parent_id, name, owner, node_id
         self.readable = readable
         self.fd, self.spool = fs.store.weights.new_spool()
@@ -100,6 +101,12 @@ class WeightsWriter(Handle):
     async def flush(self) -> None:
         if self.failed is not None:
             raise self.failed
+        if _exiting(self.pid):
+            # The kernel closes a dying process's files with the same FLUSH as a close():
+            # a writer killed mid-write must leave the previous version, not publish half.
+            self.discard()
+            log.warning("writer pid %d of %r died before closing: nothing published", self.pid, self.name)
+            return
         if self.dirty and self.wrote:
             await self._publish()
 
@@ -139,6 +146,22 @@ class WeightsWriter(Handle):
         self.node_id = node.id
         if invalidate:
             await self.fs.forget_name(node.parent, node.name)
+
+
+PF_EXITING = 0x4
+
+
+def _exiting(pid: int) -> bool:
+    """Whether process `pid` is exiting (its files are being closed by the kernel)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return True  # gone already
+    fields = stat_line[stat_line.rindex(b")") + 2:].split()
+    return bool(int(fields[6]) & PF_EXITING)  # field 9 of stat: the task's flags
 
 
 class WeightsDir(Node):
@@ -211,7 +234,7 @@ class WeightsDir(Node):
         if existing is not None and flags & os.O_EXCL:
             raise AlreadyExists(f"{name!r} exists")
         writer = WeightsWriter(self.fs, self.node_id, name, self._owner(mode, ctx, stat.S_IFREG), existing,
-                               wants_read(flags))
+                               wants_read(flags), ctx.pid)
         node = self.fs.inodes.intern(("wpending", writer.spool), lambda: PendingFile(self.fs, writer))
         if existing is None:
             self.fs.pending_weights[(self.node_id, name)] = writer
@@ -316,7 +339,7 @@ class WeightsFile(Node):
                 self.fs.writer_redirects.pop((self.wnode.id, ctx.pid), None)
             writer = WeightsWriter(self.fs, self.wnode.parent, self.wnode.name,
                                    Owner(self.wnode.mode, self.wnode.uid, self.wnode.gid), self.wnode.id,
-                                   wants_read(flags))
+                                   wants_read(flags), ctx.pid if ctx is not None else 0)
             if not flags & os.O_TRUNC:
                 await writer.fill_from(self.wnode)
             return writer
@@ -361,6 +384,8 @@ class PendingFile(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         node = self._published()
         w = self.writer
+        if node is None and w.failed is not None:
+            raise NotFound("discarded before it was published")
         if node is None or w.dirty:
             return make_attrs(self.ino, w.owner.mode, w.size, w.owner.uid, w.owner.gid, time.time_ns(), NO_CACHE,
                               entry_timeout=DIR_LONG)

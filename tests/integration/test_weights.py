@@ -221,3 +221,29 @@ def test_crash_mid_publish_keeps_the_last_closed_version(fresh_mount):
     m.lazy_umount()
     m.mount()
     assert check(path.read_bytes()) == 9  # close() returned: it survives kill -9
+
+
+_HALF_WRITER = """
+import os, sys, time
+f = open(sys.argv[1], "wb")
+f.write(bytes(range(256)) * 4096)
+f.flush()
+print("written", flush=True)
+time.sleep(60)
+"""
+
+
+def test_killed_writer_publishes_nothing(model):
+    import signal
+    import sys
+    path = model / "w.bin"
+    publish(path, blob(1, 100_000))
+    for new in (False, True):
+        target = model / "fresh.bin" if new else path
+        proc = subprocess.Popen([sys.executable, "-c", _HALF_WRITER, str(target)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "written"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        time.sleep(0.2)
+        assert check(path.read_bytes()) == 1 and xattr(path, "version") == "1"
+        assert not (model / "fresh.bin").exists()
