@@ -247,3 +247,20 @@ def test_killed_writer_publishes_nothing(model):
         time.sleep(0.2)
         assert check(path.read_bytes()) == 1 and xattr(path, "version") == "1"
         assert not (model / "fresh.bin").exists()
+
+
+def test_rename_exchange_and_noreplace(model):
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    AT_FDCWD, RENAME_NOREPLACE, RENAME_EXCHANGE = -100, 1, 2
+
+    def renameat2(a, b, flags) -> int:
+        r = libc.renameat2(AT_FDCWD, str(a).encode(), AT_FDCWD, str(b).encode(), flags)
+        return 0 if r == 0 else ctypes.get_errno()
+
+    publish(model / "a", b"A")
+    publish(model / "b", b"B")
+    assert renameat2(model / "a", model / "b", RENAME_NOREPLACE) == errno.EEXIST
+    assert renameat2(model / "a", model / "b", RENAME_EXCHANGE) == 0
+    assert (model / "a").read_bytes() == b"B" and (model / "b").read_bytes() == b"A"
+    assert renameat2(model / "a", model / "c", RENAME_EXCHANGE) == errno.ENOENT
