@@ -24,7 +24,6 @@ import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio

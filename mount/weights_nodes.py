@@ -28,7 +28,7 @@ import trio
 from distorefs.errors import AlreadyExists, InvalidArgument, NotFound, NotPermitted, TooLarge
 from distorefs.names import check_name
 from distorefs.ring import Owner
-from distorefs.weights import DIR, FILE, LINK, ROOT_ID, TIER_NAMES, Version, WNode
+from distorefs.weights import DIR, LINK, ROOT_ID, TIER_NAMES, Version, WNode
 
 from .handles import Handle, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
@@ -325,7 +325,6 @@ class WeightsFile(Node):
                           DIR_LONG, nlink=1 if current else 0, entry_timeout=NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
-        tree = self.fs.store.weights
         if wants_write(flags):
             if not self.wnode.attached:
                 raise NotFound("the file was removed")

@@ -40,7 +40,6 @@ import platform
 import shutil
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time

@@ -120,7 +120,7 @@ def test_symlink_swap_publishes_a_directory_at_once(model):
             publish(model / f"v{v}" / f"{part}.bin", blob(v, 4096))
     os.symlink("v1", model / "latest")
     assert {check((model / "latest" / f"{p}.bin").read_bytes()) for p in "abc"} == {1}
-    subprocess.run(f"ln -sfn v2 latest.tmp && mv -T latest.tmp latest", shell=True, cwd=model, check=True)
+    subprocess.run("ln -sfn v2 latest.tmp && mv -T latest.tmp latest", shell=True, cwd=model, check=True)
     assert os.readlink(model / "latest") == "v2"
     assert {check((model / "latest" / f"{p}.bin").read_bytes()) for p in "abc"} == {2}
     assert "latest.tmp" not in os.listdir(model)

@@ -12,27 +12,11 @@ from distorefs.errors import (AlreadyExists, InvalidArgument, InvalidConfig, Not
                              TooLarge, WouldBlock)
 from distorefs.ring import Owner
 from distorefs.store import Store
+from store_runner import run
 
 OWNER = Owner(0o100644, 1000, 1000)
 LARGE = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
 DIR = Owner(0o40755, 1000, 1000)
-
-
-def run(path, fn, **store_kwargs):
-    """Open the store at `path`, run `await fn(store)` with its tasks running, close it."""
-    store = Store(path, **store_kwargs)
-    result = None
-
-    async def main():
-        nonlocal result
-        async with store.running():
-            result = await fn(store)
-
-    try:
-        trio.run(main)
-    finally:
-        store.close()
-    return result
 
 
 def npy(value, shape=(4, 3)) -> bytes:

@@ -4,31 +4,14 @@ chunks, renames, collection and persistence."""
 import os
 
 import numpy as np
-import trio
 
 from distorefs.ring import Owner
-from distorefs.store import Store
+from store_runner import run
 from distorefs.weights import ROOT_ID
 
 DIR = Owner(0o40755, 0, 0)
 FILE = Owner(0o100644, 0, 0)
 DATA = np.random.default_rng(0).integers(0, 256, (3 << 20) + 123, dtype=np.uint8).tobytes()
-
-
-def run(path, fn):
-    store = Store(path, config=None)
-    out = None
-
-    async def main():
-        nonlocal out
-        async with store.running():
-            out = await fn(store)
-
-    try:
-        trio.run(main)
-    finally:
-        store.close()
-    return out
 
 
 async def publish(tree, parent, name, data):
