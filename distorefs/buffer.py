@@ -141,7 +141,11 @@ class Buffer:
 
     def release(self, batch: Batch) -> None:
         """The handle holding `batch` is closed: remove the entries it spent."""
-        for meta in batch.spent:
+        self.remove_spent(batch.spent)
+
+    def remove_spent(self, metas: list[EntryMeta]) -> None:
+        """Remove entries sampled max_times_sampled times (in the background)."""
+        for meta in metas:
             self.counters["exhausted"] += 1
             self.store.committer.submit_nowait(RemoveEntry(self.ring, meta.key, meta.seq, "exhausted"))
 

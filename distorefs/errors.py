@@ -55,6 +55,16 @@ class NoSpace(DistorefsError):
     errno = _errno.ENOSPC
 
 
+class CrossDevice(DistorefsError):
+    """A rename between namespaces: EXDEV, so tools fall back to copy and delete."""
+
+    errno = _errno.EXDEV
+
+
+class Stale(DistorefsError):
+    errno = _errno.ESTALE
+
+
 class CorruptValue(DistorefsError):
     """A stored value whose checksum does not match: the read fails with EIO."""
 

@@ -86,7 +86,7 @@ class Sampler:
         if config.alpha != old.alpha or config.max_times_sampled != old.max_times_sampled:
             limit = config.max_times_sampled
             self.exhausted = self.live & (self.times >= limit) if limit else np.zeros_like(self.live)
-            self._refresh(np.flatnonzero(self.live | (self.uniform.get(np.arange(len(self.live))) > 0)))
+            self._refresh(np.flatnonzero(self.live))  # removed slots are already 0 in both trees
 
     def _refresh(self, slots: np.ndarray) -> None:
         drawable = self.live[slots] & ~self.exhausted[slots]

@@ -135,8 +135,7 @@ class Store:
             await nursery.start(self.committer.run)
             nursery.start_soon(self._sync_loop)
             for buf in self.buffers.values():
-                for meta in buf.spent_at_load():
-                    self.committer.submit_nowait(_spent_removal(buf, meta))
+                buf.remove_spent(buf.spent_at_load())
             try:
                 yield self
             finally:
@@ -313,11 +312,6 @@ class Store:
 
 def _copy(value) -> bytes | None:
     return None if value is None else bytes(value)
-
-
-def _spent_removal(buf: Buffer, meta: EntryMeta) -> Change:
-    from .ring import RemoveEntry
-    return RemoveEntry(buf.ring, meta.key, meta.seq, "exhausted")
 
 
 class CreateNamespace(Change):

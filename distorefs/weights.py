@@ -23,7 +23,7 @@ import struct
 import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import trio
@@ -381,10 +381,8 @@ class Publish(_TreeChange):
         self.chunks = chunks
         self.checksum = crc & 0xFFFFFFFF
         if self.base is not None:
-            b = self.base
-            self.node = WNode(b.id, FILE, b.parent, b.name, b.mode, b.uid, b.gid, self.mtime_ns,
-                              versions=[*b.versions, Version(self.number, self.size, self.mtime_ns, self.chunks,
-                                                             self.checksum)])
+            version = Version(self.number, self.size, self.mtime_ns, self.chunks, self.checksum)
+            self.node = replace(self.base, mtime_ns=self.mtime_ns, versions=[*self.base.versions, version])
         else:
             o = self.owner
             self.node = WNode(self.new_id, FILE, self.parent_id, self.name, o.mode, o.uid, o.gid, self.mtime_ns,
@@ -503,15 +501,9 @@ class Rename(_TreeChange):
         self.replaced = None if self.exchange else target
 
     def txn(self, txn) -> None:
-        n = self.node
-        self.moved = WNode(n.id, n.kind, self.new_parent, self.new_name, n.mode, n.uid, n.gid, n.mtime_ns,
-                           n.target, n.versions)
-        self._put(txn, self.moved)
+        self._put(txn, replace(self.node, parent=self.new_parent, name=self.new_name))
         if self.exchange:
-            t = self.target
-            self.swapped = WNode(t.id, t.kind, self.old_parent, self.old_name, t.mode, t.uid, t.gid, t.mtime_ns,
-                                 t.target, t.versions)
-            self._put(txn, self.swapped)
+            self._put(txn, replace(self.target, parent=self.old_parent, name=self.old_name))
         elif self.target is not None:
             _detach_txn(self, txn, self.target)
 
@@ -535,12 +527,8 @@ class SetAttrs(_TreeChange):
         self.values = {"mode": mode, "uid": uid, "gid": gid, "mtime_ns": mtime_ns}
 
     def txn(self, txn) -> None:
-        n = self.node
-        changed = {k: v for k, v in self.values.items() if v is not None}
-        self.new = WNode(n.id, n.kind, n.parent, n.name, changed.get("mode", n.mode), changed.get("uid", n.uid),
-                         changed.get("gid", n.gid), changed.get("mtime_ns", n.mtime_ns), n.target, n.versions)
-        if n.attached:
-            self._put(txn, self.new)
+        if self.node.attached:
+            self._put(txn, replace(self.node, **{k: v for k, v in self.values.items() if v is not None}))
 
     def apply(self) -> None:
         for k, v in self.values.items():
@@ -563,10 +551,8 @@ class Collect(_TreeChange):
             for chunk in version.chunks:
                 self.tree.store.backend(chunk.tier).delete(txn, chunk.loc)
         if self.node.attached and self.victims:
-            n = self.node
-            keep = [v for v in n.versions if v not in self.victims]
-            txn.put(_key(n.id), WNode(n.id, n.kind, n.parent, n.name, n.mode, n.uid, n.gid, n.mtime_ns,
-                                      n.target, keep).record(), db=self.tree.store.env.db(DB_WNODES))
+            keep = [v for v in self.node.versions if v not in self.victims]
+            self._put(txn, replace(self.node, versions=keep))
 
     def apply(self) -> None:
         node = self.node

@@ -19,7 +19,7 @@ from distorefs import __version__
 from distorefs.buffer import Buffer
 from distorefs.catalog import TIER_NAMES, EntryMeta
 from distorefs.codec import CODEC_NAMES
-from distorefs.errors import (AlreadyExists, InvalidArgument, NotFound, NotPermitted, WouldBlock)
+from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, WouldBlock)
 from distorefs.names import check_name
 from distorefs.ring import Owner
 
@@ -426,11 +426,6 @@ class EntriesDir(Node):
         if flags & pyfuse3.RENAME_NOREPLACE and new in self.buf.ring.by_key:
             raise AlreadyExists(f"entry {new!r} exists")
         await self.buf.ring.rename(old, new)
-
-
-class CrossDevice(NotPermitted):
-    import errno as _e
-    errno = _e.EXDEV
 
 
 class EntryNode(Node):

@@ -15,7 +15,6 @@ published and a new shared inode serves it.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import stat
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
-from distorefs.errors import AlreadyExists, InvalidArgument, NotFound, NotPermitted, TooLarge
+from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, Stale, TooLarge
 from distorefs.names import check_name
 from distorefs.ring import Owner
 from distorefs.weights import DIR, LINK, ROOT_ID, TIER_NAMES, Version, WNode
@@ -279,12 +278,6 @@ class WeightsDir(Node):
         await _set_attrs(self.tree, self.tree.node(self.node_id), attr, fields)
 
 
-class CrossDevice(NotPermitted):
-    errno = errno.EXDEV
-
-
-class Stale(NotPermitted):
-    errno = errno.ESTALE
 
 
 async def _set_attrs(tree, node: WNode, attr, fields) -> None:
@@ -315,7 +308,6 @@ class WeightsFile(Node):
         self.wnode = node
         self.version = version
         self.shared = shared
-        self.refused: set[int] = set()  # pids whose write open was sent to a private inode
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         n, v = self.wnode, self.version
@@ -328,14 +320,14 @@ class WeightsFile(Node):
         if wants_write(flags):
             if not self.wnode.attached:
                 raise NotFound("the file was removed")
-            if self.shared and ctx is not None and ctx.pid not in self.refused:
-                # never truncate the inode readers share: have the kernel look up again
-                self.refused.add(ctx.pid)
-                self.fs.writer_redirects[(self.wnode.id, ctx.pid)] = True
-                raise Stale("redirecting a writer to a private inode")
             if ctx is not None:
-                self.refused.discard(ctx.pid)
-                self.fs.writer_redirects.pop((self.wnode.id, ctx.pid), None)
+                redirect = (self.wnode.id, ctx.pid)
+                if self.shared and redirect not in self.fs.writer_redirects:
+                    # never truncate the inode readers share: have the kernel look up again
+                    self.fs.writer_redirects[redirect] = True
+                    raise Stale("redirecting a writer to a private inode")
+                # the private inode (or, if the kernel did not look up again, the shared one)
+                self.fs.writer_redirects.pop(redirect, None)
             writer = WeightsWriter(self.fs, self.wnode.parent, self.wnode.name,
                                    Owner(self.wnode.mode, self.wnode.uid, self.wnode.gid), self.wnode.id,
                                    wants_read(flags), ctx.pid if ctx is not None else 0)
@@ -406,8 +398,8 @@ class PendingFile(Node):
     async def setattr(self, attr, fields, handle, ctx) -> None:
         if fields.update_size and isinstance(handle, WeightsWriter):
             await handle.truncate(attr.st_size)
-        elif fields.update_size and self.writer.fd >= 0 and self._published() is None:
-            await self.writer.truncate(attr.st_size)
+        elif fields.update_size and self._published() is None:
+            await self.writer.truncate(attr.st_size)  # ftruncate of the path before the first close
 
 
 __all__ = ["WeightsDir", "WeightsFile", "WeightsLink", "PendingFile", "InvalidArgument", "TooLarge"]
