@@ -21,34 +21,22 @@ from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u
 from .committer import Change, Overlay
 from .config import BufferConfig
 from .errors import InvalidArgument, NotFound, TooLarge, WouldBlock
-from .ring import Owner, RemoveEntry, Ring
+from .ring import Owner, RemoveEntry, RingNamespace
 from .sampler import Sampler
 
 
-class Buffer:
+class Buffer(RingNamespace):
     kind = "buffers"
     config_type = BufferConfig
 
     def __init__(self, store, ns_id: int, name: str, config: BufferConfig, owner: Owner, ctime_ns: int) -> None:
-        self.store = store
-        self.name = name
-        self.owner = owner
-        self.ctime_ns = ctime_ns
         self.sampler = Sampler(config)
-        self.ring = Ring(store, ns_id, self.kind, name, config, observer=self)
+        super().__init__(store, ns_id, name, config, owner, ctime_ns, observer=self)
         self._presampled: dict[int, deque] = {}
         self._refilling: set[int] = set()
         self._changed = trio.Event()
         self.counters = {"batches": 0, "sampled_entries": 0, "presampled_used": 0,
                          "priority_updates": 0, "priority_unknown_keys": 0, "exhausted": 0}
-
-    @property
-    def config(self) -> BufferConfig:
-        return self.ring.config  # type: ignore[return-value]
-
-    @property
-    def ns_id(self) -> int:
-        return self.ring.ns_id
 
     # ----- ring observer -------------------------------------------------------------
 

@@ -318,6 +318,29 @@ class Ring:
                 self.apply_add(meta, prio.get(seq), sampled.get(seq, 0))
 
 
+class RingNamespace:
+    """A namespace whose entries live in one ring: buffers/NAME and banks/NAME."""
+
+    kind = ""
+    config_type: type = RingConfig
+
+    def __init__(self, store: "Store", ns_id: int, name: str, config: RingConfig, owner: Owner, ctime_ns: int,
+                 observer: RingObserver | None = None) -> None:
+        self.store = store
+        self.name = name
+        self.owner = owner
+        self.ctime_ns = ctime_ns
+        self.ring = Ring(store, ns_id, self.kind, name, config, observer=observer)
+
+    @property
+    def config(self):
+        return self.ring.config
+
+    @property
+    def ns_id(self) -> int:
+        return self.ring.ns_id
+
+
 def _scan(txn, db, prefix: bytes, decode) -> dict[int, object]:
     out = {}
     cursor = txn.cursor(db=db)
