@@ -773,6 +773,24 @@ def _plot(rows: list[dict], path: Path, title: str, summary: list[str]) -> None:
 
 # ----- entry point -------------------------------------------------------------------------
 
+def machine_info(root: Path, notes: list[str]) -> dict:
+    """What the numbers were measured on, and a note if the machine was busy at the start."""
+    machine = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+               "numpy": np.__version__, "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+               "workdir": str(root), "fs": _fs_of(root)}
+    try:
+        with open("/sys/block/" + Path(machine["fs"]["source"]).name + "/queue/read_ahead_kb") as f:
+            machine["read_ahead_kb"] = int(f.read())
+    except (OSError, ValueError):
+        pass
+    machine["loadavg_start"] = open("/proc/loadavg").read().split()[:3]
+    machine["other_load_cores_start"] = _other_load(1.0)
+    if machine["other_load_cores_start"] > 0.3:
+        notes.append(f"the machine was not idle: {machine['other_load_cores_start']} cores busy with other work "
+                     f"at the start (of {machine['cpus']}); every number below competes with it")
+    return machine
+
+
 def _pick_workdir(workdir: Path | None, notes: list[str]) -> Path:
     base = Path(workdir) if workdir else Path.cwd()
     base.mkdir(parents=True, exist_ok=True)
@@ -795,19 +813,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     bench = Bench(root, quick)
     bench.notes = notes
     p = bench.p
-    machine = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-               "numpy": np.__version__, "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-               "workdir": str(root), "fs": _fs_of(root)}
-    try:
-        with open("/sys/block/" + Path(machine["fs"]["source"]).name + "/queue/read_ahead_kb") as f:
-            machine["read_ahead_kb"] = int(f.read())
-    except (OSError, ValueError):
-        pass
-    machine["loadavg_start"] = open("/proc/loadavg").read().split()[:3]
-    machine["other_load_cores_start"] = _other_load(1.0)
-    if machine["other_load_cores_start"] > 0.3:
-        notes.append(f"the machine was not idle: {machine['other_load_cores_start']} cores busy with other work "
-                     f"at the start (of {machine['cpus']}); every number below competes with it")
+    machine = machine_info(root, notes)
     print(f"distorefs bench buffers{' --quick' if quick else ''}: workdir {root} "
           f"({machine['fs']['fstype']} on {machine['fs']['source']}), {machine['cpus']} CPUs, "
           f"other load {machine['other_load_cores_start']} cores", flush=True)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import struct
 import subprocess
@@ -51,10 +50,10 @@ import numpy as np
 
 if __package__:
     from .bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted, _other_load,
-                                _pick_workdir, _proc_cpu)
+                                _pick_workdir, _proc_cpu, machine_info)
 else:  # `python tools/bench_weights.py`
     from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted,
-                                               _other_load, _pick_workdir, _proc_cpu)
+                                               _other_load, _pick_workdir, _proc_cpu, machine_info)
 
 SYSTEMS = ("distorefs", "tmpfs", "ext4")
 HEADER = 4096
@@ -683,14 +682,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, distorefs_t
     size = p["size_mib"] << 20
     root = _pick_workdir(workdir, notes)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    machine = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-               "numpy": np.__version__,
-               "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-               "workdir": str(root), "fs": _fs_of(root), "loadavg_start": open("/proc/loadavg").read().split()[:3]}
-    machine["other_load_cores_start"] = _other_load(1.0)
-    if machine["other_load_cores_start"] > 0.3:
-        notes.append(f"the machine was not idle: {machine['other_load_cores_start']} cores busy with other work at "
-                     f"the start (of {machine['cpus']}); every number below competes with it")
+    machine = machine_info(root, notes)
     log(f"distorefs bench weights{' --quick' if quick else ''}: {p['size_mib']} MiB published every "
         f"{p['period']:g} s, {p['readers']} readers, {p['seconds']:g} s per system; workdir {root} "
         f"({machine['fs']['fstype']} on {machine['fs']['source']}), {machine['cpus']} CPUs, "
