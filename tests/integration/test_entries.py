@@ -3,6 +3,7 @@ concurrent inserts, eviction."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import multiprocessing
 import os
@@ -150,15 +151,32 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@contextlib.contextmanager
+def held_writer(path):
+    """A process that has written half of `path` and holds it open; calling the yielded
+    function makes it write the rest and close. It runs in its own process so no fd of it
+    is inherited (and closed) by the readers: a close of any duplicate would commit."""
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+
+    def finish() -> None:
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline().strip() == "closed"
+
+    try:
+        assert writer.stdout.readline().strip() == "written"
+        yield finish
+    finally:
+        writer.stdin.close()
+        writer.wait(timeout=30)
+    assert writer.returncode == 0
+
+
 def test_entry_invisible_until_close(buf):
     path = buf / "entries" / "pending"
     write_entry(buf, "before", b"b")
-    # The writer runs in its own process, so no fd of it is inherited (and closed) by the
-    # readers below: a close of any duplicate of the descriptor would commit.
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert writer.stdout.readline().strip() == "written"
+    with held_writer(path) as finish:
         assert_errno(errno.ENOENT, open, path, "rb")
         cat = subprocess.run(["cat", str(path)], capture_output=True)
         assert cat.returncode != 0 and cat.stdout == b""
@@ -166,13 +184,7 @@ def test_entry_invisible_until_close(buf):
         assert "pending" not in ls.stdout.split()
         assert "pending" not in entry_names(buf)
         assert get_stats(buf)["entries"] == 1
-        writer.stdin.write("go\n")
-        writer.stdin.flush()
-        assert writer.stdout.readline().strip() == "closed"
-    finally:
-        writer.stdin.close()
-        writer.wait(timeout=30)
-    assert writer.returncode == 0
+        finish()
     assert read_entry(buf, "pending") == b"first half|second half"
     assert entry_names(buf) == ["before", "pending"]
     cat = subprocess.run(["cat", str(path)], capture_output=True, check=True)
@@ -182,19 +194,11 @@ def test_entry_invisible_until_close(buf):
 def test_rewrite_invisible_until_close(buf):
     path = buf / "entries" / "doc"
     write_entry(buf, "doc", b"old content")
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert writer.stdout.readline().strip() == "written"
+    with held_writer(path) as finish:
         # readers still get the whole old version while the rewrite is open
         cat = subprocess.run(["cat", str(path)], capture_output=True, check=True)
         assert cat.stdout == b"old content"
-        writer.stdin.write("go\n")
-        writer.stdin.flush()
-        assert writer.stdout.readline().strip() == "closed"
-    finally:
-        writer.stdin.close()
-        writer.wait(timeout=30)
+        finish()
     assert read_entry(buf, "doc") == b"first half|second half"
 
 
