@@ -22,6 +22,7 @@ from .committer import Change, Overlay
 from .config import BufferConfig
 from .errors import InvalidArgument, NotFound, TooLarge, WouldBlock
 from .ring import Owner, RemoveEntry, RingNamespace
+from .prefetcher import Prefetcher
 from .sampler import Sampler
 
 
@@ -32,6 +33,9 @@ class Buffer(RingNamespace):
     def __init__(self, store, ns_id: int, name: str, config: BufferConfig, owner: Owner, ctime_ns: int) -> None:
         self.sampler = Sampler(config)
         super().__init__(store, ns_id, name, config, owner, ctime_ns, observer=self)
+        # Pre-sampled batches are the order this buffer's prefetcher reads ahead along.
+        self.prefetcher = self.ring.prefetcher = Prefetcher(store.prefetch_budget, self.ring.prefetch_loader,
+                                                            spawn=store.spawn, lag=4096)
         self._presampled: dict[int, deque] = {}
         self._refilling: set[int] = set()
         self._changed = trio.Event()
@@ -155,7 +159,7 @@ class Buffer(RingNamespace):
                     return
                 metas = [self.ring.slot_meta[s] for s in slots.tolist()]
                 queue.append((slots, np.array([m.seq for m in metas], dtype=np.int64)))
-                await self.ring.prefetch(list({m.seq: m for m in metas}.values()))
+                self.ring.prefetcher.extend({(m.seq, m.gen): None for m in metas})
         finally:
             self._refilling.discard(n)
 

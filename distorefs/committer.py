@@ -111,6 +111,13 @@ class Committer:
         if pending.error is not None:
             raise pending.error
 
+    async def submit_all(self, changes: list[Change]) -> list[BaseException | None]:
+        """Queue many changes at once (they share groups) and wait for all; their errors, in order."""
+        pending = [self._enqueue(change, waited=True) for change in changes]
+        for p in pending:
+            await p.done.wait()
+        return [p.error for p in pending]
+
     def submit_nowait(self, change: Change) -> None:
         """Queue `change` without waiting; a failure is logged."""
         self._enqueue(change, waited=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -148,6 +149,34 @@ class BufferConfig(RingConfig):
 
 
 @dataclass
+class DatasetConfig(_Config):
+    """A dataset (datasets/NAME/config.json)."""
+
+    compression: str = "zstd"
+    compression_level: int = 1
+    chunk_bytes: int = 4 << 20
+    max_item_bytes: int = 256 << 20  # items written through the mount are staged in memory
+
+    def validate(self) -> None:
+        _require(self.compression in COMPRESSIONS,
+                 f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        _require(1 <= self.compression_level <= 22,
+                 f"compression_level must be in 1..22, got {self.compression_level}")
+        _require(64 << 10 <= self.chunk_bytes <= 256 << 20,
+                 f"chunk_bytes must be in 64 KiB..256 MiB, got {self.chunk_bytes}")
+        _require(self.max_item_bytes >= 1, f"max_item_bytes must be >= 1, got {self.max_item_bytes}")
+
+
+def default_prefetch_bytes() -> int:
+    """A sixteenth of the machine's memory, between 64 MiB and 4 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 4 << 30
+    return max(64 << 20, min(4 << 30, total // 16))
+
+
+@dataclass
 class WeightsConfig(_Config):
     """The parameter server (weights/config.json)."""
 
@@ -171,7 +200,7 @@ class StoreConfig(_Config):
     segment_bytes: int = 256 << 20
     nvme_dir: str = ""
     cache_bytes: int = 512 << 20
-    prefetch_bytes: int = 256 << 20
+    prefetch_bytes: int = field(default_factory=default_prefetch_bytes)
     sync_interval: float = 1.0
     entry_timeout: float = 300.0
     max_batch_entries: int = 65536

@@ -55,6 +55,14 @@ class NoSpace(DistorefsError):
     errno = _errno.ENOSPC
 
 
+class IsADirectory(DistorefsError):
+    errno = _errno.EISDIR
+
+
+class NotADirectory(DistorefsError):
+    errno = _errno.ENOTDIR
+
+
 class CrossDevice(DistorefsError):
     """A rename between namespaces: EXDEV, so tools fall back to copy and delete."""
 

@@ -25,11 +25,12 @@ from .catalog import (DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, TIER_NAMES, en
                       ns_prefix, pack_f64, split_entry_key)
 from .committer import Change, Overlay
 from .config import RingConfig
-from .errors import CorruptValue, NotFound, TooLarge
+from .errors import CorruptValue, DistorefsError, NotFound, TooLarge
 from .names import check_name
 from .placement import choose_tier
 
 if TYPE_CHECKING:
+    from .prefetcher import Prefetcher
     from .store import Store
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class Ring:
         self._free_slots: list[int] = []
         self.counters = {"inserts": 0, "rewrites": 0, "deletes": 0, "evictions": 0,
                          "reads": 0, "read_bytes": 0, "inserted_bytes": 0}
+        # Set by namespaces that read ahead (buffers: pre-sampled batches); keys (seq, gen).
+        self.prefetcher: Prefetcher | None = None
 
     # ----- queries -------------------------------------------------------------------
 
@@ -157,9 +160,16 @@ class Ring:
         return value
 
     async def read_many(self, metas: list[EntryMeta]) -> list[bytes]:
-        """Values of many entries; all misses are loaded in one worker-thread call."""
+        """Values of many entries (memory tier, then prefetched values, then one worker-thread
+        call for all the rest)."""
         cache = self.store.cache
         values: list[bytes | None] = [cache.get(self._cache_key(m)) for m in metas]
+        if self.prefetcher is not None:
+            for i, m in enumerate(metas):
+                if values[i] is None:
+                    values[i] = await self.prefetcher.take((m.seq, m.gen))
+                    if values[i] is not None:
+                        cache.put(self._cache_key(m), values[i])  # drawn again soon, maybe
         missing = [i for i, v in enumerate(values) if v is None]
         if missing:
             loaded = await trio.to_thread.run_sync(
@@ -173,16 +183,19 @@ class Ring:
         self.counters["read_bytes"] += sum(len(v) for v in values)  # type: ignore[arg-type]
         return values  # type: ignore[return-value]
 
-    async def prefetch(self, metas: list[EntryMeta]) -> None:
-        """Pull values into the memory tier ahead of their reads (failures are left to the read)."""
-        cache = self.store.cache
-        todo = [m for m in metas if cache.peek(self._cache_key(m)) is None]
-        if todo:
-            loaded = await trio.to_thread.run_sync(
-                self.store.load_values, [(m, self._what(m)) for m in todo])
-            for meta, value in zip(todo, loaded):
-                if value is not None and self.by_seq.get(meta.seq) is meta:
-                    cache.put(self._cache_key(meta), value)
+    def prefetch_loader(self, keys: list[tuple[int, int]]) -> list[bytes | None]:
+        """The prefetcher's loader (worker thread): values not in the memory tier already."""
+        out: list[bytes | None] = []
+        for seq, gen in keys:
+            meta = self.by_seq.get(seq)
+            if meta is None or meta.gen != gen or self.store.cache.peek(self._cache_key(meta)) is not None:
+                out.append(None)
+                continue
+            try:
+                out.append(self.store.load_value(meta, self._what(meta)))
+            except DistorefsError:
+                out.append(None)  # the read itself reports it
+        return out
 
     def _what(self, meta: EntryMeta) -> str:
         return f"{self.kind}/{self.name}/entries/{meta.key.decode(errors='replace')} (seq {meta.seq})"
@@ -266,6 +279,8 @@ class Ring:
         self._account(new, +1)
         cached = self.store.cache.peek(self._cache_key(old))
         self.store.cache.discard(self._cache_key(old))
+        if self.prefetcher is not None:
+            self.prefetcher.forget((old.seq, old.gen))
         if cached is not None and new.loc == old.loc and new.checksum == old.checksum:
             self.store.cache.put(self._cache_key(new), cached)  # same value, new name or attrs
         if self.observer is not None:
@@ -280,6 +295,8 @@ class Ring:
         self._account(meta, -1)
         self.counters[reason] = self.counters.get(reason, 0) + 1
         self.store.cache.discard(self._cache_key(meta))
+        if self.prefetcher is not None:
+            self.prefetcher.forget((meta.seq, meta.gen))
         if self.observer is not None:
             self.observer.entry_removed(meta)
         self.store.entry_changed(self, meta, None)

@@ -33,17 +33,19 @@ from .buffer import Buffer
 from .cache import ValueCache
 from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, TIER_LMDB, TIER_NAMES, TIER_NVME, EntryMeta, pack_u32, unpack_u32
 from .committer import Change, Committer, Overlay
+from .dataset import DB_DSNODES, Dataset
 from .config import BufferConfig, StoreConfig, WeightsConfig
 from .errors import AlreadyExists, CorruptValue, DistorefsError, NotEmpty, NotFound, StoreLocked
 from .names import check_name
+from .prefetcher import PrefetchBudget
 from .ring import Owner, Ring
 from .weights import DB_WNODES, WeightsTree
 
 log = logging.getLogger(__name__)
 
 EntryListener = Callable[[Ring, EntryMeta, "EntryMeta | None"], None]
-Namespace = Buffer | Bank
-KINDS: dict[str, type] = {"buffers": Buffer, "banks": Bank}
+Namespace = Buffer | Bank | Dataset
+KINDS: dict[str, type] = {"buffers": Buffer, "banks": Bank, "datasets": Dataset}
 
 
 class Store:
@@ -74,7 +76,7 @@ class Store:
 
     def _open(self, nvme_dir: str | None, overrides: dict | None) -> None:
         self.env = LmdbEnv(self.path / "meta")
-        for name in (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES):
+        for name in (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DSNODES):
             self.env.db(name)  # opening a db writes: do it once, before any transaction
         stored = self.env.read(lambda txn: _copy(txn.get(b"config", db=self.env.db(DB_META))))
         base = StoreConfig.from_json(stored) if stored else StoreConfig()
@@ -88,10 +90,12 @@ class Store:
             TIER_NVME: SegmentValues(self.env, self.nvme_path, self.config.segment_bytes),
         }
         self.cache = ValueCache(self.config.cache_bytes)
+        self.prefetch_budget = PrefetchBudget(self.config.prefetch_bytes)
         self.committer = Committer(self.env.write)
         self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
         self.buffers: dict[str, Buffer] = self.namespaces["buffers"]  # type: ignore[assignment]
         self.banks: dict[str, Bank] = self.namespaces["banks"]  # type: ignore[assignment]
+        self.datasets: dict[str, Dataset] = self.namespaces["datasets"]  # type: ignore[assignment]
         self.listeners: list[EntryListener] = []
         self.counters = {"corrupt_reads": 0, "disk_reads": 0, "disk_read_bytes": 0, "syncs": 0,
                          "segment_bytes_freed": 0}
@@ -120,9 +124,14 @@ class Store:
             if cls is None:
                 log.error("namespace %s/%s of unknown kind: left alone", kind, name)
                 continue
-            ns = cls(self, record["id"], name, cls.config_type.from_dict(record["config"]),
-                     Owner(record["mode"], record["uid"], record["gid"]), record["ctime_ns"])
-            ns.ring.load(txn)
+            args = (self, record["id"], name, cls.config_type.from_dict(record["config"]),
+                    Owner(record["mode"], record["uid"], record["gid"]), record["ctime_ns"])
+            if cls is Dataset:
+                ns = Dataset(*args, record=record)
+                ns.load(txn)
+            else:
+                ns = cls(*args)
+                ns.ring.load(txn)
             self.namespaces[kind][name] = ns
 
     # ----- running -------------------------------------------------------------------
@@ -282,7 +291,8 @@ class Store:
         st = os.statvfs(self.path)
         used = sum(b.usage().used_bytes for b in self.backends.values())
         return {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize, "used": used,
-                "files": sum(len(ns.ring) for kind in self.namespaces.values() for ns in kind.values())}
+                "files": sum(len(ns.ring) for kind in ("buffers", "banks") for ns in self.namespaces[kind].values())
+                + sum(ds.counters.items for ds in self.datasets.values())}
 
     def stats(self) -> dict[str, Any]:
         tiers = {}
@@ -307,7 +317,18 @@ class Store:
             "buffers": buffers,
             "banks": {name: b.stats() for name, b in sorted(self.banks.items())},
             "weights": self.weights.stats(),
+            "datasets": {name: d.stats() for name, d in sorted(self.datasets.items())},
+            "prefetch": {"budget_bytes": self.prefetch_budget.capacity, "held_bytes": self.prefetch_budget.used,
+                         **_sum_prefetch([ns.prefetcher for kind in self.namespaces.values()
+                                          for ns in kind.values() if getattr(ns, "prefetcher", None)])},
         }
+
+
+def _sum_prefetch(prefetchers) -> dict:
+    totals = {k: sum(p.counters[k] for p in prefetchers) for k in ("hits", "late", "misses", "skipped", "pushed")}
+    reads = totals["hits"] + totals["late"] + totals["misses"]
+    totals["hit_rate"] = round((totals["hits"] + totals["late"]) / reads, 4) if reads else None
+    return totals
 
 
 def _copy(value) -> bytes | None:
@@ -353,11 +374,16 @@ class DropNamespace(Change):
         ns = self.ns
         if self.store.namespaces[ns.kind].get(ns.name) is not ns:
             raise NotFound(f"no {ns.kind}/{ns.name}")
-        if len(ns.ring) + overlay.ring(ns.ns_id).count > 0:
+        if isinstance(ns, Dataset):
+            if ns.sealed or ns.counters.items or ns.children(1, 0, 1):
+                raise NotEmpty(f"datasets/{ns.name} is not empty")
+        elif len(ns.ring) + overlay.ring(ns.ns_id).count > 0:
             raise NotEmpty(f"{ns.kind}/{ns.name} still has {len(ns.ring)} entries")
 
     def txn(self, txn) -> None:
         txn.delete(f"{self.ns.kind}/{self.ns.name}".encode(), db=self.store.env.db(DB_NS))
+        if isinstance(self.ns, Dataset):
+            self.ns.drop_txn(txn)
 
     def apply(self) -> None:
         del self.store.namespaces[self.ns.kind][self.ns.name]
@@ -373,7 +399,8 @@ class ConfigureNamespace(Change):
         self.conflict_key = ("ns", ns.kind, ns.name)
 
     def plan(self, overlay: Overlay) -> None:
-        self.victims = self.ns.ring.plan_evictions(overlay.ring(self.ns.ns_id), config=self.config)
+        ring = getattr(self.ns, "ring", None)
+        self.victims = ring.plan_evictions(overlay.ring(self.ns.ns_id), config=self.config) if ring else []
 
     def txn(self, txn) -> None:
         for victim in self.victims:

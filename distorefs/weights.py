@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from . import codec
 from .catalog import TIER_NAMES
+from .chunks import Chunk, load_chunk, put_chunk
 from .committer import Change, Overlay
 from .config import WeightsConfig
-from .errors import AlreadyExists, CorruptValue, InvalidArgument, NotEmpty, NotFound, NotPermitted
+from .errors import AlreadyExists, InvalidArgument, NotEmpty, NotFound, NotPermitted
 from .names import check_name
-from .placement import choose_tier
 from .ring import Owner
 
 if TYPE_CHECKING:
@@ -46,16 +45,6 @@ DB_WNODES = b"wnodes"
 ROOT_ID = 1
 _ID = struct.Struct(">Q")
 DIR, FILE, LINK = "dir", "file", "link"
-
-
-@dataclass
-class Chunk:
-    size: int
-    stored_size: int
-    checksum: int
-    codec: int
-    tier: int
-    loc: bytes
 
 
 @dataclass(eq=False)
@@ -218,11 +207,7 @@ class WeightsTree:
         return data
 
     def _load_chunk(self, chunk: Chunk, what: str) -> bytes:
-        try:
-            stored = self.store.backend(chunk.tier).get(chunk.loc)
-            return codec.decode(stored, chunk.codec, chunk.size, chunk.checksum, what)
-        except (CorruptValue, NotFound) as exc:
-            raise self.store.report_corrupt(CorruptValue(f"{what}: {exc}")) from None
+        return load_chunk(self.store, chunk, what)
 
     # ----- writes --------------------------------------------------------------------
 
@@ -372,12 +357,9 @@ class Publish(_TreeChange):
         for i, off in enumerate(range(0, self.size, step)):
             raw = os.pread(self.fd, min(step, self.size - off), off)
             crc = zlib.crc32(raw, crc)
-            enc = codec.encode(raw, tree.config.compression, 1)
-            tier = choose_tier(len(enc.stored), store.config)
             # every version's chunks have their own keys: a reader may still hold the old ones
             vkey = b"w" + _key(node_id) + struct.pack(">QI", self.number, i)
-            loc = store.backend(tier).put(txn, vkey, enc.stored)
-            chunks.append(Chunk(enc.size, len(enc.stored), enc.checksum, enc.codec, tier, loc))
+            chunks.append(put_chunk(store, txn, vkey, raw, tree.config.compression))
         self.chunks = chunks
         self.checksum = crc & 0xFFFFFFFF
         if self.base is not None:

@@ -134,8 +134,8 @@ class EntryWriter(StagingWriter):
 class ConfigWriter(StagingWriter):
     """config.json: the JSON written is validated and applied at close (EINVAL keeps the old)."""
 
-    def __init__(self, apply, initial: bytes) -> None:
-        super().__init__(initial, 1 << 20, True)
+    def __init__(self, apply, initial: bytes, limit: int = 1 << 20) -> None:
+        super().__init__(initial, limit, True)
         self._apply = apply
 
     async def apply(self, data: bytes) -> None:

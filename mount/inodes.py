@@ -86,6 +86,10 @@ class InodeTable:
         if not self._lookups.get(ino) and ino not in self._fixed:
             del self._nodes[ino]
 
+    def known(self, ino: int) -> bool:
+        """Whether the kernel holds `ino` (looked up and not forgotten)."""
+        return self._lookups.get(ino, 0) > 0
+
     def looked_up(self, ino: int, n: int = 1) -> None:
         self._lookups[ino] = self._lookups.get(ino, 0) + n
 

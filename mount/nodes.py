@@ -188,7 +188,11 @@ class NamespacesDir(Node):
 
     def _node(self, name: str) -> Node:
         ns = self.fs.store.namespace(self.kind, name)
-        make = BufferDir if self.kind == "buffers" else BankDir
+        if self.kind == "datasets":
+            from .dataset_nodes import DatasetDir
+            make = DatasetDir
+        else:
+            make = BufferDir if self.kind == "buffers" else BankDir
         return self.fs.inodes.intern(("ns", ns.ns_id), lambda: make(self.fs, ns))
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
@@ -570,6 +574,9 @@ def build_tree(fs: "Filesystem") -> StaticDir:
                                      (("wdir", ROOT_ID), weights)] +
                                     [(("ctl", name), n) for name, n in ctl.entries.items()], 2):
         fs.inodes.add_fixed(i, key, node)
+    datasets = NamespacesDir(fs, "datasets")
+    root.entries[b"datasets"] = datasets
+    fs.inodes.add_fixed(900, ("datasets",), datasets)  # above the enumerated ones, below the dynamic
     return root
 
 

@@ -65,6 +65,7 @@ class Filesystem(pyfuse3.Operations):
         self.started_ns = time.time_ns()
         self.invalidator: Invalidator | None = None
         self.pending_weights: dict = {}  # (dir id, name) -> writer of a created, unpublished file
+        self.pending_items: dict = {}  # (dataset id, dir id, name) -> node of a created, uncommitted item
         self.writer_redirects: dict = {}  # (file id, pid) -> True: its next lookup gets a private inode
         self.root = build_tree(self)
         store.listeners.append(self._entry_changed)

@@ -181,6 +181,44 @@ def demo(mountpoint, actors, seconds) -> None:
     run_workload(Path(mountpoint), actors=actors, seconds=seconds)
 
 
+@main.command("stage")
+@click.argument("src", type=click.Path(exists=True))
+@click.argument("dest", type=click.Path())
+@click.option("--jobs", "-j", default=4, show_default=True, help="Batches in flight at once.")
+@click.option("--no-seal", is_flag=True, help="Leave the dataset writable (seal later with `distorefs seal`).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def stage_cmd(src, dest, jobs, no_seal, quiet) -> None:
+    """Copy SRC (a directory tree, a list of paths, or a CSV with a `path` column) into
+    DEST = MNT/datasets/NAME, verifying every file; a rerun resumes. Then seal it."""
+    from .stage import stage
+    t0 = time.monotonic()
+    try:
+        report = stage(src, dest, jobs=jobs, seal=not no_seal, progress=not quiet)
+    except (OSError, RuntimeError) as exc:
+        raise click.ClickException(str(exc))
+    elapsed = time.monotonic() - t0
+    click.echo(f"{report.files} files, {report.bytes / 1e6:.1f} MB in {elapsed:.1f} s "
+               f"({report.bytes / 1e6 / max(elapsed, 1e-9):.1f} MB/s, {report.files / max(elapsed, 1e-9):.0f} files/s): "
+               f"{report.ok} copied, {report.skipped} already staged, {len(report.errors)} failed"
+               + ("; sealed" if report.sealed else ""))
+    for line in report.errors[:20]:
+        click.echo(f"  error: {line}", err=True)
+    if report.errors:
+        raise SystemExit(1)
+
+
+@main.command("seal")
+@click.argument("dataset", type=click.Path(exists=True, file_okay=False))
+def seal_cmd(dataset) -> None:
+    """Seal MNT/datasets/NAME: number its items, build index.npy, make it read-only."""
+    from .stage import seal_dataset
+    try:
+        seal_dataset(dataset)
+    except OSError as exc:
+        raise click.ClickException(f"sealing {dataset}: {exc.strerror}")
+    click.echo(f"sealed {dataset}")
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks: each prints a table, writes JSON and a PNG chart."""

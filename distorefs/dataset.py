@@ -1,0 +1,1056 @@
+"""Datasets (datasets/NAME/): a tree of files staged once, sealed, then read many times.
+
+Before it is sealed a dataset is an ordinary writable tree (`distorefs stage`, `cp -r`,
+`rsync` into `items/`). Sealing numbers its files in path order (depth first, names in
+byte order: item i is row i of `index.npy`), builds `index.npy` and makes the tree
+read-only. Its `order` (the item numbers of the next epoch) drives the prefetcher.
+
+Everything lives in LMDB, not in memory, so a directory of millions of files costs a
+lookup (one B-tree get) and a readdir (a range scan from the reader's position), never
+a scan of the directory. Records in the `dsnodes` db, keys prefixed by the dataset id:
+
+  c                        counters: next file id, next dir id, items, bytes, stored bytes, sealed
+  d + dir                  directory: parent, owner, mtime, next ordinal, name
+  n + dir + name           child by name: kind, id, ordinal
+  o + dir + ordinal        child by position (readdir): kind, id, name
+  i + id / s + number      file (staging id / sealed item number): size, checksum, owner,
+                           mtimes, parent, chunks, name, per-item metadata (JSON)
+
+A file's content is a list of chunks (`chunks.py`), each checksummed. Changes are
+planned against LMDB inside the group's write transaction, so changes of one group
+see each other in order; the in-memory counters follow at apply.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import struct
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import trio
+
+from . import codec
+from .chunks import Chunk, delete_chunks, load_chunk, put_chunk, put_encoded
+from .committer import Change, Overlay
+from .config import DatasetConfig
+from .catalog import DB_NS
+from .errors import (AlreadyExists, DistorefsError, InvalidArgument, IsADirectory, NotADirectory, NotEmpty,
+                     NotFound, ReadOnly, TooLarge)
+from .names import check_name
+from .prefetcher import Prefetcher
+from .ring import Owner
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger(__name__)
+
+DB_DSNODES = b"dsnodes"
+ROOT_DIR = 1
+DIR, FILE = 0, 1
+STAGING, SEALED = b"i", b"s"
+PREPARE_MAX = 8 << 20  # files up to this size are read and compressed in parallel before the commit
+
+_DS = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_COUNTERS = struct.Struct("<QQQQQB")
+_DIR = struct.Struct("<QIIIqQ")
+_CHILD = struct.Struct("<BQQ")
+_POS = struct.Struct("<BQ")
+_ITEM = struct.Struct("<QIIIIqqQHHI")
+
+
+@dataclass
+class Counters:
+    next_file: int = 0
+    next_dir: int = ROOT_DIR + 1
+    items: int = 0
+    bytes: int = 0
+    stored_bytes: int = 0
+    sealed: int = 0
+
+    def pack(self) -> bytes:
+        return _COUNTERS.pack(self.next_file, self.next_dir, self.items, self.bytes, self.stored_bytes, self.sealed)
+
+    @classmethod
+    def unpack(cls, data) -> "Counters":
+        return cls(*_COUNTERS.unpack(bytes(data)))
+
+
+@dataclass(slots=True)
+class DirRec:
+    id: int
+    parent: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    next_ordinal: int
+    name: bytes
+
+    def pack(self) -> bytes:
+        return _DIR.pack(self.parent, self.mode, self.uid, self.gid, self.mtime_ns, self.next_ordinal) + self.name
+
+    @classmethod
+    def unpack(cls, dir_id: int, data) -> "DirRec":
+        return cls(dir_id, *_DIR.unpack_from(data), bytes(data[_DIR.size:]))
+
+
+@dataclass(slots=True)
+class Item:
+    id: int
+    size: int
+    checksum: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    src_mtime_ns: int
+    parent: int
+    chunks: list[Chunk]
+    name: bytes
+    meta: bytes = b""
+    tag: bytes = STAGING
+
+    @property
+    def stored_size(self) -> int:
+        return sum(c.stored_size for c in self.chunks)
+
+    def pack(self) -> bytes:
+        head = _ITEM.pack(self.size, self.checksum, self.mode, self.uid, self.gid, self.mtime_ns,
+                          self.src_mtime_ns, self.parent, len(self.chunks), len(self.name), len(self.meta))
+        return head + b"".join(c.pack() for c in self.chunks) + self.name + self.meta
+
+    @classmethod
+    def unpack(cls, item_id: int, data, tag: bytes) -> "Item":
+        (size, crc, mode, uid, gid, mtime, src_mtime, parent, nchunks, name_len, meta_len) = _ITEM.unpack_from(data)
+        off = _ITEM.size
+        chunks = []
+        for _ in range(nchunks):
+            chunk, off = Chunk.unpack_from(data, off)
+            chunks.append(chunk)
+        name = bytes(data[off:off + name_len])
+        meta = bytes(data[off + name_len:off + name_len + meta_len])
+        return cls(item_id, size, crc, mode, uid, gid, mtime, src_mtime, parent, chunks, name, meta, tag)
+
+
+@dataclass
+class StageResult:
+    path: str
+    status: str  # ok | skip | error
+    message: str = ""
+    size: int = 0
+
+
+@dataclass
+class _Source:
+    """One file to stage: where it comes from and what the source said about it."""
+
+    path: str
+    parts: list[bytes]
+    src: str
+    size: int
+    mtime_ns: int
+    meta: bytes = b""
+    crc: int = 0
+    encoded: list[codec.Encoded] | None = None
+    error: str = ""
+
+
+class Dataset:
+    kind = "datasets"
+    config_type = DatasetConfig
+
+    def __init__(self, store: "Store", ds_id: int, name: str, config: DatasetConfig, owner: Owner,
+                 ctime_ns: int, record: dict | None = None) -> None:
+        self.store = store
+        self.ds_id = ds_id
+        self.name = name
+        self.config = config
+        self.owner = owner
+        self.ctime_ns = ctime_ns
+        record = record or {}
+        self.sealed_ns: int = record.get("sealed_ns", 0)
+        self.index_chunks = [Chunk(**{**c, "loc": bytes.fromhex(c["loc"])}) for c in record.get("index", [])]
+        self.index_size: int = record.get("index_size", 0)
+        self.fields: list = record.get("fields", [])
+        self.counters = Counters()
+        self.order = np.zeros(0, dtype=np.int64)
+        self.stats_counters = {"reads": 0, "read_bytes": 0, "staged": 0, "staged_bytes": 0, "skipped": 0,
+                               "stage_errors": 0, "verify_failures": 0, "orders": 0}
+        self.prefetcher: Prefetcher[int] = Prefetcher(store.prefetch_budget, self._fetch_blocking, spawn=store.spawn)
+        self._prefix = _DS.pack(ds_id)
+        self._db = store.env.db(DB_DSNODES)
+
+    @property
+    def ns_id(self) -> int:
+        return self.ds_id
+
+    @property
+    def sealed(self) -> bool:
+        return bool(self.counters.sealed)
+
+    @property
+    def tag(self) -> bytes:
+        return SEALED if self.sealed else STAGING
+
+    def load(self, txn) -> None:
+        data = txn.get(self._key(b"c"), db=self._db)
+        self.counters = Counters.unpack(data) if data is not None else Counters()
+
+    def record(self) -> dict:
+        return {"sealed_ns": self.sealed_ns, "index_size": self.index_size, "fields": self.fields,
+                "index": [{**c.__dict__, "loc": c.loc.hex()} for c in self.index_chunks]}
+
+    def drop_txn(self, txn) -> None:
+        """Remove the dataset's records (it is empty: only counters and the root remain)."""
+        cursor = txn.cursor(db=self._db)
+        while cursor.set_range(self._prefix) and bytes(cursor.key()[:len(self._prefix)]) == self._prefix:
+            cursor.delete()
+
+    def reconfigure(self, config: DatasetConfig) -> None:
+        self.config = config
+
+    # ----- keys -----------------------------------------------------------------------
+
+    def _key(self, tag: bytes, *parts: bytes) -> bytes:
+        return self._prefix + tag + b"".join(parts)
+
+    def _dkey(self, dir_id: int) -> bytes:
+        return self._key(b"d", _U64.pack(dir_id))
+
+    def _nkey(self, dir_id: int, name: bytes) -> bytes:
+        return self._key(b"n", _U64.pack(dir_id), name)
+
+    def _okey(self, dir_id: int, ordinal: int) -> bytes:
+        return self._key(b"o", _U64.pack(dir_id), _U64.pack(ordinal))
+
+    def _ikey(self, tag: bytes, item_id: int) -> bytes:
+        return self._key(tag, _U64.pack(item_id))
+
+    # ----- metadata reads (LMDB, metadata pages only) ------------------------------------
+
+    def _read(self, fn):
+        return self.store.env.read(fn)
+
+    def dir(self, dir_id: int) -> DirRec:
+        rec = self._read(lambda txn: self._dir_txn(txn, dir_id))
+        if rec is None:
+            raise NotFound(f"datasets/{self.name}: directory {dir_id} is gone")
+        return rec
+
+    def _dir_txn(self, txn, dir_id: int) -> DirRec | None:
+        if dir_id == ROOT_DIR:
+            data = txn.get(self._dkey(dir_id), db=self._db)
+            if data is None:  # the root exists from creation; its record only once changed
+                o = self.owner
+                return DirRec(ROOT_DIR, 0, 0o40755, o.uid, o.gid, self.ctime_ns, 0, b"")
+            return DirRec.unpack(dir_id, data)
+        data = txn.get(self._dkey(dir_id), db=self._db)
+        return None if data is None else DirRec.unpack(dir_id, data)
+
+    def child(self, dir_id: int, name: bytes) -> tuple[int, int] | None:
+        """(kind, id) of `name` in directory `dir_id`, or None."""
+        return self._read(lambda txn: self._child_txn(txn, dir_id, name))
+
+    def _child_txn(self, txn, dir_id: int, name: bytes) -> tuple[int, int] | None:
+        data = txn.get(self._nkey(dir_id, name), db=self._db)
+        if data is None:
+            return None
+        kind, child_id, _ = _CHILD.unpack(data)
+        return kind, child_id
+
+    def item(self, item_id: int) -> Item:
+        tag = self.tag
+        item = self._read(lambda txn: self._item_txn(txn, tag, item_id))
+        if item is None:
+            raise NotFound(f"datasets/{self.name}: item {item_id} is gone")
+        return item
+
+    def _item_txn(self, txn, tag: bytes, item_id: int) -> Item | None:
+        data = txn.get(self._ikey(tag, item_id), db=self._db)
+        return None if data is None else Item.unpack(item_id, data, tag)
+
+    def children(self, dir_id: int, start: int, limit: int = 128) -> list[tuple[bytes, int, int, int]]:
+        """Up to `limit` children of `dir_id` from ordinal `start` on: (name, kind, id, ordinal)."""
+        def fn(txn):
+            out = []
+            cursor = txn.cursor(db=self._db)
+            prefix = self._key(b"o", _U64.pack(dir_id))
+            if not cursor.set_range(self._okey(dir_id, start)):
+                return out
+            for key, value in cursor:
+                if not bytes(key[:len(prefix)]) == prefix or len(out) >= limit:
+                    break
+                kind, child_id = _POS.unpack_from(value)
+                out.append((bytes(value[_POS.size:]), kind, child_id, _U64.unpack(bytes(key[-8:]))[0]))
+            return out
+        return self._read(fn)
+
+    def path_of(self, parent: int, name: bytes) -> str:
+        parts = [name]
+        def fn(txn):
+            d = parent
+            while d != ROOT_DIR:
+                rec = self._dir_txn(txn, d)
+                if rec is None:
+                    break
+                parts.append(rec.name)
+                d = rec.parent
+        self._read(fn)
+        return os.fsdecode(b"/".join(reversed(parts)))
+
+    def resolve(self, path: bytes) -> tuple[int, int]:
+        """(kind, id) of a relative path."""
+        kind, node_id = DIR, ROOT_DIR
+        for part in [p for p in path.split(b"/") if p]:
+            if kind != DIR:
+                raise NotFound(f"{path!r}: not a directory on the way")
+            found = self.child(node_id, part)
+            if found is None:
+                raise NotFound(f"datasets/{self.name}/items/{os.fsdecode(path)}: no such item")
+            kind, node_id = found
+        return kind, node_id
+
+    # ----- content --------------------------------------------------------------------
+
+    def _cache_key(self, item: Item, index: int) -> tuple:
+        return ("ds", self.ds_id, item.tag, item.id, item.mtime_ns, index)
+
+    def _what(self, item: Item, index: int) -> str:
+        return f"datasets/{self.name}/items/{self.path_of(item.parent, item.name)} chunk {index}"
+
+    def load_blocking(self, item: Item) -> bytes:
+        """The whole content of `item`, verified (worker thread)."""
+        parts = [load_chunk(self.store, c, f"datasets/{self.name} item {item.id} chunk {i}")
+                 for i, c in enumerate(item.chunks)]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def whole_in_memory(self, item: Item) -> bool:
+        return item.size <= self.config.chunk_bytes
+
+    async def read_item(self, item: Item) -> bytes:
+        """The content of a one-chunk item: prefetched if it was, else from its tier."""
+        if self.sealed:
+            value = await self.prefetcher.take(item.id)
+            if value is not None:
+                self._count_read(len(value))
+                return value
+        value = self.store.cache.get(self._cache_key(item, 0))
+        if value is None:
+            value = await trio.to_thread.run_sync(self.load_blocking, item)
+            self.store.cache.put(self._cache_key(item, 0), value)
+        self._count_read(len(value))
+        return value
+
+    async def read_range(self, item: Item, off: int, size: int) -> bytes:
+        """Bytes [off, off+size) of an item of many chunks, chunk by chunk via the memory tier."""
+        end = min(off + size, item.size)
+        if off >= end:
+            return b""
+        step = item.chunks[0].size  # every chunk but the last is this big
+        parts = []
+        for i in range(off // step, (end - 1) // step + 1):
+            key = self._cache_key(item, i)
+            data = self.store.cache.get(key)
+            if data is None:
+                data = await trio.to_thread.run_sync(load_chunk, self.store, item.chunks[i], self._what(item, i))
+                self.store.cache.put(key, data)
+            parts.append(memoryview(data)[max(off - i * step, 0):min(end - i * step, len(data))])
+        out = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+        self._count_read(len(out))
+        return out
+
+    def _count_read(self, n: int) -> None:
+        self.stats_counters["reads"] += 1
+        self.stats_counters["read_bytes"] += n
+
+    def _fetch_blocking(self, ids: list[int]) -> list[bytes | None]:
+        """The prefetcher's loader: whole items (worker thread); big ones are left to the reader."""
+        limit = max(self.config.chunk_bytes, self.store.prefetch_budget.capacity // 8)
+        items = self._read(lambda txn: [self._item_txn(txn, SEALED, i) for i in ids])
+        out: list[bytes | None] = []
+        for item in items:
+            if item is None or item.size > limit:
+                out.append(None)
+                continue
+            try:
+                out.append(self.load_blocking(item))
+            except DistorefsError:
+                out.append(None)  # the read reports it
+        return out
+
+    # ----- the declared order ---------------------------------------------------------
+
+    async def declare_order(self, data: bytes) -> int:
+        """Set the order of the next reads (int64 .npy, or one item number or path per line)."""
+        if not self.sealed:
+            raise InvalidArgument(f"datasets/{self.name} is not sealed: seal it before declaring an order")
+        order = await trio.to_thread.run_sync(self._parse_order, data)
+        self.order = order
+        self.stats_counters["orders"] += 1
+        self.prefetcher.declare(order)
+        return len(order)
+
+    def _parse_order(self, data: bytes) -> np.ndarray:
+        n = self.counters.items
+        if data.startswith(b"\x93NUMPY"):
+            try:
+                order = np.load(io.BytesIO(data), allow_pickle=False)
+            except Exception as exc:
+                raise InvalidArgument(f"order: not a loadable .npy: {exc}") from None
+            if order.ndim != 1 or order.dtype.kind not in "iu":
+                raise InvalidArgument(f"order: expected a 1-d integer array, got {order.dtype} {order.shape}")
+            order = order.astype(np.int64, copy=False)
+        else:
+            values = []
+            for number, line in enumerate(data.splitlines(), 1):
+                line = line.strip()
+                if not line or line.startswith(b"#"):
+                    continue
+                if line.isdigit():
+                    values.append(int(line))
+                    continue
+                try:
+                    kind, item_id = self.resolve(line)
+                except NotFound:
+                    raise InvalidArgument(f"order line {number}: no item {line[:200]!r}") from None
+                if kind != FILE:
+                    raise InvalidArgument(f"order line {number}: {line[:200]!r} is a directory")
+                values.append(item_id)
+            order = np.array(values, dtype=np.int64)
+        if len(order) and (order.min() < 0 or order.max() >= n):
+            raise InvalidArgument(f"order: item numbers must be in 0..{n - 1}")
+        return order
+
+    def order_npy(self) -> bytes:
+        buf = io.BytesIO()
+        np.save(buf, self.order)
+        return buf.getvalue()
+
+    # ----- the index ------------------------------------------------------------------
+
+    async def read_index(self, off: int, size: int) -> bytes:
+        end = min(off + size, self.index_size)
+        if off >= end or not self.index_chunks:
+            return b""
+        step = self.index_chunks[0].size
+        parts = []
+        for i in range(off // step, (end - 1) // step + 1):
+            key = ("dsindex", self.ds_id, i)
+            data = self.store.cache.get(key)
+            if data is None:
+                data = await trio.to_thread.run_sync(load_chunk, self.store, self.index_chunks[i],
+                                                     f"datasets/{self.name}/index.npy chunk {i}")
+                self.store.cache.put(key, data)
+            parts.append(memoryview(data)[max(off - i * step, 0):min(end - i * step, len(data))])
+        return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+
+    # ----- writes ---------------------------------------------------------------------
+
+    def _writable(self) -> None:
+        if self.sealed:
+            raise ReadOnly(f"datasets/{self.name} is sealed (read-only)")
+
+    async def put(self, dir_id: int, name: bytes, data: bytes, owner: Owner) -> Item:
+        """Create or replace file `name` in `dir_id` with `data` (a write through the mount)."""
+        self._writable()
+        check_name(name)
+        if len(data) > self.config.max_item_bytes:
+            raise TooLarge(f"datasets/{self.name}: {len(data)} bytes exceed max_item_bytes "
+                           f"{self.config.max_item_bytes}; stage big files with `distorefs stage`")
+        change = PutItem(self, dir_id, [name], owner, data=data)
+        await self.store.committer.submit(change)
+        assert change.item is not None
+        return change.item
+
+    async def mkdir(self, dir_id: int, name: bytes, owner: Owner) -> DirRec:
+        self._writable()
+        change = MakeDir(self, dir_id, check_name(name), owner)
+        await self.store.committer.submit(change)
+        return change.rec
+
+    async def remove(self, dir_id: int, name: bytes, want_dir: bool) -> None:
+        self._writable()
+        await self.store.committer.submit(RemoveNode(self, dir_id, name, want_dir))
+
+    async def rename(self, old_dir: int, old: bytes, new_dir: int, new: bytes) -> None:
+        self._writable()
+        check_name(new)
+        await self.store.committer.submit(RenameNode(self, old_dir, old, new_dir, new))
+
+    async def set_attrs(self, kind: int, node_id: int, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
+        self._writable()
+        await self.store.committer.submit(SetNodeAttrs(self, kind, node_id, mode, uid, gid, mtime_ns))
+
+    async def seal(self) -> None:
+        """Number the files in path order, build index.npy, make the tree read-only."""
+        if self.sealed:
+            return
+        await self.store.committer.submit(Seal(self))
+
+    # ----- staging from a source tree ---------------------------------------------------
+
+    async def stage(self, requests: list[dict], owner: Owner) -> list[StageResult]:
+        """Copy source files into the dataset, skipping those staged already and intact.
+
+        Each request: {"src": source path, "path": relative path, "size": n, "mtime_ns": t,
+        "meta": {...}}. Every file is verified after its commit (its stored chunks read
+        back and checked against the checksum of the source bytes).
+        """
+        self._writable()
+        sources: list[_Source] = []
+        results: list[StageResult] = []
+        for r in requests:
+            try:
+                sources.append(_parse_request(r))
+            except InvalidArgument as exc:
+                results.append(StageResult(str(r.get("path", "?")) if isinstance(r, dict) else "?", "error", str(exc)))
+        # Already staged and unchanged (same size and source mtime) and still intact: skip.
+        staged = await trio.to_thread.run_sync(self._existing, sources)
+        todo = []
+        for source, item in zip(sources, staged):
+            if item is not None and item.size == source.size and item.src_mtime_ns == source.mtime_ns:
+                ok = await trio.to_thread.run_sync(self._verify, item, item.checksum)
+                if ok:
+                    results.append(StageResult(source.path, "skip", size=item.size))
+                    self.stats_counters["skipped"] += 1
+                    continue
+            todo.append(source)
+        # Read and compress small files in parallel threads; big ones stream inside the commit.
+        small = [s for s in todo if s.size <= PREPARE_MAX]
+        limiter = trio.CapacityLimiter(8)
+        async with trio.open_nursery() as nursery:
+            for i in range(0, len(small), 16):
+                nursery.start_soon(self._read_sources, small[i:i + 16], limiter)
+        changes = []
+        for s in todo:
+            if s.error:
+                results.append(StageResult(s.path, "error", s.error))
+                continue
+            changes.append(PutItem(self, ROOT_DIR, s.parts, owner, source=s))
+        errors = await self.store.committer.submit_all(changes)
+        for change, error in zip(changes, errors):
+            s = change.source
+            assert s is not None
+            if error is not None:
+                results.append(StageResult(s.path, "error", str(error)))
+                self.stats_counters["stage_errors"] += 1
+                continue
+            ok = await trio.to_thread.run_sync(self._verify, change.item, s.crc)
+            if not ok:
+                self.stats_counters["verify_failures"] += 1
+                results.append(StageResult(s.path, "error", "verification after writing failed"))
+                continue
+            self.stats_counters["staged"] += 1
+            self.stats_counters["staged_bytes"] += s.size
+            results.append(StageResult(s.path, "ok", size=s.size))
+        return results
+
+    def _existing(self, sources: list[_Source]) -> list[Item | None]:
+        def fn(txn):
+            out = []
+            for s in sources:
+                d, found = ROOT_DIR, None
+                for i, part in enumerate(s.parts):
+                    found = self._child_txn(txn, d, part)
+                    if found is None or (i < len(s.parts) - 1 and found[0] != DIR):
+                        found = None
+                        break
+                    d = found[1]
+                out.append(self._item_txn(txn, STAGING, found[1]) if found and found[0] == FILE else None)
+            return out
+        return self._read(fn)
+
+    async def _read_sources(self, sources: list[_Source], limiter: trio.CapacityLimiter) -> None:
+        await trio.to_thread.run_sync(self._read_sources_blocking, sources, limiter=limiter)
+
+    def _read_sources_blocking(self, sources: list[_Source]) -> None:
+        for s in sources:
+            try:
+                with open(s.src, "rb") as f:
+                    raw = f.read()
+            except OSError as exc:
+                s.error = f"cannot read {s.src}: {exc.strerror or exc}"
+                continue
+            s.size = len(raw)
+            s.crc = codec.checksum(raw)
+            step = self.config.chunk_bytes
+            s.encoded = [codec.encode(memoryview(raw)[i:i + step], self.config.compression,
+                                      self.config.compression_level) for i in range(0, max(len(raw), 1), step)]
+            if not raw:
+                s.encoded = []
+
+    def _verify(self, item: Item | None, crc: int) -> bool:
+        if item is None:
+            return False
+        try:
+            total = 0
+            for i, chunk in enumerate(item.chunks):
+                stored = self.store.backend(chunk.tier).get(chunk.loc)
+                total = zlib.crc32(codec.decode(stored, chunk.codec, chunk.size, chunk.checksum,
+                                                f"datasets/{self.name} item {item.id}"), total)
+            return total == crc == item.checksum
+        except DistorefsError as exc:
+            log.warning("datasets/%s: verifying item %d: %s", self.name, item.id, exc)
+            return False
+
+    # ----- reporting ------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"name": self.name, "sealed": self.sealed, "items": c.items, "bytes": c.bytes,
+                "stored_bytes": c.stored_bytes, "directories": c.next_dir - ROOT_DIR,
+                "index_bytes": self.index_size, "order_length": len(self.order),
+                **self.stats_counters, "prefetch": self.prefetcher.stats()}
+
+
+def _parse_request(r) -> _Source:
+    if not isinstance(r, dict):
+        raise InvalidArgument("a stage request must be a JSON object")
+    try:
+        path = str(r["path"])
+        src = str(r["src"])
+        size = int(r.get("size", 0))
+        mtime_ns = int(r.get("mtime_ns", 0))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad stage request {str(r)[:200]}: {exc}") from None
+    parts = [os.fsencode(p) for p in path.split("/") if p]
+    if not parts:
+        raise InvalidArgument(f"empty path in stage request for {src}")
+    for p in parts:
+        check_name(p)
+    meta = r.get("meta")
+    return _Source(path, parts, src, size, mtime_ns, json.dumps(meta).encode() if meta else b"")
+
+
+# ----- changes ------------------------------------------------------------------------------
+
+
+class _DsChange(Change):
+    """A change to one dataset's tree. It reads what it needs inside the transaction, so
+    changes of one group see each other in order (no conflict key needed)."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self.ds = ds
+        self.db = ds._db
+        self.after: Counters | None = None
+
+    def plan(self, overlay: Overlay) -> None:
+        self.ds._writable()
+
+    def counters(self, txn) -> Counters:
+        data = txn.get(self.ds._key(b"c"), db=self.db)
+        c = Counters.unpack(data) if data is not None else Counters()
+        if c.sealed and not isinstance(self, Seal):
+            raise ReadOnly(f"datasets/{self.ds.name} is sealed (read-only)")
+        return c
+
+    def save(self, txn, c: Counters) -> None:
+        txn.put(self.ds._key(b"c"), c.pack(), db=self.db)
+        self.after = c
+
+    def dir_txn(self, txn, dir_id: int) -> DirRec:
+        rec = self.ds._dir_txn(txn, dir_id)
+        if rec is None:
+            raise NotFound(f"datasets/{self.ds.name}: directory {dir_id} is gone")
+        return rec
+
+    def add_child(self, txn, parent: DirRec, name: bytes, kind: int, child_id: int) -> None:
+        ds = self.ds
+        ordinal = parent.next_ordinal
+        parent.next_ordinal += 1
+        txn.put(ds._nkey(parent.id, name), _CHILD.pack(kind, child_id, ordinal), db=self.db)
+        txn.put(ds._okey(parent.id, ordinal), _POS.pack(kind, child_id) + name, db=self.db)
+        txn.put(ds._dkey(parent.id), parent.pack(), db=self.db)
+
+    def drop_child(self, txn, parent_id: int, name: bytes) -> None:
+        ds = self.ds
+        data = txn.get(ds._nkey(parent_id, name), db=self.db)
+        if data is not None:
+            _, _, ordinal = _CHILD.unpack(data)
+            txn.delete(ds._nkey(parent_id, name), db=self.db)
+            txn.delete(ds._okey(parent_id, ordinal), db=self.db)
+
+    def child_or_fail(self, txn, dir_id: int, name: bytes) -> tuple[int, int]:
+        found = self.ds._child_txn(txn, dir_id, name)
+        if found is None:
+            raise NotFound(f"datasets/{self.ds.name}: no {name!r}")
+        return found
+
+    def is_empty(self, txn, dir_id: int) -> bool:
+        prefix = self.ds._key(b"n", _U64.pack(dir_id))
+        cursor = txn.cursor(db=self.db)
+        return not (cursor.set_range(prefix) and bytes(cursor.key()[:len(prefix)]) == prefix)
+
+    def apply(self) -> None:
+        if self.after is not None:
+            self.ds.counters = self.after
+
+
+class PutItem(_DsChange):
+    """Create or replace one file (a write through the mount, or one staged source file)."""
+
+    def __init__(self, ds: Dataset, dir_id: int, parts: list[bytes], owner: Owner, *, data: bytes | None = None,
+                 source: _Source | None = None) -> None:
+        super().__init__(ds)
+        self.dir_id, self.parts, self.owner = dir_id, parts, owner
+        self.data, self.source = data, source
+        self.encoded: list[codec.Encoded] | None = source.encoded if source else None
+        self.item: Item | None = None
+
+    def prepare(self) -> None:
+        if self.encoded is None and self.data is not None:
+            step, cfg = self.ds.config.chunk_bytes, self.ds.config
+            view = memoryview(self.data)
+            self.encoded = [codec.encode(view[i:i + step], cfg.compression, cfg.compression_level)
+                            for i in range(0, len(view), step)]
+
+    def txn(self, txn) -> None:
+        ds = self.ds
+        c = self.counters(txn)
+        self.prepare()
+        parent = self.dir_txn(txn, self.dir_id)
+        for part in self.parts[:-1]:  # missing directories on the way are made
+            found = ds._child_txn(txn, parent.id, part)
+            if found is None:
+                rec = DirRec(c.next_dir, parent.id, 0o40755, self.owner.uid, self.owner.gid, time.time_ns(), 0, part)
+                c.next_dir += 1
+                self.add_child(txn, parent, part, DIR, rec.id)
+                txn.put(ds._dkey(rec.id), rec.pack(), db=self.db)
+                parent = rec
+            elif found[0] != DIR:
+                raise AlreadyExists(f"{os.fsdecode(part)} is a file, not a directory")
+            else:
+                parent = self.dir_txn(txn, found[1])
+        name = self.parts[-1]
+        found = ds._child_txn(txn, parent.id, name)
+        old = None
+        if found is not None:
+            if found[0] == DIR:
+                raise AlreadyExists(f"{os.fsdecode(name)} is a directory")
+            old = ds._item_txn(txn, STAGING, found[1])
+        if old is not None:
+            item_id = old.id
+            delete_chunks(ds.store, txn, old.chunks)
+            c.items -= 1
+            c.bytes -= old.size
+            c.stored_bytes -= old.stored_size
+        else:
+            item_id = c.next_file
+            c.next_file += 1
+            self.add_child(txn, parent, name, FILE, item_id)
+        base = b"D" + ds._prefix + _U64.pack(item_id)
+        if self.encoded is not None:
+            chunks = [put_encoded(ds.store, txn, base + _DS.pack(i), enc) for i, enc in enumerate(self.encoded)]
+            size = sum(e.size for e in self.encoded)
+            crc = self.source.crc if self.source else codec.checksum(self.data or b"")
+        else:
+            chunks, size, crc = self._stream(txn, base)
+        now = time.time_ns()
+        src_mtime = self.source.mtime_ns if self.source else 0
+        mode = (self.owner.mode & 0o7777) | 0o100000
+        self.item = Item(item_id, size, crc, mode, self.owner.uid, self.owner.gid, now, src_mtime, parent.id, chunks,
+                         name, self.source.meta if self.source else b"", STAGING)
+        txn.put(ds._ikey(STAGING, item_id), self.item.pack(), db=self.db)
+        c.items += 1
+        c.bytes += size
+        c.stored_bytes += self.item.stored_size
+        self.save(txn, c)
+
+    def _stream(self, txn, base: bytes) -> tuple[list[Chunk], int, int]:
+        """A big source file, read and stored one chunk at a time (memory stays bounded)."""
+        s = self.source
+        assert s is not None
+        cfg = self.ds.config
+        chunks, size, crc = [], 0, 0
+        try:
+            with open(s.src, "rb") as f:
+                while True:
+                    raw = f.read(cfg.chunk_bytes)
+                    if not raw:
+                        break
+                    crc = zlib.crc32(raw, crc)
+                    chunks.append(put_chunk(self.ds.store, txn, base + _DS.pack(len(chunks)), raw,
+                                            cfg.compression, cfg.compression_level))
+                    size += len(raw)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read {s.src}: {exc.strerror or exc}") from None
+        s.crc = crc & 0xFFFFFFFF
+        s.size = size
+        return chunks, size, s.crc
+
+
+class MakeDir(_DsChange):
+    def __init__(self, ds: Dataset, dir_id: int, name: bytes, owner: Owner) -> None:
+        super().__init__(ds)
+        self.dir_id, self.name, self.owner = dir_id, name, owner
+
+    def txn(self, txn) -> None:
+        c = self.counters(txn)
+        parent = self.dir_txn(txn, self.dir_id)
+        if self.ds._child_txn(txn, parent.id, self.name) is not None:
+            raise AlreadyExists(f"{os.fsdecode(self.name)} exists")
+        o = self.owner
+        self.rec = DirRec(c.next_dir, parent.id, 0o40000 | (o.mode & 0o7777), o.uid, o.gid, time.time_ns(), 0,
+                          self.name)
+        c.next_dir += 1
+        self.add_child(txn, parent, self.name, DIR, self.rec.id)
+        txn.put(self.ds._dkey(self.rec.id), self.rec.pack(), db=self.db)
+        self.save(txn, c)
+
+
+class RemoveNode(_DsChange):
+    def __init__(self, ds: Dataset, dir_id: int, name: bytes, want_dir: bool) -> None:
+        super().__init__(ds)
+        self.dir_id, self.name, self.want_dir = dir_id, name, want_dir
+
+    def txn(self, txn) -> None:
+        c = self.counters(txn)
+        kind, node_id = self.child_or_fail(txn, self.dir_id, self.name)
+        if self.want_dir and kind != DIR:
+            raise InvalidArgument(f"{os.fsdecode(self.name)} is not a directory")
+        if not self.want_dir and kind == DIR:
+            raise IsADirectory(f"{os.fsdecode(self.name)} is a directory")
+        remove_node_txn(self, txn, c, kind, node_id)
+        self.drop_child(txn, self.dir_id, self.name)
+        self.save(txn, c)
+
+
+def remove_node_txn(change: _DsChange, txn, c: Counters, kind: int, node_id: int) -> None:
+    ds = change.ds
+    if kind == DIR:
+        if not change.is_empty(txn, node_id):
+            raise NotEmpty("directory not empty")
+        txn.delete(ds._dkey(node_id), db=change.db)
+        return
+    item = ds._item_txn(txn, STAGING, node_id)
+    if item is not None:
+        delete_chunks(ds.store, txn, item.chunks)
+        txn.delete(ds._ikey(STAGING, node_id), db=change.db)
+        c.items -= 1
+        c.bytes -= item.size
+        c.stored_bytes -= item.stored_size
+
+
+class RenameNode(_DsChange):
+    def __init__(self, ds: Dataset, old_dir: int, old: bytes, new_dir: int, new: bytes) -> None:
+        super().__init__(ds)
+        self.old_dir, self.old, self.new_dir, self.new = old_dir, old, new_dir, new
+
+    def txn(self, txn) -> None:
+        ds = self.ds
+        c = self.counters(txn)
+        kind, node_id = self.child_or_fail(txn, self.old_dir, self.old)
+        if kind == DIR:  # never into its own subtree
+            d = self.new_dir
+            while d != ROOT_DIR:
+                if d == node_id:
+                    raise InvalidArgument("cannot move a directory into itself")
+                d = self.dir_txn(txn, d).parent
+        target = ds._child_txn(txn, self.new_dir, self.new)
+        if target is not None:
+            if target == (kind, node_id):
+                return
+            if target[0] != kind:
+                raise (IsADirectory if target[0] == DIR else NotADirectory)(
+                    f"cannot replace {os.fsdecode(self.new)} with a {'directory' if kind == DIR else 'file'}")
+            remove_node_txn(self, txn, c, target[0], target[1])
+            self.drop_child(txn, self.new_dir, self.new)
+        self.drop_child(txn, self.old_dir, self.old)
+        self.add_child(txn, self.dir_txn(txn, self.new_dir), self.new, kind, node_id)
+        if kind == DIR:
+            rec = self.dir_txn(txn, node_id)
+            rec.parent, rec.name = self.new_dir, self.new
+            txn.put(ds._dkey(node_id), rec.pack(), db=self.db)
+        else:
+            item = ds._item_txn(txn, STAGING, node_id)
+            if item is not None:
+                item.parent, item.name = self.new_dir, self.new
+                txn.put(ds._ikey(STAGING, node_id), item.pack(), db=self.db)
+        self.save(txn, c)
+
+
+class SetNodeAttrs(_DsChange):
+    def __init__(self, ds: Dataset, kind: int, node_id: int, mode, uid, gid, mtime_ns) -> None:
+        super().__init__(ds)
+        self.kind, self.node_id = kind, node_id
+        self.mode, self.uid, self.gid, self.mtime_ns = mode, uid, gid, mtime_ns
+
+    def txn(self, txn) -> None:
+        ds = self.ds
+        self.counters(txn)
+        rec = (self.dir_txn(txn, self.node_id) if self.kind == DIR
+               else ds._item_txn(txn, STAGING, self.node_id))
+        if rec is None:
+            raise NotFound(f"datasets/{ds.name}: gone")
+        if self.mode is not None:
+            rec.mode = (rec.mode & ~0o7777) | (self.mode & 0o7777)
+        if self.uid is not None:
+            rec.uid = self.uid
+        if self.gid is not None:
+            rec.gid = self.gid
+        if self.mtime_ns is not None:
+            rec.mtime_ns = self.mtime_ns
+        key = ds._dkey(self.node_id) if self.kind == DIR else ds._ikey(STAGING, self.node_id)
+        txn.put(key, rec.pack(), db=self.db)
+
+
+class Seal(_DsChange):
+    """Number files in path order, write index.npy, mark the dataset read-only: one
+    transaction, so a crash leaves the dataset either unsealed or sealed whole."""
+
+    def plan(self, overlay: Overlay) -> None:
+        pass
+
+    def txn(self, txn) -> None:
+        ds = self.ds
+        c = self.counters(txn)
+        if c.sealed:
+            return
+        # Pass 1: sizes of the index (longest path, metadata fields).
+        longest, metas = 1, {}
+        for event in self._walk(txn):
+            if event[0] == FILE:
+                _, _, _, item_id, path = event
+                longest = max(longest, len(path))
+                item = ds._item_txn(txn, STAGING, item_id)
+                if item is not None and item.meta:
+                    for key, value in json.loads(item.meta).items():
+                        metas.setdefault(key, []).append(value)
+        fields = _meta_fields(metas)
+        dtype = np.dtype([("item", "<i8"), ("path", f"S{longest}"), ("size", "<i8"), ("checksum", "<u4")]
+                         + [(name, dt) for name, dt, _, _ in fields])
+        # Pass 2: renumber, rebuild readdir order (sorted), write index rows to a spool file.
+        cursor = txn.cursor(db=self.db)
+        prefix = ds._key(b"o")
+        while cursor.set_range(prefix) and bytes(cursor.key()[:len(prefix)]) == prefix:
+            cursor.delete()
+        fd, spool = tempfile.mkstemp(dir=ds.store.path / "spool", prefix="index-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                                           "fortran_order": False, "shape": (c.items,)})
+                rows = np.zeros(4096, dtype=dtype)
+                n = fill = 0
+                ordinals: dict[int, int] = {}
+                for event in self._walk(txn):
+                    kind, parent, name, node_id, path = event
+                    ordinal = ordinals.get(parent, 0)
+                    ordinals[parent] = ordinal + 1
+                    if kind == FILE:
+                        item = ds._item_txn(txn, STAGING, node_id)
+                        if item is None:
+                            continue
+                        txn.delete(ds._ikey(STAGING, node_id), db=self.db)
+                        item.id, item.tag = n, SEALED
+                        txn.put(ds._ikey(SEALED, n), item.pack(), db=self.db)
+                        node_id = n
+                        row = rows[fill]
+                        row["item"], row["path"], row["size"], row["checksum"] = n, path, item.size, item.checksum
+                        meta = json.loads(item.meta) if item.meta else {}
+                        for fname, dt, missing, key in fields:
+                            value = meta.get(key, missing)
+                            row[fname] = str(value).encode() if dt.startswith("S") and value != b"" else value
+                        n += 1
+                        fill += 1
+                        if fill == len(rows):
+                            out.write(rows.tobytes())
+                            fill = 0
+                    txn.put(ds._nkey(parent, name), _CHILD.pack(kind, node_id, ordinal), db=self.db)
+                    txn.put(ds._okey(parent, ordinal), _POS.pack(kind, node_id) + name, db=self.db)
+                out.write(rows[:fill].tobytes())
+            for d, count in ordinals.items():
+                rec = self.dir_txn(txn, d)
+                rec.next_ordinal = count
+                txn.put(ds._dkey(d), rec.pack(), db=self.db)
+            if n != c.items:
+                raise DistorefsError(f"datasets/{ds.name}: {n} files found, {c.items} counted")
+            self._store_index(txn, spool, fields)
+        finally:
+            os.unlink(spool)
+        c.sealed = 1
+        self.save(txn, c)
+
+    def _store_index(self, txn, spool: str, fields) -> None:
+        ds = self.ds
+        step = ds.config.chunk_bytes
+        chunks = []
+        with open(spool, "rb") as f:
+            while True:
+                raw = f.read(step)
+                if not raw:
+                    break
+                vkey = b"X" + ds._prefix + _U64.pack(len(chunks))
+                chunks.append(put_chunk(ds.store, txn, vkey, raw, "zstd", 3))
+        self.index_chunks = chunks
+        self.index_size = os.path.getsize(spool)
+        self.fields = [[name, dt] for name, dt, _, _ in fields]
+        self.sealed_ns = time.time_ns()
+        key = f"datasets/{ds.name}".encode()
+        db = ds.store.env.db(DB_NS)
+        record = json.loads(bytes(txn.get(key, db=db)))
+        record.update({"sealed_ns": self.sealed_ns, "index_size": self.index_size, "fields": self.fields,
+                       "index": [{**c.__dict__, "loc": c.loc.hex()} for c in chunks]})
+        txn.put(key, json.dumps(record).encode(), db=db)
+
+    def _walk(self, txn) -> Iterator[tuple[int, int, bytes, int, bytes]]:
+        """(kind, parent, name, id, path) of every node, depth first, names in byte order."""
+        stack: list[Iterator] = [self._listing(txn, ROOT_DIR, b"")]
+        while stack:
+            event = next(stack[-1], None)
+            if event is None:
+                stack.pop()
+                continue
+            yield event
+            if event[0] == DIR:
+                stack.append(self._listing(txn, event[3], event[4] + b"/"))
+
+    def _listing(self, txn, dir_id: int, prefix_path: bytes) -> Iterator[tuple[int, int, bytes, int, bytes]]:
+        prefix = self.ds._key(b"n", _U64.pack(dir_id))
+        entries = []
+        cursor = txn.cursor(db=self.db)
+        if cursor.set_range(prefix):
+            for key, value in cursor:
+                if bytes(key[:len(prefix)]) != prefix:
+                    break
+                kind, node_id, _ = _CHILD.unpack(value)
+                name = bytes(key[len(prefix):])
+                entries.append((kind, dir_id, name, node_id, prefix_path + name))
+        return iter(entries)
+
+    def apply(self) -> None:
+        ds = self.ds
+        super().apply()
+        if hasattr(self, "index_chunks"):
+            ds.index_chunks, ds.index_size = self.index_chunks, self.index_size
+            ds.fields, ds.sealed_ns = self.fields, self.sealed_ns
+
+
+def _meta_fields(metas: dict[str, list]) -> list[tuple[str, str, object, str]]:
+    """numpy field (name, dtype, value when missing, metadata key) for each per-item metadata key."""
+    fields = []
+    for name, values in sorted(metas.items()):
+        if name in ("item", "path", "size", "checksum"):
+            name_out = f"meta_{name}"
+        else:
+            name_out = name
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            fields.append((name_out, "<i8", 0, name))
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            fields.append((name_out, "<f8", float("nan"), name))
+        else:
+            width = max(1, max(len(str(v).encode()) for v in values))
+            fields.append((name_out, f"S{width}", b"", name))
+    return fields
+
+
+__all__ = ["Dataset", "Item", "DirRec", "StageResult", "DIR", "FILE", "ROOT_DIR", "DB_DSNODES"]

@@ -1,0 +1,235 @@
+"""The prefetcher: reads values ahead of a declared order, within a byte budget.
+
+One mechanism, two sources of order: a dataset's `order` file (the item numbers of the
+next epoch) and a replay buffer's pre-sampled batches (entries drawn ahead of their
+opens). The source hands over keys in the order they will be read; the prefetcher loads
+them in worker threads, several batches at once (a cold disk serves many small reads
+in parallel far faster than one after another), and holds the values until they are
+read. A read takes its value (a *hit*), waits for it if it is being loaded (*late*), or
+finds nothing (a *miss*: the caller reads the disk). What was read is dropped; values the
+reader went past without reading are dropped once it is `lag` keys beyond them.
+
+All prefetchers of a store share one `PrefetchBudget` (config `prefetch_bytes`); a value
+may also be pushed straight into the kernel page cache by the `push` hook (the mount layer
+does this for files whose inode the kernel already holds) and then needs no memory here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Callable, Generic, Hashable, Iterable, Sequence, TypeVar
+
+import trio
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+
+
+class PrefetchBudget:
+    """Bytes held by every prefetcher of a store, against `capacity`."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+
+
+class Prefetcher(Generic[K]):
+    def __init__(self, budget: PrefetchBudget, fetch: Callable[[list[K]], list[bytes | None]], *,
+                 spawn: Callable, workers: int = 4, batch_items: int = 32, lag: int = 1024,
+                 push: Callable[[K, bytes], bool] | None = None) -> None:
+        """`fetch(keys)` loads values in a worker thread (None where a key has no value);
+        `spawn(fn)` starts the background task in the owner's nursery."""
+        self.budget = budget
+        self.fetch = fetch
+        self.spawn = spawn
+        self.workers = workers
+        self.batch_items = batch_items
+        self.lag = lag
+        self.push = push
+        self._plan: Sequence[K] = []
+        self._next = 0  # index in _plan of the next key to load
+        self._gen = 0  # bumped by declare(): loads of an older plan are dropped
+        self._pos: dict[K, int] = {}  # plan position of every held or in-flight key
+        self._held: OrderedDict[K, bytes] = OrderedDict()
+        self._held_bytes = 0
+        self._inflight: dict[K, trio.Event] = {}
+        self._active = 0  # batches being loaded
+        self._avg = 64 << 10  # running mean value size, to keep loads within the budget
+        self._pushed: set[K] = set()
+        self._wake = trio.Event()
+        self._running = False
+        self.counters = {"hits": 0, "late": 0, "misses": 0, "skipped": 0, "loaded": 0, "loaded_bytes": 0,
+                         "pushed": 0, "failed": 0, "plans": 0}
+
+    # ----- the source says what comes next --------------------------------------------
+
+    def declare(self, keys: Sequence[K]) -> None:
+        """A new plan (a new epoch): what was held for the old one is dropped."""
+        self._gen += 1
+        self._drop_all()
+        self._plan = keys
+        self._next = 0
+        self.counters["plans"] += 1
+        self._kick()
+
+    def extend(self, keys: Iterable[K]) -> None:
+        """Append to the plan (pre-sampled batches arrive one at a time)."""
+        if not isinstance(self._plan, list):
+            self._plan = list(self._plan[self._next:])
+            self._next = 0
+        elif self._next > 4096:  # keep the consumed head from growing without bound
+            del self._plan[:self._next]
+            self._next = 0
+        self._plan.extend(keys)
+        self._kick()
+
+    def forget(self, key: K) -> None:
+        """`key` no longer has this value (rewritten, removed): drop what is held for it."""
+        value = self._held.pop(key, None)
+        if value is not None:
+            self._release(key, value)
+
+    # ----- the reader -----------------------------------------------------------------
+
+    def take_nowait(self, key: K) -> bytes | None:
+        """The held value of `key`, if loaded already (counted as a hit); never waits."""
+        value = self._held.pop(key, None)
+        if value is None:
+            if key in self._pushed:
+                self._pushed.discard(key)
+                self.counters["hits"] += 1  # in the kernel page cache: no read reaches us
+            return None
+        self.counters["hits"] += 1
+        self._consumed(key, value)
+        return value
+
+    async def take(self, key: K) -> bytes | None:
+        """The value of `key` if it was prefetched (waiting for a load in flight), else None."""
+        value = self.take_nowait(key)
+        if value is not None:
+            return value
+        event = self._inflight.get(key)
+        if event is not None:
+            await event.wait()
+            value = self._held.pop(key, None)
+            if value is not None:
+                self.counters["late"] += 1
+                self._consumed(key, value)
+                return value
+        self.counters["misses"] += 1
+        return None
+
+    def _consumed(self, key: K, value: bytes) -> None:
+        position = self._release(key, value)
+        # Values the reader went past (it skipped them, or read them elsewhere) leave too.
+        while self._held:
+            first = next(iter(self._held))
+            if self._pos.get(first, position) >= position - self.lag:
+                break
+            self._release(first, self._held.pop(first))
+            self.counters["skipped"] += 1
+
+    def _release(self, key: K, value: bytes) -> int:
+        self._held_bytes -= len(value)
+        self.budget.used -= len(value)
+        self._kick()
+        return self._pos.pop(key, 0)
+
+    def _drop_all(self) -> None:
+        for key, value in self._held.items():
+            self._held_bytes -= len(value)
+            self.budget.used -= len(value)
+        self._held.clear()
+        self._pos = {k: p for k, p in self._pos.items() if k in self._inflight}
+        self._pushed.clear()
+
+    # ----- loading --------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        if not self._running:
+            self._running = True
+            self.spawn(self._run)
+        self._wake.set()
+
+    def _room(self) -> bool:
+        ahead = self.budget.used + (len(self._inflight) + self.batch_items) * self._avg
+        return ahead <= self.budget.capacity
+
+    async def _run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    while self._next < len(self._plan) and self._active < self.workers and self._room():
+                        keys = []
+                        while self._next < len(self._plan) and len(keys) < self.batch_items:
+                            key = self._plan[self._next]
+                            if not isinstance(key, tuple):
+                                key = key.item() if hasattr(key, "item") else key  # numpy scalars
+                            if key not in self._pos:
+                                self._pos[key] = self._next
+                                self._inflight[key] = trio.Event()
+                                keys.append(key)
+                            self._next += 1
+                        if keys:
+                            self._active += 1
+                            nursery.start_soon(self._load, self._gen, keys)
+        finally:
+            self._running = False
+
+    async def _load(self, gen: int, keys: list[K]) -> None:
+        try:
+            try:
+                results = await trio.to_thread.run_sync(self._load_blocking, keys)
+            except Exception:
+                log.exception("prefetch load failed")
+                results = [(None, False)] * len(keys)
+            for key, (value, pushed) in zip(keys, results):
+                event = self._inflight.pop(key, None)
+                if value is None:
+                    self.counters["failed"] += 1
+                    self._pos.pop(key, None)
+                elif gen != self._gen:
+                    self._pos.pop(key, None)  # the plan changed while it loaded
+                else:
+                    self.counters["loaded"] += 1
+                    self.counters["loaded_bytes"] += len(value)
+                    self._avg = (self._avg * 7 + len(value)) // 8
+                    if pushed:
+                        self.counters["pushed"] += 1
+                        self._pushed.add(key)
+                        self._pos.pop(key, None)
+                    else:
+                        self._held[key] = value
+                        self._held_bytes += len(value)
+                        self.budget.used += len(value)
+                if event is not None:
+                    event.set()
+        finally:
+            self._active -= 1
+            self._wake.set()
+
+    def _load_blocking(self, keys: list[K]) -> list[tuple[bytes | None, bool]]:
+        values = self.fetch(keys)
+        out = []
+        for key, value in zip(keys, values):
+            pushed = False
+            if value is not None and self.push is not None:
+                try:
+                    pushed = self.push(key, value)
+                except Exception:
+                    log.debug("push of %r failed", key, exc_info=True)
+            out.append((value, pushed))
+        return out
+
+    # ----- reporting ------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        c = self.counters
+        reads = c["hits"] + c["late"] + c["misses"]
+        return {**c, "hit_rate": round((c["hits"] + c["late"]) / reads, 4) if reads else None,
+                "planned": len(self._plan), "position": self._next, "held": len(self._held),
+                "bytes_ahead": self._held_bytes, "in_flight": len(self._inflight)}
