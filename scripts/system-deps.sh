@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the Debian packages distorefs needs (FUSE 3, its headers for pyfuse3, bindfs and
-# attr for tests and benchmarks), only when something is missing.
+# attr and rsync for tests and benchmarks), only when something is missing.
 set -euo pipefail
 need=()
 command -v fusermount3 >/dev/null || need+=(fuse3)
@@ -8,6 +8,7 @@ pkg-config --exists fuse3 2>/dev/null || need+=(libfuse3-dev)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v bindfs >/dev/null || need+=(bindfs)
 command -v getfattr >/dev/null || need+=(attr)
+command -v rsync >/dev/null || need+=(rsync)
 [ ${#need[@]} -eq 0 ] && exit 0
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
