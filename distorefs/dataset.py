@@ -279,8 +279,24 @@ class Dataset:
         data = txn.get(self._ikey(tag, item_id), db=self._db)
         return None if data is None else Item.unpack(item_id, data, tag)
 
-    def children(self, dir_id: int, start: int, limit: int = 128) -> list[tuple[bytes, int, int, int]]:
-        """Up to `limit` children of `dir_id` from ordinal `start` on: (name, kind, id, ordinal)."""
+    def lookup(self, dir_id: int, name: bytes) -> tuple[int, int, "Item | DirRec"] | None:
+        """(kind, id, record) of `name` in `dir_id`, in one read transaction; or None."""
+        tag = self.tag
+
+        def fn(txn):
+            found = self._child_txn(txn, dir_id, name)
+            if found is None:
+                return None
+            kind, node_id = found
+            rec = self._dir_txn(txn, node_id) if kind == DIR else self._item_txn(txn, tag, node_id)
+            return None if rec is None else (kind, node_id, rec)
+        return self._read(fn)
+
+    def children(self, dir_id: int, start: int, limit: int = 128) -> list[tuple[bytes, int, int, int, object]]:
+        """Up to `limit` children of `dir_id` from ordinal `start` on: (name, kind, id, ordinal,
+        record), read in one transaction."""
+        tag = self.tag
+
         def fn(txn):
             out = []
             cursor = txn.cursor(db=self._db)
@@ -292,7 +308,8 @@ class Dataset:
                     break
                 kind, child_id = _POS.unpack_from(value)
                 out.append((bytes(value[_POS.size:]), kind, child_id, _U64.unpack(bytes(key[-8:]))[0]))
-            return out
+            return [(name, kind, i, o, self._dir_txn(txn, i) if kind == DIR else self._item_txn(txn, tag, i))
+                    for name, kind, i, o in out]
         return self._read(fn)
 
     def path_of(self, parent: int, name: bytes) -> str:
@@ -516,15 +533,17 @@ class Dataset:
                 results.append(StageResult(str(r.get("path", "?")) if isinstance(r, dict) else "?", "error", str(exc)))
         # Already staged and unchanged (same size and source mtime) and still intact: skip.
         staged = await trio.to_thread.run_sync(self._existing, sources)
+        same = [(s, item) for s, item in zip(sources, staged)
+                if item is not None and item.size == s.size and item.src_mtime_ns == s.mtime_ns]
+        intact = await trio.to_thread.run_sync(self._verify_all, [(item, item.checksum) for _, item in same])
+        skip = {id(s) for (s, item), ok in zip(same, intact) if ok}
         todo = []
-        for source, item in zip(sources, staged):
-            if item is not None and item.size == source.size and item.src_mtime_ns == source.mtime_ns:
-                ok = await trio.to_thread.run_sync(self._verify, item, item.checksum)
-                if ok:
-                    results.append(StageResult(source.path, "skip", size=item.size))
-                    self.stats_counters["skipped"] += 1
-                    continue
-            todo.append(source)
+        for source in sources:
+            if id(source) in skip:
+                results.append(StageResult(source.path, "skip", size=source.size))
+                self.stats_counters["skipped"] += 1
+            else:
+                todo.append(source)
         # Read and compress small files in parallel threads; big ones stream inside the commit.
         small = [s for s in todo if s.size <= PREPARE_MAX]
         limiter = trio.CapacityLimiter(8)
@@ -538,6 +557,9 @@ class Dataset:
                 continue
             changes.append(PutItem(self, ROOT_DIR, s.parts, owner, source=s))
         errors = await self.store.committer.submit_all(changes)
+        verified = await trio.to_thread.run_sync(
+            self._verify_all, [(c.item, c.source.crc) for c, e in zip(changes, errors) if e is None])
+        ok_iter = iter(verified)
         for change, error in zip(changes, errors):
             s = change.source
             assert s is not None
@@ -545,8 +567,7 @@ class Dataset:
                 results.append(StageResult(s.path, "error", str(error)))
                 self.stats_counters["stage_errors"] += 1
                 continue
-            ok = await trio.to_thread.run_sync(self._verify, change.item, s.crc)
-            if not ok:
+            if not next(ok_iter):
                 self.stats_counters["verify_failures"] += 1
                 results.append(StageResult(s.path, "error", "verification after writing failed"))
                 continue
@@ -588,6 +609,9 @@ class Dataset:
                                       self.config.compression_level) for i in range(0, max(len(raw), 1), step)]
             if not raw:
                 s.encoded = []
+
+    def _verify_all(self, pairs: list) -> list[bool]:
+        return [self._verify(item, crc) for item, crc in pairs]
 
     def _verify(self, item: Item | None, crc: int) -> bool:
         if item is None:

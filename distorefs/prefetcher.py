@@ -6,7 +6,8 @@ opens). The source hands over keys in the order they will be read; the prefetche
 them in worker threads, several batches at once (a cold disk serves many small reads
 in parallel far faster than one after another), and holds the values until they are
 read. A read takes its value (a *hit*), waits for it if it is being loaded (*late*), or
-finds nothing (a *miss*: the caller reads the disk). What was read is dropped; values the
+finds nothing (a *miss*: the caller reads the disk). An open whose reads the kernel page
+cache served from an earlier read, so that none reached us, counts as *page_cache*. What was read is dropped; values the
 reader went past without reading are dropped once it is `lag` keys beyond them.
 
 All prefetchers of a store share one `PrefetchBudget` (config `prefetch_bytes`); a value
@@ -25,6 +26,13 @@ import trio
 log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
+
+
+def hit_rate(counters: dict) -> float | None:
+    """The share of reads served from memory: prefetched, or already in the page cache."""
+    served = counters["hits"] + counters["late"] + counters["page_cache"]
+    reads = served + counters["misses"]
+    return round(served / reads, 4) if reads else None
 
 
 class PrefetchBudget:
@@ -61,7 +69,7 @@ class Prefetcher(Generic[K]):
         self._wake = trio.Event()
         self._running = False
         self.counters = {"hits": 0, "late": 0, "misses": 0, "skipped": 0, "loaded": 0, "loaded_bytes": 0,
-                         "pushed": 0, "failed": 0, "plans": 0}
+                         "pushed": 0, "failed": 0, "plans": 0, "page_cache": 0}
 
     # ----- the source says what comes next --------------------------------------------
 
@@ -93,21 +101,24 @@ class Prefetcher(Generic[K]):
 
     # ----- the reader -----------------------------------------------------------------
 
-    def take_nowait(self, key: K) -> bytes | None:
-        """The held value of `key`, if loaded already (counted as a hit); never waits."""
+    def take_nowait(self, key: K) -> tuple[bytes | None, bool]:
+        """(the held value of `key` or None, whether this counted as a hit); never waits.
+        A value pushed into the kernel page cache is a hit with no value here: the reads
+        of it will not reach us."""
         value = self._held.pop(key, None)
         if value is None:
             if key in self._pushed:
                 self._pushed.discard(key)
-                self.counters["hits"] += 1  # in the kernel page cache: no read reaches us
-            return None
+                self.counters["hits"] += 1
+                return None, True
+            return None, False
         self.counters["hits"] += 1
         self._consumed(key, value)
-        return value
+        return value, True
 
     async def take(self, key: K) -> bytes | None:
         """The value of `key` if it was prefetched (waiting for a load in flight), else None."""
-        value = self.take_nowait(key)
+        value, _ = self.take_nowait(key)
         if value is not None:
             return value
         event = self._inflight.get(key)
@@ -120,6 +131,10 @@ class Prefetcher(Generic[K]):
                 return value
         self.counters["misses"] += 1
         return None
+
+    def served_by_page_cache(self) -> None:
+        """An open of a planned key read nothing from us: the kernel page cache had it."""
+        self.counters["page_cache"] += 1
 
     def _consumed(self, key: K, value: bytes) -> None:
         position = self._release(key, value)
@@ -154,6 +169,8 @@ class Prefetcher(Generic[K]):
         self._wake.set()
 
     def _room(self) -> bool:
+        if not self._inflight and not self._held:
+            return True  # always one batch, however small the budget
         ahead = self.budget.used + (len(self._inflight) + self.batch_items) * self._avg
         return ahead <= self.budget.capacity
 
@@ -197,7 +214,7 @@ class Prefetcher(Generic[K]):
                 else:
                     self.counters["loaded"] += 1
                     self.counters["loaded_bytes"] += len(value)
-                    self._avg = (self._avg * 7 + len(value)) // 8
+                    self._avg = max(1, self.counters["loaded_bytes"] // self.counters["loaded"])
                     if pushed:
                         self.counters["pushed"] += 1
                         self._pushed.add(key)
@@ -229,7 +246,6 @@ class Prefetcher(Generic[K]):
 
     def stats(self) -> dict:
         c = self.counters
-        reads = c["hits"] + c["late"] + c["misses"]
-        return {**c, "hit_rate": round((c["hits"] + c["late"]) / reads, 4) if reads else None,
+        return {**c, "hit_rate": hit_rate(c),
                 "planned": len(self._plan), "position": self._next, "held": len(self._held),
                 "bytes_ahead": self._held_bytes, "in_flight": len(self._inflight)}

@@ -9,7 +9,6 @@ holds. Items of an unsealed dataset can be rewritten, so their readers use direc
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ import pyfuse3
 from distorefs.chunks import Chunk
 from distorefs.codec import CODEC_NAMES
 from distorefs.catalog import TIER_NAMES
-from distorefs.dataset import DIR, FILE, ROOT_DIR, SEALED, Dataset, Item
+from distorefs.dataset import DIR, FILE, ROOT_DIR, SEALED, Dataset, DirRec, Item
 from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, ReadOnly
 from distorefs.names import check_name
 from distorefs.ring import Owner
@@ -99,34 +98,45 @@ class ItemsDir(Node):
         super().__init__(fs)
         self.ds = ds
         self.dir_id = dir_id
+        self._rec: DirRec | None = None
+
+    def record(self) -> DirRec:
+        rec = self._rec
+        if rec is None or not self.ds.sealed:
+            rec = self.ds.dir(self.dir_id)
+            self._rec = rec if self.ds.sealed else None  # sealed: never changes
+        return rec
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
-        rec = self.ds.dir(self.dir_id)
+        rec = self.record()
         timeout = self.fs.store.config.entry_timeout if self.ds.sealed else NO_CACHE
         return make_attrs(self.ino, stat.S_IFDIR | (rec.mode & 0o7777), 0, rec.uid, rec.gid, rec.mtime_ns,
                           timeout, nlink=2, entry_timeout=DIR_LONG)
 
-    def node_for(self, kind: int, node_id: int, name: bytes) -> Node:
+    def node_for(self, kind: int, node_id: int, name: bytes, rec=None) -> Node:
         fs, ds = self.fs, self.ds
         if kind == DIR:
-            return fs.inodes.intern(("dsdir", ds.ds_id, node_id), lambda: ItemsDir(fs, ds, node_id))
-        node = fs.inodes.intern(("dsitem", ds.ds_id, ds.tag, node_id),
-                                lambda: ItemNode(fs, ds, self.dir_id, name, node_id))
-        node.parent_id, node.name = self.dir_id, name
+            node = fs.inodes.intern(("dsdir", ds.ds_id, node_id), lambda: ItemsDir(fs, ds, node_id))
+        else:
+            node = fs.inodes.intern(("dsitem", ds.ds_id, ds.tag, node_id),
+                                    lambda: ItemNode(fs, ds, self.dir_id, name, node_id))
+            node.parent_id, node.name = self.dir_id, name
+        if rec is not None and ds.sealed:
+            node._rec = rec  # read in the same transaction as the name; sealed records never change
         return node
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
         pending = self.fs.pending_items.get((self.ds.ds_id, self.dir_id, name))
         if pending is not None:
             return pending
-        found = self.ds.child(self.dir_id, name)
+        found = self.ds.lookup(self.dir_id, name)
         if found is None:
             raise NotFound(f"no {name!r}")
-        return self.node_for(found[0], found[1], name)
+        return self.node_for(found[0], found[1], name, found[2])
 
     def children(self, start: int):
-        for name, kind, node_id, ordinal in self.ds.children(self.dir_id, start):
-            yield name, self.node_for(kind, node_id, name), ordinal + 1
+        for name, kind, node_id, ordinal, rec in self.ds.children(self.dir_id, start):
+            yield name, self.node_for(kind, node_id, name, rec), ordinal + 1
 
     def _owner(self, mode: int, ctx, kind: int) -> Owner:
         return Owner(kind | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
@@ -177,7 +187,8 @@ class ItemsDir(Node):
         await _set_attrs(self.ds, DIR, self.dir_id, attr, fields, stat.S_IFDIR)
 
     def xattrs(self) -> dict[bytes, bytes]:
-        return {b"path": self.ds.path_of(self.ds.dir(self.dir_id).parent, self.ds.dir(self.dir_id).name).encode()}
+        rec = self.record()
+        return {b"path": self.ds.path_of(rec.parent, rec.name).encode()}
 
 
 async def _set_attrs(ds: Dataset, kind: int, node_id: int, attr, fields, fmt: int) -> None:
@@ -201,9 +212,13 @@ class ItemNode(Node):
         self.item_id = item_id
         self.tag = ds.tag
         self.writers: list[ItemWriter] = []
+        self._rec: Item | None = None
 
     def item(self) -> Item:
         ds = self.ds
+        rec = self._rec
+        if rec is not None and rec.tag == ds.tag:
+            return rec
         if self.tag != ds.tag and self.item_id is not None:
             # Sealing renumbered the files: find this one again by its name.
             found = ds.child(self.parent_id, self.name)
@@ -212,7 +227,9 @@ class ItemNode(Node):
             self.item_id, self.tag = found[1], ds.tag
         if self.item_id is None:
             raise NotFound("not written yet")
-        return ds.item(self.item_id)
+        rec = ds.item(self.item_id)
+        self._rec = rec if ds.sealed else None
+        return rec
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         if self.writers:
@@ -313,17 +330,28 @@ class ItemReader(Handle):
         self.item = item
         self.keep_cache = ds.sealed
         self.direct_io = not ds.sealed
-        self.data: bytes | None = ds.prefetcher.take_nowait(item.id) if ds.sealed else None
+        self.data: bytes | None = None
+        # Whether this open is in the prefetch counts yet: if no READ comes and it is not,
+        # the kernel served the reads from pages an earlier open left in its cache.
+        self.accounted = not ds.sealed or item.size == 0
+        if ds.sealed:
+            self.data, counted = ds.prefetcher.take_nowait(item.id)
+            self.accounted = self.accounted or counted
         if self.data is not None:
             ds._count_read(len(self.data))
 
     async def read(self, off: int, size: int):
         ds, item = self.ds, self.item
+        self.accounted = True
         if self.data is None and ds.whole_in_memory(item):
             self.data = await ds.read_item(item)
         if self.data is not None:
             return memoryview(self.data)[off:off + size]
         return await ds.read_range(item, off, size)
+
+    async def release(self) -> None:
+        if not self.accounted:
+            self.ds.prefetcher.served_by_page_cache()
 
 
 class ItemWriter(StagingWriter):
@@ -445,17 +473,15 @@ class StageHandle(Handle):
 
 
 def push_into_page_cache(fs: "Filesystem", ds: Dataset):
-    """The prefetcher's push hook: hand a value to the kernel page cache when the kernel
+    """The prefetcher's push hook: queue a value for the kernel page cache when the kernel
     holds the item's inode already (otherwise notify_store has nowhere to put it)."""
     def push(item_id: int, value: bytes) -> bool:
+        pusher = fs.pusher
         ino = fs.inodes.ino_of(("dsitem", ds.ds_id, SEALED, item_id))
-        if ino is None or not fs.inodes.known(ino) or not value:
+        if pusher is None or ino is None or not fs.inodes.known(ino) or not value:
             return False
-        try:
-            pyfuse3.notify_store(ino, 0, value)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENOTCONN):
-                log.debug("notify_store %d: %s", ino, exc)
-            return False
-        return True
+        node = fs.inodes.node_of(("dsitem", ds.ds_id, SEALED, item_id))
+        if node is None or node.open_handles:
+            return False  # being read now: its READ takes the value from memory instead
+        return pusher.push(ino, value)
     return push

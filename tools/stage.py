@@ -138,7 +138,7 @@ def batches(sources, max_files: int = 256, max_bytes: int = 64 << 20) -> Iterato
         yield batch
 
 
-def stage(src: str, dest: str, *, jobs: int = 4, seal: bool = True, progress: bool = True) -> StageReport:
+def stage(src: str, dest: str, *, jobs: int = 8, seal: bool = True, progress: bool = True) -> StageReport:
     """Stage `src` into the dataset directory `dest` (MNT/datasets/NAME), then seal it."""
     dest_path = Path(dest)
     if not dest_path.exists():

@@ -1,0 +1,72 @@
+"""The prefetcher without FUSE: hits along the plan, late arrivals, misses off the plan,
+the byte budget, skipped values dropped behind the reader, and a new plan per epoch."""
+
+import threading
+
+import trio
+
+from distorefs.prefetcher import PrefetchBudget, Prefetcher
+
+
+def run(fn):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await fn(nursery)
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+async def settle(p: Prefetcher) -> None:
+    """Wait until the prefetcher has loaded all it will (the machine may be slow)."""
+    with trio.fail_after(10):
+        while True:
+            s = p.stats()
+            if s["in_flight"] == 0 and (s["position"] == s["planned"] or s["position"] > 0 and p._active == 0):
+                return
+            await trio.sleep(0.01)
+
+
+def test_hits_late_misses_budget_and_new_plans():
+    loaded = []
+    gate = threading.Event()
+    gate.set()
+
+    def fetch(keys):
+        gate.wait()
+        loaded.extend(keys)
+        return [bytes([k % 256]) * 1000 for k in keys]
+
+    async def fn(nursery):
+        budget = PrefetchBudget(50_000)
+        p = Prefetcher(budget, fetch, spawn=nursery.start_soon, batch_items=4, workers=2, lag=8)
+        p.declare(list(range(200)))
+        await trio.sleep(0.2)
+        assert 40_000 <= budget.used <= 50_000 + 4 * 1000 and p.stats()["position"] < 100  # bounded
+        budget.capacity = 1 << 20  # now room for the whole plan: every read below is a hit or late
+        p.declare(list(range(200)))
+        await settle(p)
+        for k in range(200):
+            value = await p.take(k)
+            assert value == bytes([k % 256]) * 1000
+        s = p.stats()
+        assert s["hits"] + s["late"] == 200 and s["misses"] == 0
+        assert await p.take(5000) is None and p.stats()["misses"] == 1  # not in the plan
+        assert budget.used == 0
+        # a reader that skips: values it went past are dropped, the budget comes back
+        p.declare(list(range(1000, 1040)))
+        await settle(p)
+        assert await p.take(1030) is not None
+        assert p.stats()["skipped"] >= 20
+        # a new plan drops what the old one held
+        p.declare(list(range(2000, 2010)))
+        await settle(p)
+        assert all(k >= 2000 for k in p._held) and p.stats()["plans"] == 4
+        # a value still loading when asked for is waited for (late), not read twice
+        gate.clear()
+        p.declare([3000])
+        await trio.sleep(0.05)
+        nursery.start_soon(trio.to_thread.run_sync, lambda: (trio.from_thread.run_sync(lambda: None), gate.set()))
+        assert await p.take(3000) == bytes([3000 % 256]) * 1000
+        assert p.stats()["late"] >= 1 and loaded.count(3000) == 1
+
+    run(fn)
