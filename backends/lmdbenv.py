@@ -35,9 +35,22 @@ T = TypeVar("T")
 DEFAULT_MAP_SIZE = 1 << 30
 
 
-def _is_disk_full(exc: lmdb.Error) -> bool:
+def _is_disk_full(exc: lmdb.Error, path: Path | None = None) -> bool:
     # py-lmdb maps ENOSPC to DiskError; other errno values arrive as .code.
-    return isinstance(exc, lmdb.DiskError) or getattr(exc, "code", 0) in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, lmdb.DiskError) or getattr(exc, "code", 0) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # LMDB reports a short page write as EIO (mdb_page_flush): on a disk with no room left
+    # that is a full disk, not damage.
+    if path is not None and getattr(exc, "code", 0) == errno.EIO:
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < _FULL_BELOW
+    return False
+
+
+_FULL_BELOW = 1 << 20  # free bytes under which a failed write is taken for a full disk
 
 
 class _SharedExclusiveLock:
@@ -142,6 +155,12 @@ class LmdbEnv:
                 self._dbs[name] = handle
             return handle
 
+    def db_names(self) -> list[bytes]:
+        """Names of the named databases in the environment (keys of LMDB's main db)."""
+        with self._rw.shared():
+            with self._env.begin(write=False) as txn:
+                return [bytes(k) for k in txn.cursor().iternext(values=False)]
+
     # -- transactions --------------------------------------------------------
 
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
@@ -170,7 +189,7 @@ class LmdbEnv:
                         txn.abort()  # no-op if commit already released it
                     except lmdb.Error as exc:
                         txn.abort()
-                        if _is_disk_full(exc):
+                        if _is_disk_full(exc, self.path):
                             raise NoSpace(f"{self.path}: disk full") from exc
                         raise
                     except BaseException:

@@ -192,6 +192,34 @@ class WeightsConfig(_Config):
                  f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
 
 
+def default_writeback_bytes() -> int:
+    """An eighth of the machine's memory, between 256 MiB and 8 GiB."""
+    return max(256 << 20, min(8 << 30, 2 * default_prefetch_bytes()))
+
+
+@dataclass
+class CheckpointsConfig(_Config):
+    """Checkpoints (checkpoints/config.json): write-back budget, retention, step closing."""
+
+    writeback_bytes: int = field(default_factory=default_writeback_bytes)
+    keep_last: int = 3
+    seal_after: float = 5.0  # seconds without writes after which a step nobody writes is closed
+    chunk_bytes: int = 8 << 20
+    compression: str = "none"
+
+    def validate(self) -> None:
+        _require(64 << 10 <= self.chunk_bytes <= 256 << 20,
+                 f"chunk_bytes must be in 64 KiB..256 MiB, got {self.chunk_bytes}")
+        _require(self.writeback_bytes >= 4 * self.chunk_bytes,
+                 f"writeback_bytes must be at least 4 chunks ({4 * self.chunk_bytes}), got {self.writeback_bytes}")
+        _require(1 <= self.keep_last <= 100000, f"keep_last must be in 1..100000, got {self.keep_last}")
+        _require(0 <= self.seal_after <= 86400,
+                 f"seal_after must be in 0..86400 seconds (0: only a newer step or an fsync of the step "
+                 f"directory closes it), got {self.seal_after}")
+        _require(self.compression in COMPRESSIONS,
+                 f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+
+
 @dataclass
 class StoreConfig(_Config):
     """Store-wide settings, kept in the store and shown in .distorefs/config.json."""

@@ -35,11 +35,12 @@ from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VER
 from .committer import Change, Committer, Overlay
 from .dataset import DB_DSNODES, Dataset
 from .config import BufferConfig, StoreConfig, WeightsConfig
-from .errors import AlreadyExists, CorruptValue, DistorefsError, NotEmpty, NotFound, StoreLocked
+from .errors import AlreadyExists, CorruptValue, DistorefsError, NoSpace, NotEmpty, NotFound, StoreLocked
 from .names import check_name
-from .prefetcher import PrefetchBudget
+from .prefetcher import PrefetchBudget, hit_rate
 from .ring import Owner, Ring
 from .weights import DB_WNODES, WeightsTree
+from .checkpoints import DB_CKPT, Checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +56,16 @@ class Store:
         self.path = Path(path).resolve()
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
-        self._lock_fd = self._lock()
+        self._lock_fd = lock_store(self.path)
         try:
             self._open(nvme_dir, config)
         except BaseException:
             os.close(self._lock_fd)
             raise
 
-    def _lock(self) -> int:
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise StoreLocked(f"store {self.path} is already in use ({holder})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
-        return fd
-
     def _open(self, nvme_dir: str | None, overrides: dict | None) -> None:
         self.env = LmdbEnv(self.path / "meta")
-        for name in (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DSNODES):
+        for name in (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DSNODES, DB_CKPT):
             self.env.db(name)  # opening a db writes: do it once, before any transaction
         stored = self.env.read(lambda txn: _copy(txn.get(b"config", db=self.env.db(DB_META))))
         base = StoreConfig.from_json(stored) if stored else StoreConfig()
@@ -105,6 +94,7 @@ class Store:
         self._synced_groups = 0
         stored = self.env.read(lambda txn: _copy(txn.get(b"weights", db=self.env.db(DB_META))))
         self.weights = WeightsTree(self, WeightsConfig.from_json(stored) if stored else WeightsConfig())
+        self.checkpoints = Checkpoints(self)
         self.env.read(self._load_namespaces)
 
     def _init_meta(self, txn) -> None:
@@ -116,6 +106,7 @@ class Store:
 
     def _load_namespaces(self, txn) -> None:
         self.weights.load(txn)
+        self.checkpoints.load(txn)
         cursor = txn.cursor(db=self.env.db(DB_NS))
         for k, v in cursor:
             kind, _, name = bytes(k).decode().partition("/")
@@ -143,12 +134,15 @@ class Store:
             self._nursery = nursery
             await nursery.start(self.committer.run)
             nursery.start_soon(self._sync_loop)
+            await nursery.start(self.checkpoints.run)
             for buf in self.buffers.values():
                 buf.remove_spent(buf.spent_at_load())
+            self.weights.collect_detached()
             try:
                 yield self
             finally:
                 with trio.CancelScope(shield=True):
+                    await self.checkpoints.drain()  # what checkpoint writers handed over
                     await self.committer.drain()
                     await self.sync()
                 nursery.cancel_scope.cancel()
@@ -162,10 +156,19 @@ class Store:
         while True:
             await trio.sleep(self.config.sync_interval)
             if self.committer.groups != self._synced_groups:
-                await self.sync()
-                # Segments whose every value was evicted or deleted give their space back.
-                freed = await trio.to_thread.run_sync(self.backends[TIER_NVME].collect)
-                self.counters["segment_bytes_freed"] += freed
+                try:
+                    await self.collect()
+                except NoSpace as exc:  # freeing needs a transaction too: try again next round
+                    log.warning("segment collection postponed: %s", exc)
+
+    async def collect(self) -> dict[str, int]:
+        """Sync, then unlink segment files whose every value was evicted or deleted (the sync
+        loop does this each `sync_interval` after commits; `distorefs gc` asks for it now)."""
+        await self.sync()
+        freed = await trio.to_thread.run_sync(self.backends[TIER_NVME].collect)
+        self.counters["segment_bytes_freed"] += freed
+        return {"segment_bytes_freed": freed,
+                "nvme_used_bytes": (await trio.to_thread.run_sync(self.backends[TIER_NVME].usage)).used_bytes}
 
     async def sync(self) -> None:
         """Make everything committed so far durable (fsync)."""
@@ -272,6 +275,16 @@ class Store:
         await self.committer.submit(ConfigureWeights(self, config))
         return config
 
+    async def set_owner(self, kind: str, name: str, mode: int | None = None, uid: int | None = None,
+                        gid: int | None = None) -> Owner:
+        """chmod/chown of a namespace directory (permission bits of `mode`), persisted."""
+        ns = self.namespace(kind, name)
+        o = ns.owner
+        owner = Owner(o.mode if mode is None else (o.mode & ~0o7777) | (mode & 0o7777),
+                      o.uid if uid is None else uid, o.gid if gid is None else gid)
+        await self.committer.submit(SetNamespaceOwner(self, ns, owner))
+        return owner
+
     # Shorthands for the replay buffers most callers deal with.
     async def create_buffer(self, name: str, owner: Owner, config: BufferConfig | None = None) -> Buffer:
         return await self.create("buffers", name, owner, config)  # type: ignore[return-value]
@@ -317,6 +330,7 @@ class Store:
             "buffers": buffers,
             "banks": {name: b.stats() for name, b in sorted(self.banks.items())},
             "weights": self.weights.stats(),
+            "checkpoints": self.checkpoints.stats(),
             "datasets": {name: d.stats() for name, d in sorted(self.datasets.items())},
             "prefetch": {"budget_bytes": self.prefetch_budget.capacity, "held_bytes": self.prefetch_budget.used,
                          **_sum_prefetch([ns.prefetcher for kind in self.namespaces.values()
@@ -324,10 +338,25 @@ class Store:
         }
 
 
+def lock_store(path: Path, what: str = "") -> int:
+    """Take the store's lock (flock on STORE/lock) and write our pid into it; StoreLocked
+    if another process (a mounted daemon, a running verify) holds it. Close the fd to let go."""
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreLocked(f"store {path} is already in use ({holder})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}{' ' + what if what else ''}\n".encode(), 0)
+    return fd
+
+
 def _sum_prefetch(prefetchers) -> dict:
-    totals = {k: sum(p.counters[k] for p in prefetchers) for k in ("hits", "late", "misses", "skipped", "pushed")}
-    reads = totals["hits"] + totals["late"] + totals["misses"]
-    totals["hit_rate"] = round((totals["hits"] + totals["late"]) / reads, 4) if reads else None
+    totals = {k: sum(p.counters[k] for p in prefetchers)
+              for k in ("hits", "late", "misses", "page_cache", "skipped", "pushed")}
+    totals["hit_rate"] = hit_rate(totals)
     return totals
 
 
@@ -415,6 +444,27 @@ class ConfigureNamespace(Change):
         for victim in self.victims:
             self.ns.ring.apply_remove(victim, "evictions")
         self.ns.reconfigure(self.config)
+
+
+class SetNamespaceOwner(Change):
+    def __init__(self, store: Store, ns: Namespace, owner: Owner) -> None:
+        self.store = store
+        self.ns = ns
+        self.owner = owner
+        self.conflict_key = ("ns", ns.kind, ns.name)
+
+    def txn(self, txn) -> None:
+        key = f"{self.ns.kind}/{self.ns.name}".encode()
+        db = self.store.env.db(DB_NS)
+        raw = txn.get(key, db=db)
+        if raw is None:
+            raise NotFound(f"no {self.ns.kind}/{self.ns.name}")
+        record = json.loads(bytes(raw))
+        record.update(mode=self.owner.mode, uid=self.owner.uid, gid=self.owner.gid)
+        txn.put(key, json.dumps(record).encode(), db=db)
+
+    def apply(self) -> None:
+        self.ns.owner = self.owner
 
 
 class ConfigureWeights(Change):

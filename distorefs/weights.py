@@ -89,13 +89,15 @@ class WNode:
         return json.dumps({"kind": self.kind, "parent": self.parent, "name": self.name.hex(),
                            "mode": self.mode, "uid": self.uid, "gid": self.gid, "mtime_ns": self.mtime_ns,
                            "target": self.target.hex(),
-                           "versions": [v.to_dict() for v in self.versions]}).encode()
+                           "versions": [v.to_dict() for v in self.versions],
+                           **({} if self.attached else {"detached": True})}).encode()
 
     @classmethod
     def from_record(cls, node_id: int, data: bytes) -> "WNode":
         d = json.loads(data)
         return cls(node_id, d["kind"], d["parent"], bytes.fromhex(d["name"]), d["mode"], d["uid"], d["gid"],
-                   d["mtime_ns"], bytes.fromhex(d["target"]), [Version.from_dict(v) for v in d["versions"]])
+                   d["mtime_ns"], bytes.fromhex(d["target"]), [Version.from_dict(v) for v in d["versions"]],
+                   attached=not d.get("detached", False))
 
 
 class WeightsTree:
@@ -109,6 +111,7 @@ class WeightsTree:
         self.spool_dir = store.path / "spool"
         self.counters = {"publishes": 0, "versions_collected": 0, "bytes_published": 0, "renames": 0}
         self._published = trio.Event()
+        self.detached_at_load: list[WNode] = []  # unlinked while read when the daemon last stopped
 
     # ----- loading -------------------------------------------------------------------
 
@@ -121,7 +124,9 @@ class WeightsTree:
         if ROOT_ID not in self.nodes:
             self.nodes[ROOT_ID] = WNode(ROOT_ID, DIR, 0, b"", 0o40755, os.getuid(), os.getgid(), time.time_ns())
         for node in self.nodes.values():
-            if node.id != ROOT_ID:
+            if not node.attached:  # its versions are free now: collect() them once running
+                self.detached_at_load.append(node)
+            elif node.id != ROOT_ID:
                 parent = self.nodes.get(node.parent)
                 if parent is None:
                     log.error("weights node %d has no parent %d: left out", node.id, node.parent)
@@ -264,6 +269,13 @@ class WeightsTree:
 
     async def set_attrs(self, node: WNode, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
         await self.store.committer.submit(SetAttrs(self, node, mode, uid, gid, mtime_ns))
+
+    def collect_detached(self) -> None:
+        """Free the versions of files that were unlinked or replaced while still read when
+        the daemon stopped (their records were kept so a crash could not leak them)."""
+        for node in self.detached_at_load:
+            self.store.committer.submit_nowait(Collect(self, node))
+        self.detached_at_load = []
 
     def opened(self, version: Version) -> None:
         version.readers += 1
@@ -408,12 +420,19 @@ class MakeNode(_TreeChange):
 
 
 def _detach_txn(change: _TreeChange, txn, node: WNode) -> None:
-    """Remove a node's record; its unread versions' chunks go with it (read ones wait)."""
-    txn.delete(_key(node.id), db=change.tree.store.env.db(DB_WNODES))
+    """Remove a node's record; its unread versions' chunks go with it. Versions still read
+    wait for their last reader (Collect); until then the record stays, marked detached, so
+    that a crash meanwhile leaves a record to free them by (at the next start), not a leak."""
+    read = [v for v in node.versions if v.readers > 0]
     for version in node.versions:
         if version.readers == 0:
             for chunk in version.chunks:
                 change.tree.store.backend(chunk.tier).delete(txn, chunk.loc)
+    if read:
+        txn.put(_key(node.id), replace(node, versions=read, attached=False).record(),
+                db=change.tree.store.env.db(DB_WNODES))
+    else:
+        txn.delete(_key(node.id), db=change.tree.store.env.db(DB_WNODES))
 
 
 def _detach_apply(tree: WeightsTree, node: WNode) -> None:
@@ -532,9 +551,12 @@ class Collect(_TreeChange):
         for version in self.victims:
             for chunk in version.chunks:
                 self.tree.store.backend(chunk.tier).delete(txn, chunk.loc)
-        if self.node.attached and self.victims:
+        if self.victims:
             keep = [v for v in self.node.versions if v not in self.victims]
-            self._put(txn, replace(self.node, versions=keep))
+            if self.node.attached or keep:
+                self._put(txn, replace(self.node, versions=keep))
+            else:  # the last version of an unlinked file: its record goes too
+                txn.delete(_key(self.node.id), db=self.tree.store.env.db(DB_WNODES))
 
     def apply(self) -> None:
         node = self.node

@@ -28,6 +28,9 @@ class Handle:
     async def flush(self) -> None:
         pass
 
+    async def fsync(self) -> None:
+        """fsync(): after flush and the store's sync, wait for what this handle keeps itself."""
+
     async def release(self) -> None:
         pass
 

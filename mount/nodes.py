@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Iterator
 
 import pyfuse3
+import trio
 
 from distorefs import __version__
 from distorefs.buffer import Buffer
@@ -110,6 +111,9 @@ class Node:
 
     async def setxattr(self, name: bytes, value: bytes) -> None:
         raise NotPermitted(f"attribute {name!r} is read-only")
+
+    async def fsyncdir(self) -> None:
+        """fsync of this directory: wait for what it keeps itself (before the store's sync)."""
 
     @property
     def is_dir(self) -> bool:
@@ -251,6 +255,22 @@ class RingDir(Node):
         for i, (name, make) in enumerate(list(self.entries.items())[start:], start + 1):
             yield name, make(), i
 
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        await super().setattr(attr, fields, handle, ctx)
+        if not (fields.update_mode or fields.update_uid or fields.update_gid):
+            return
+        await self.fs.store.set_owner(self.ns.kind, self.ns.name,
+                                      mode=attr.st_mode if fields.update_mode else None,
+                                      uid=attr.st_uid if fields.update_uid else None,
+                                      gid=attr.st_gid if fields.update_gid else None)
+        # entries/, at/, sample/ ... take their owner and mode from the namespace: the kernel
+        # holds their attributes for DIR_LONG and checks permissions against them.
+        if self.fs.invalidator is not None:
+            for name in (b"entries", b"at", b"sample", b"batch", b"priorities", b"config.json", b"stats.json"):
+                ino = self.fs.inodes.ino_of((name.decode().split(".")[0], self.ns.ns_id))
+                if ino is not None:
+                    self.fs.invalidator.inode(ino)
+
 
 class BankDir(RingDir):
     """banks/NAME/: config.json, stats.json, entries/, at/."""
@@ -318,7 +338,11 @@ class PrioritiesFile(Node):
 
 
 class DrawDir(Node):
-    """sample/ or batch/: every name N (or N.npz) is a file that draws a batch when opened."""
+    """sample/ or batch/: every name N (or N.npz) is a file that draws a batch when opened.
+    Each process gets an inode of its own for a name (see DrawFile), so the kernel must look
+    the name up on every open (names_move)."""
+
+    names_move = True
 
     def __init__(self, fs: "Filesystem", buf: Buffer, npz: bool) -> None:
         super().__init__(fs)
@@ -340,24 +364,33 @@ class DrawDir(Node):
         n = int(text)
         self.buf.check_batch_size(n)
         kind = "batchfile" if self.npz else "samplefile"
-        return self.fs.inodes.intern((kind, self.buf.ns_id, n), lambda: DrawFile(self.fs, self.buf, n, self.npz))
+        pid = ctx.pid if ctx is not None else 0
+        return self.fs.inodes.intern((kind, self.buf.ns_id, n, pid),
+                                     lambda: DrawFile(self.fs, self.buf, n, self.npz, pid))
 
 
 class DrawFile(Node):
     """sample/N or batch/N.npz. Each open has its own content, so its size differs per open:
     the size reported is that of the batch the asking process opened last (zipfile, and so
-    np.load, seeks to the end to find the npz directory), never cached by the kernel."""
+    np.load, seeks to the end to find the npz directory), never cached by the kernel.
 
-    def __init__(self, fs: "Filesystem", buf: Buffer, n: int, npz: bool) -> None:
+    The kernel keeps one size per inode and trusts it for the rest of the jiffy in which it
+    got it, whoever asked: with one inode shared by all processes, a SEEK_END right after
+    another process's GETATTR used that process's size (BadZipFile under concurrent np.load).
+    So every process (FUSE passes the thread's pid) gets its own inode, and an open drops
+    the inode's attributes so the SEEK_END that follows asks for the new batch's size."""
+
+    def __init__(self, fs: "Filesystem", buf: Buffer, n: int, npz: bool, pid: int = 0) -> None:
         super().__init__(fs)
         self.buf = buf
         self.n = n
         self.npz = npz
+        self.pid = pid
         self.sizes: dict[int, int] = {}  # pid -> size of its newest open batch
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
-        size = self.sizes.get(ctx.pid, 0) if ctx is not None else 0
+        size = self.sizes.get(ctx.pid if ctx is not None else self.pid, 0)
         return make_attrs(self.ino, stat.S_IFREG | 0o444, size, o.uid, o.gid, time.time_ns(), NO_CACHE,
                           entry_timeout=DIR_LONG)
 
@@ -378,6 +411,10 @@ class DrawFile(Node):
         self.sizes[ctx.pid] = len(data)
         handle = SampleReader(self.buf, batch, data)
         handle.pid = ctx.pid
+        try:  # attributes only: no page or inode lock is taken, safe while this OPEN is pending
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, self.ino, True)
+        except OSError:
+            pass  # the kernel does not know the inode (yet): nothing cached to drop
         return handle
 
 
@@ -565,6 +602,17 @@ def build_tree(fs: "Filesystem") -> StaticDir:
     from .control import WaitFile
     from .weights_nodes import WeightsDir
     ctl.entries[b"wait"] = WaitFile(fs)
+    # Added after `wait`: the enumeration below gives fixed inodes in this order.
+    from distorefs.metrics import prometheus_text
+    ctl.entries[b"metrics"] = RenderedFile(fs, lambda: prometheus_text(fs.stats()).encode())
+    last_gc: dict = {}
+
+    async def collect(_text: bytes) -> None:
+        last_gc.clear()
+        last_gc.update(await store.collect())
+
+    # `gc`: any write collects at close (distorefs gc); reading shows what the last one freed.
+    ctl.entries[b"gc"] = RenderedFile(fs, lambda: _json(last_gc), write=collect)
     buffers = NamespacesDir(fs, "buffers")
     banks = NamespacesDir(fs, "banks")
     weights = WeightsDir(fs, ROOT_ID)
@@ -577,6 +625,10 @@ def build_tree(fs: "Filesystem") -> StaticDir:
     datasets = NamespacesDir(fs, "datasets")
     root.entries[b"datasets"] = datasets
     fs.inodes.add_fixed(900, ("datasets",), datasets)  # above the enumerated ones, below the dynamic
+    from .checkpoint_nodes import checkpoints_root
+    key, checkpoints = checkpoints_root(fs)
+    root.entries[b"checkpoints"] = checkpoints
+    fs.inodes.add_fixed(901, key, checkpoints)
     return root
 
 

@@ -25,7 +25,7 @@ from distorefs.store import Store
 from .handles import EntryWriter, Handle
 from .inodes import InodeTable
 from .nodes import XATTR_PREFIX, EntryNode, Node, build_tree
-from .notify import Invalidator
+from .notify import Invalidator, PageCachePusher
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class Filesystem(pyfuse3.Operations):
         self.gid = os.getgid()
         self.started_ns = time.time_ns()
         self.invalidator: Invalidator | None = None
+        self.pusher: PageCachePusher | None = None
         self.pending_weights: dict = {}  # (dir id, name) -> writer of a created, unpublished file
         self.pending_items: dict = {}  # (dataset id, dir id, name) -> node of a created, uncommitted item
         self.writer_redirects: dict = {}  # (file id, pid) -> True: its next lookup gets a private inode
@@ -73,11 +74,15 @@ class Filesystem(pyfuse3.Operations):
     def start_notifications(self) -> None:
         """Kernel invalidations need a live session: start them once the mount is up."""
         self.invalidator = Invalidator()
+        self.pusher = PageCachePusher()
 
     def stop_notifications(self) -> None:
         if self.invalidator is not None:
             self.invalidator.stop()
             self.invalidator = None
+        if self.pusher is not None:
+            self.pusher.stop()
+            self.pusher = None
 
     def stats(self) -> dict:
         s = self.store.stats()
@@ -194,6 +199,7 @@ class Filesystem(pyfuse3.Operations):
 
     @_translate
     async def fsyncdir(self, fh, datasync):
+        await self.inodes.get(fh).fsyncdir()
         await self.store.sync()
 
     @_translate
@@ -264,8 +270,10 @@ class Filesystem(pyfuse3.Operations):
 
     @_translate
     async def fsync(self, fh, datasync):
-        await self._handle(fh).flush()
+        handle = self._handle(fh)
+        await handle.flush()
         await self.store.sync()
+        await handle.fsync()
 
     async def release(self, fh):
         handle = self.handles.pop(fh, None)

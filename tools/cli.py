@@ -1,4 +1,5 @@
-"""The `distorefs` command: mount, umount, status, stats, bench, demo."""
+"""The `distorefs` command: mount, umount, status, bench, demo (stats, ls, inspect, verify, gc and
+export are in `inspection`)."""
 
 from __future__ import annotations
 
@@ -113,12 +114,20 @@ def _read_ready(fd: int, timeout: float) -> str:
 @click.argument("mountpoint", type=click.Path())
 @click.option("--lazy", "-z", is_flag=True, help="Detach now even if busy (fusermount3 -z).")
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the daemon to flush and exit.")
-def umount(mountpoint, lazy, timeout) -> None:
+@click.option("--force", is_flag=True, help="For a dead or hung daemon: abort its FUSE connection (calls in flight "
+              "fail with ENOTCONN), then detach (root).")
+def umount(mountpoint, lazy, timeout, force) -> None:
     """Unmount MOUNTPOINT cleanly: the daemon flushes everything before it exits."""
     info = find_mount(mountpoint)
     if info is None:
         raise click.ClickException(f"{mountpoint} is not a distorefs mount")
     pid = info.pid
+    if force:
+        from .mounts import abort_connection, fuse_connection
+        conn = fuse_connection(info.mountpoint)
+        if conn is None or not abort_connection(conn):
+            raise click.ClickException(f"cannot abort the FUSE connection of {info.mountpoint} (needs root)")
+        lazy = True
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(info.mountpoint)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -155,36 +164,20 @@ def status() -> None:
 
 
 @main.command()
-@click.argument("path", type=click.Path(exists=True))
-@click.option("--watch", "-w", is_flag=True, help="Refresh every second.")
-def stats(path, watch) -> None:
-    """Print stats.json of a mount (or of a buffer directory inside it)."""
-    p = Path(path)
-    target = p / "stats.json" if (p / "stats.json").exists() else p / ".distorefs" / "stats.json"
-    while True:
-        text = target.read_text()
-        if watch:
-            click.clear()
-        click.echo(text)
-        if not watch:
-            return
-        time.sleep(1)
-
-
-@main.command()
 @click.argument("mountpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--actors", default=4, show_default=True)
 @click.option("--seconds", default=5.0, show_default=True)
 def demo(mountpoint, actors, seconds) -> None:
     """Run a short RL-style workload against a mounted store (what `make run` shows)."""
-    from .workload import run_workload
+    from .workload import run_dataset_epoch, run_workload
     run_workload(Path(mountpoint), actors=actors, seconds=seconds)
+    run_dataset_epoch(Path(mountpoint))
 
 
 @main.command("stage")
 @click.argument("src", type=click.Path(exists=True))
 @click.argument("dest", type=click.Path())
-@click.option("--jobs", "-j", default=4, show_default=True, help="Batches in flight at once.")
+@click.option("--jobs", "-j", default=8, show_default=True, help="Batches in flight at once.")
 @click.option("--no-seal", is_flag=True, help="Leave the dataset writable (seal later with `distorefs seal`).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def stage_cmd(src, dest, jobs, no_seal, quiet) -> None:
@@ -245,6 +238,35 @@ def bench_weights(out, quick, workdir) -> None:
     from .bench_weights import run
     run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
 
+
+
+@bench.command("datasets")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--quick", is_flag=True, help="5k small and 200 large items (a smoke run).")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False),
+              help="Where the trees, the store and the copies go (default: a temp dir under the current one).")
+def bench_datasets(out, quick, workdir) -> None:
+    """Staging vs cp -r, and one cold shuffled epoch: distorefs vs ext4 vs bindfs."""
+    from .bench_datasets import run
+    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+
+
+@bench.command("checkpoints")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--quick", is_flag=True, help="A 256 MiB checkpoint and a 30-step loop (a smoke run).")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False),
+              help="Where the store and the ext4 baseline go (default: a temp dir under the current one).")
+def bench_checkpoints(out, quick, workdir) -> None:
+    """A 2 GiB checkpoint (close() vs durable) and a checkpointing training loop: distorefs vs ext4 vs tmpfs."""
+    from .bench_checkpoints import run
+    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+
+
+# verify, ls, inspect, export, gc, stats: tools/inspection.py
+from .inspection import COMMANDS as _INSPECTION  # noqa: E402
+
+for _command in _INSPECTION:
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

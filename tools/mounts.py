@@ -52,3 +52,35 @@ def daemon_pid(store: Path) -> int | None:
         pid = int(parts[1])
         return pid if Path(f"/proc/{pid}").exists() else None
     return None
+
+
+FUSECTL = Path("/sys/fs/fuse/connections")
+
+
+def fuse_connection(mountpoint: str | os.PathLike) -> int | None:
+    """The FUSE connection number of a mount (the minor of its device): FUSECTL/N."""
+    target = str(Path(mountpoint).resolve())
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            # id parent major:minor root mountpoint options [optional...] - fstype source superopts
+            if len(parts) > 6 and _unescape(parts[4]) == target and "-" in parts:
+                if parts[parts.index("-") + 1].startswith("fuse"):
+                    return int(parts[2].split(":")[1])
+    return None
+
+
+def abort_connection(conn: int) -> bool:
+    """Abort FUSE connection `conn`: every request waiting on its daemon fails (ENOTCONN,
+    ECONNABORTED) and the daemon's reads end. The way out when a daemon is hung, or dead but
+    unable to exit (after a kill -9, a thread of it can be stuck in the kernel sending an
+    invalidation that waits for a directory lock a client holds while it waits for the
+    daemon). Needs root (fusectl)."""
+    if FUSECTL.is_dir() and not any(FUSECTL.iterdir()):
+        import subprocess
+        subprocess.run(["mount", "-t", "fusectl", "none", str(FUSECTL)], capture_output=True)
+    try:
+        (FUSECTL / str(conn) / "abort").write_text("1")
+    except OSError:
+        return False
+    return True

@@ -16,7 +16,8 @@ from distorefs_it import (CLI, assert_errno, get_config, get_stats, is_mounted, 
 def test_tree_and_version(fs):
     root = sorted(os.listdir(fs.mnt))
     assert ".distorefs" in root and "buffers" in root
-    assert sorted(os.listdir(fs.mnt / ".distorefs")) == ["config.json", "stats.json", "version", "wait"]
+    assert sorted(os.listdir(fs.mnt / ".distorefs")) == ["config.json", "gc", "metrics", "stats.json", "version",
+                                                          "wait"]
     version = (fs.mnt / ".distorefs" / "version").read_text()
     assert re.fullmatch(r"distorefs \d+\.\d+\.\d+\S*\n", version), version
     stats = json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())

@@ -4,7 +4,7 @@ samples batches and writes priorities, and the numbers it reports match the buff
 import subprocess
 import sys
 
-from distorefs.tools.workload import run_workload
+from distorefs.tools.workload import run_dataset_epoch, run_workload
 
 
 def test_demo_workload_runs_and_adds_up(fs):
@@ -26,3 +26,12 @@ def test_demo_command_prints_a_report(fs):
                           "--actors", "1", "--seconds", "1"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "inserts/s" in out.stdout and "learner" in out.stdout
+    assert "one shuffled epoch" in out.stdout and "prefetch hits" in out.stdout
+
+
+def test_demo_dataset_epoch_is_prefetched(fs):
+    r = run_dataset_epoch(fs.mnt, items=300, item_bytes=4096, quiet=True, name="demo-test")
+    assert r["stage"]["copied"] == 300 and r["stage"]["errors"] == 0
+    assert r["epoch"]["prefetch_hits"] >= 0.95 * 300
+    again = run_dataset_epoch(fs.mnt, items=300, item_bytes=4096, quiet=True, name="demo-test")  # staged already: reused
+    assert "stage" not in again and again["epoch"]["prefetch_hits"] + again["epoch"]["prefetch_misses"] <= 300

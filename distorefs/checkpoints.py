@@ -1,0 +1,1468 @@
+"""Checkpoints (checkpoints/RUN/STEP/...): two-phase (CheckFreq-style) checkpointing.
+
+A trainer writes `RUN/STEP/...` with any writer (torch.save, numpy.save, cp). The
+**snapshot** phase is the writes themselves: their bytes are kept in memory, chunk by
+chunk, against one store-wide budget (`writeback_bytes`); close() returns at once. The
+**persist** phase runs behind it: one task takes chunks and file commits from a FIFO
+queue, in the order they were handed over, and stores each through the group committer
+(compression and checksums in a worker thread, values in the tier placement picks), then
+syncs (fsync) and frees the memory. A writer whose bytes do not fit waits until the
+persister has freed enough (backpressure): memory never grows past the budget.
+
+Tree (LMDB db `cknodes`, keys big-endian):
+  n + id                node record (JSON): kind root/run/step/dir/file, parent, name, owner,
+                        mtime; steps: complete, pinned; files: size, chunk_bytes
+  c + file id + index   one stored chunk of a file (`chunks.Chunk`, CRC-32 of its content)
+  g                     counter making every stored chunk's value key unique
+  meta/b"checkpoints"   the configuration (CheckpointsConfig)
+
+A step's life: **writing** (files being written) -> **persisting** once the writer has
+closed it -> **durable** (complete) once every file in it is stored and synced; then
+`RUN/latest` may name it. A step is closed ("sealed") when none of its files is open for
+writing and one of: a newer step is created in the same run (a save loop moved on), its
+directory is fsynced, or nothing was written below it for `seal_after` seconds. A write
+below a sealed step opens it again (a complete one stops being complete first). A file
+whose writer died before close (the kernel flushed it for an exiting process) makes its
+step incomplete until the file is written again; a step with no files never completes.
+`latest` is the complete step created last; the newest `keep_last` complete steps and
+pinned steps are kept, older complete steps (and steps interrupted by a crash, once a
+newer step is complete) are removed in the background.
+
+Durability: a chunk or a file commit is one LMDB transaction (the chunk's value written
+to its tier in the same transaction); `Store.sync` makes it durable, segments before the
+catalog. A file is durable once its last commit is covered by a sync; a step becomes
+complete in a transaction after the sync that made its files durable.
+
+Crash model (kill -9 or power loss at any point): the catalog holds whole transactions
+only. A step is complete in the catalog only if all its files were durable before that
+transaction was written, and a step is made incomplete (in its own transaction) before
+any of its content is changed again; so a complete step is whole. A step found
+incomplete at open was interrupted: it is read-only (state `incomplete`), never becomes
+complete, and goes once a newer step of its run is complete (unless pinned). Chunk
+values written by transactions that never committed are unreferenced garbage.
+
+Concurrency (what may change across an await): the tree changes only in a committed
+change's `apply` (event loop, one at a time: every change here shares one conflict key,
+so they commit in submission order), except that a new file appears in its directory at
+create (its record goes in with its first transaction: creating files never waits for the
+persister); the in-memory chunks change only on the event loop.
+A chunk being persisted is marked busy: writes to it wait, reads keep using it. A write
+takes its budget before it changes a chunk and checks the chunk is still the one it
+took it for, or gives the bytes back and tries again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import struct
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import trio
+
+from . import codec
+from .catalog import DB_META, TIER_NAMES
+from .chunks import Chunk, load_chunk, put_encoded
+from .committer import Change, Overlay
+from .config import CheckpointsConfig
+from .errors import (AlreadyExists, CorruptValue, CrossDevice, DistorefsError, InvalidArgument, IsADirectory,
+                     NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
+from .names import check_name
+from .ring import Owner
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger(__name__)
+
+DB_CKPT = b"cknodes"
+ROOT_ID = 1
+ROOT, RUN, STEP, DIR, FILE = "root", "run", "step", "dir", "file"
+WRITING, PERSISTING, DURABLE, INCOMPLETE = "writing", "persisting", "durable", "incomplete"
+LATEST = b"latest"
+CONTROL = (b"config.json", b"stats.json")
+_ID = struct.Struct(">Q")
+_IDX = struct.Struct(">I")
+_GEN_KEY = b"g"
+SEAL_TICK = 0.05
+
+
+# ----- CRC-32 of a file from its chunks' CRCs ----------------------------------------------
+
+def _gf2_times(mat, vec: int) -> int:
+    total, i = 0, 0
+    while vec:
+        if vec & 1:
+            total ^= mat[i]
+        vec >>= 1
+        i += 1
+    return total
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) matrix that carries a CRC-32 register over `nbytes` zero bytes (cached:
+    a file's chunks are mostly one size)."""
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # over one zero bit
+    for _ in range(3):
+        op = _gf2_square(op)  # one zero byte
+    result: list[int] | None = None
+    while nbytes:
+        if nbytes & 1:
+            result = op if result is None else [_gf2_times(op, column) for column in result]
+        nbytes >>= 1
+        if nbytes:
+            op = _gf2_square(op)
+    return tuple(result or ())
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python lacks)."""
+    if len2 <= 0:
+        return crc1
+    return (_gf2_times(_zeros_operator(len2), crc1) ^ crc2) & 0xFFFFFFFF
+
+
+# ----- memory: the write-back budget and the chunks it pays for ----------------------------
+
+class WritebackBudget:
+    """Bytes of checkpoint data held in memory, against `capacity` (writeback_bytes).
+
+    A writer takes bytes before it keeps them and waits while the budget is full; the
+    persister gives them back once they are stored. A take that finds the budget empty
+    always succeeds (one write larger than the whole budget must not wait forever)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.peak = 0
+        self.waiting = 0
+        self.waits = 0
+        self.wait_s = 0.0
+        self._freed = trio.Event()
+
+    def fits(self, n: int) -> bool:
+        return self.used + n <= self.capacity or self.used == 0
+
+    async def take(self, n: int, full: Callable[[], None]) -> None:
+        if not self.fits(n):
+            self.waits += 1
+            self.waiting += 1
+            t0 = time.monotonic()
+            try:
+                while not self.fits(n):
+                    full()
+                    await self._freed.wait()
+            finally:
+                self.waiting -= 1
+                self.wait_s += time.monotonic() - t0
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._freed.set()
+        self._freed = trio.Event()
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.give(0)
+
+
+class BufferPool:
+    """Chunk buffers reused from one checkpoint to the next.
+
+    Memory touched for the first time costs page faults (about 0.5 s per GiB on a VM,
+    ten times the copy into it), so a persisted chunk's buffer goes back here for the
+    next writes instead of to the allocator. Free buffers count against the budget too
+    (held + free <= writeback_bytes) and are let go after `idle_s` without use."""
+
+    def __init__(self, budget: WritebackBudget, idle_s: float = 30.0) -> None:
+        self.budget = budget
+        self.idle_s = idle_s
+        self.free: dict[int, list[bytearray]] = {}
+        self.free_bytes = 0
+        self.last_used = 0.0
+
+    def get(self, size: int) -> bytearray:
+        self.last_used = time.monotonic()
+        stack = self.free.get(size)
+        if stack:
+            self.free_bytes -= size
+            return stack.pop()
+        return bytearray(size)
+
+    def put(self, buf: bytearray) -> None:
+        size = len(buf)
+        if self.budget.used + self.free_bytes + size <= self.budget.capacity:
+            self.free.setdefault(size, []).append(buf)
+            self.free_bytes += size
+            self.last_used = time.monotonic()
+
+    def shrink(self, excess: int) -> None:
+        """Let go of free buffers until `excess` bytes are released (or none is left)."""
+        for size in sorted(self.free, reverse=True):
+            stack = self.free[size]
+            while stack and excess > 0:
+                stack.pop()
+                self.free_bytes -= size
+                excess -= size
+        self.free = {k: v for k, v in self.free.items() if v}
+
+    def trim(self) -> None:
+        if self.free and time.monotonic() - self.last_used > self.idle_s:
+            self.shrink(self.free_bytes)
+
+
+MIN_POOLED = 1 << 20  # below this a chunk is an exact-size bytearray of its own
+
+
+class Buf:
+    """One chunk of a file held in memory: `data[:length]` (zeros past `length`).
+
+    `data` is an exact-size bytearray while the chunk is small, else a pooled buffer of a
+    power-of-two size (a file's first chunk grows 1, 2, 4... MiB) or of the whole chunk."""
+
+    __slots__ = ("data", "length", "queued", "busy")
+
+    def __init__(self, data: bytearray, length: int = 0) -> None:
+        self.data = data
+        self.length = length
+        self.queued = False  # in the persist queue
+        self.busy: trio.Event | None = None  # set while being persisted: writers wait for it
+
+    @property
+    def pooled(self) -> bool:
+        return len(self.data) >= MIN_POOLED
+
+    def read(self, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) of the chunk; zeros past what was written."""
+        got = bytes(memoryview(self.data)[lo:min(hi, self.length)]) if lo < self.length else b""
+        return got if len(got) == hi - lo else got + bytes(hi - lo - len(got))
+
+
+# ----- the tree ----------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class CNode:
+    id: int
+    kind: str
+    parent: int
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    attached: bool = field(default=True, repr=False)  # False once removed (memory only)
+
+    def record(self) -> dict:
+        return {"kind": self.kind, "parent": self.parent, "name": self.name.hex(), "mode": self.mode,
+                "uid": self.uid, "gid": self.gid, "mtime_ns": self.mtime_ns}
+
+
+@dataclass(eq=False)
+class CDir(CNode):
+    children: dict[bytes, int] = field(default_factory=dict)  # memory only
+
+
+@dataclass(eq=False)
+class CStep(CDir):
+    complete: bool = False
+    pinned: bool = False
+    # memory only:
+    interrupted: bool = False  # found incomplete at open (a crash): read-only, never complete
+    sealed: bool = False  # closed by its writer: completes once everything in it is durable
+    writers: int = 0  # handles open for writing below it
+    handles: int = 0  # handles of any kind open below it (retention leaves it alone)
+    active: float = 0.0  # monotonic time of the last change below it
+
+    def record(self) -> dict:
+        return {**super().record(), "complete": self.complete, "pinned": self.pinned}
+
+
+@dataclass(eq=False)
+class CFile(CNode):
+    size: int = 0
+    chunk_bytes: int = 8 << 20
+    # memory only:
+    stored: dict[int, Chunk] = field(default_factory=dict)  # chunk index -> stored chunk
+    mem: dict[int, Buf] = field(default_factory=dict)  # chunk index -> newer content in memory
+    garbage: list[tuple[int, Chunk]] = field(default_factory=list)  # truncated away; freed at the next commit
+    writers: int = 0
+    handles: int = 0
+    dirty: bool = False  # changed since its last commit was queued
+    pending: int = 0  # items of it in the persist queue
+    ticket: int = 0  # its last queued commit; durable once the durable ticket reaches it
+    abandoned: bool = False  # its writer died before close(): the step cannot complete
+    error: DistorefsError | None = None  # a persist of it failed
+    recorded: bool = True  # its record is in the catalog (a new file's goes in with its first commit)
+
+    def record(self) -> dict:
+        return {**super().record(), "size": self.size, "chunk_bytes": self.chunk_bytes}
+
+
+def _from_record(node_id: int, data: bytes) -> CNode:
+    d = json.loads(data)
+    args = (node_id, d["kind"], d["parent"], bytes.fromhex(d["name"]), d["mode"], d["uid"], d["gid"], d["mtime_ns"])
+    if d["kind"] == STEP:
+        return CStep(*args, complete=d["complete"], pinned=d["pinned"])
+    if d["kind"] == FILE:
+        return CFile(*args, size=d["size"], chunk_bytes=d["chunk_bytes"])
+    return CDir(*args)
+
+
+def _nkey(node_id: int) -> bytes:
+    return b"n" + _ID.pack(node_id)
+
+
+def _ckey(file_id: int, index: int) -> bytes:
+    return b"c" + _ID.pack(file_id) + _IDX.pack(index)
+
+
+# what may live below what: runs in the root, steps in a run, directories and files in a step
+_CHILD_KIND = {ROOT: RUN, RUN: STEP, STEP: DIR, DIR: DIR}
+
+
+def _may_hold(parent_kind: str, kind: str) -> bool:
+    return kind == _CHILD_KIND.get(parent_kind) or (kind == FILE and parent_kind in (STEP, DIR))
+
+
+class Checkpoints:
+    kind = "checkpoints"
+
+    def __init__(self, store: "Store") -> None:
+        self.store = store
+        self.config = CheckpointsConfig()
+        now = time.time_ns()
+        self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now)}
+        self.next_id = ROOT_ID + 1
+        self.budget = WritebackBudget(self.config.writeback_bytes)
+        self.pool = BufferPool(self.budget)
+        self.listeners: list[Callable[[CNode], None]] = []  # told of nodes the tree removes by itself
+        self._queue: deque[tuple[str, CFile, int]] = deque()
+        self._wake = trio.Event()
+        self._durable_event = trio.Event()
+        self._tickets = 0  # last ticket handed to a queued file commit
+        self.committed = 0  # last file commit processed
+        self.durable = 0  # every commit up to this ticket is on disk
+        self._wanted: dict[int, int] = {}  # ticket -> fsync callers waiting for it to be durable
+        self._working = False  # the persister is on an item
+        self._recheck = False  # a step was sealed: see whether it is complete
+        self._unsealed: set[CStep] = set()
+        self._sealed: set[CStep] = set()
+        self._held: dict[CFile, None] = {}  # files with chunks in memory
+        self._removing: set[int] = set()
+        self.counters = {"bytes_written": 0, "bytes_persisted": 0, "chunks_persisted": 0, "file_commits": 0,
+                         "syncs": 0, "steps_completed": 0, "steps_removed": 0, "steps_reopened": 0,
+                         "chunk_reloads": 0, "evictions": 0, "abandoned_files": 0, "persist_failures": 0}
+
+    # ----- loading -------------------------------------------------------------------
+
+    def load(self, txn) -> None:
+        """Rebuild the tree at store open. Steps not complete were interrupted by a crash."""
+        raw = txn.get(b"checkpoints", db=self.store.env.db(DB_META))
+        if raw is not None:
+            self.config = CheckpointsConfig.from_json(bytes(raw))
+            self.budget.capacity = self.config.writeback_bytes
+        chunks = []
+        for k, v in txn.cursor(db=self.store.env.db(DB_CKPT)):
+            key = bytes(k)
+            if key[:1] == b"n":
+                node = _from_record(_ID.unpack_from(key, 1)[0], bytes(v))
+                self.nodes[node.id] = node
+                self.next_id = max(self.next_id, node.id + 1)
+            elif key[:1] == b"c":
+                chunks.append((_ID.unpack_from(key, 1)[0], _IDX.unpack_from(key, 9)[0],
+                               Chunk.unpack_from(bytes(v), 0)[0]))
+        for file_id, index, chunk in chunks:
+            f = self.nodes.get(file_id)
+            if isinstance(f, CFile):
+                f.stored[index] = chunk
+        for node in sorted(self.nodes.values(), key=lambda n: n.id):
+            if node.id == ROOT_ID:
+                continue
+            parent = self.nodes.get(node.parent)
+            if not isinstance(parent, CDir) or not parent.attached or not _may_hold(parent.kind, node.kind):
+                log.error("checkpoint node %d (%s) has no valid parent %d: left out", node.id, node.kind, node.parent)
+                node.attached = False
+                continue
+            parent.children[node.name] = node.id
+            if isinstance(node, CStep) and not node.complete:
+                node.interrupted = node.sealed = True
+        self.nodes = {i: n for i, n in self.nodes.items() if n.attached}
+
+    # ----- running -------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The persister and the sealer (in the store's nursery)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._persister)
+            nursery.start_soon(self._sealer)
+            for node in list(self.nodes.values()):
+                if node.kind == RUN:
+                    self._collect(node)
+            task_status.started()
+
+    async def drain(self, patience: float = 600.0) -> None:
+        """At shutdown: close every step nobody writes and persist everything held (giving
+        up, logged, if nothing moves for `patience` seconds: a disk that keeps failing)."""
+        for step in list(self._unsealed):
+            if step.writers == 0:
+                self._seal(step)
+        last, since = None, time.monotonic()
+        while self._queue or self._working or self._recheck or self.committed > self.durable:
+            now = (len(self._queue), self.committed, self.durable)
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > patience:
+                log.error("checkpoints: %d items not persisted at shutdown (no progress for %.0f s)",
+                          len(self._queue), patience)
+                return
+            self._kick()
+            await trio.sleep(0.02)
+
+    def _kick(self) -> None:
+        self._wake.set()
+
+    async def _persister(self) -> None:
+        """Takes the queue in order; syncs once what an fsync waits for is committed, when a
+        closed step only waits for a sync, or when the queue runs dry."""
+        while True:
+            try:
+                if self.committed > self.durable and (not self._queue or self._sync_helps()
+                                                      or min(self._wanted, default=self.committed + 1) <= self.committed):
+                    await self._sync()
+                elif self._recheck:
+                    await self._complete_steps()
+                elif self._queue:
+                    kind, file, arg = self._queue.popleft()
+                    self._working = True
+                    try:
+                        file.pending -= 1
+                        if kind == "chunk":
+                            await self._persist_chunk(file, arg)
+                        else:
+                            await self._commit_file(file, arg)
+                    finally:
+                        self._working = False
+                elif not (self.budget.waiting and self._evict()):
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+            except Exception:  # never lose the daemon to a bug here
+                log.exception("checkpoint persister")
+                await trio.sleep(0.1)
+
+    def _sync_helps(self) -> bool:
+        """A closed step has every file committed and waits only for a sync."""
+        for step in self._sealed:
+            files = list(self.files_below(step))
+            if files and all(not (f.writers or f.dirty or f.mem or f.pending) for f in files) \
+                    and any(f.ticket > self.durable for f in files):
+                return True
+        return False
+
+    async def _sealer(self) -> None:
+        while True:
+            await trio.sleep(SEAL_TICK)
+            self.pool.trim()
+            after = self.config.seal_after
+            if after <= 0:
+                continue
+            now = time.monotonic()
+            for step in list(self._unsealed):
+                if step.writers == 0 and now - step.active >= after:
+                    self._seal(step)
+
+    def _seal(self, step: CStep) -> None:
+        if step in self._unsealed:
+            self._unsealed.discard(step)
+            step.sealed = True
+            self._sealed.add(step)
+            self._recheck = True
+            self._kick()
+
+    # ----- queries -------------------------------------------------------------------
+
+    def node(self, node_id: int) -> CNode:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"checkpoint node {node_id} is gone")
+        return node
+
+    def dir(self, node_id: int) -> CDir:
+        node = self.node(node_id)
+        if not isinstance(node, CDir):
+            raise NotADirectory(f"{self.path_of(node)} is not a directory")
+        return node
+
+    def child(self, parent_id: int, name: bytes) -> CNode:
+        child_id = self.dir(parent_id).children.get(name)
+        if child_id is None:
+            raise NotFound(f"no {name!r}")
+        return self.nodes[child_id]
+
+    def resolve(self, path: str) -> CNode:
+        """A node by its path below checkpoints/."""
+        node = self.nodes[ROOT_ID]
+        for part in [p for p in path.split("/") if p]:
+            node = self.child(node.id, part.encode("utf-8", "surrogateescape"))
+        return node
+
+    def path_of(self, node: CNode) -> str:
+        parts = []
+        while node.id != ROOT_ID and node.attached:
+            parts.append(node.name.decode("utf-8", "surrogateescape"))
+            node = self.nodes.get(node.parent) or self.nodes[ROOT_ID]
+        return "checkpoints/" + "/".join(reversed(parts))
+
+    def step_of(self, node: CNode) -> CStep | None:
+        while node.kind not in (STEP, RUN, ROOT):
+            parent = self.nodes.get(node.parent)
+            if parent is None:
+                return None
+            node = parent
+        return node if isinstance(node, CStep) else None
+
+    def files_below(self, node: CNode) -> Iterator[CFile]:
+        if isinstance(node, CFile):
+            yield node
+        elif isinstance(node, CDir):
+            for child_id in list(node.children.values()):
+                yield from self.files_below(self.nodes[child_id])
+
+    def latest(self, run: CNode) -> CStep | None:
+        """The complete step of `run` created last."""
+        best = None
+        if isinstance(run, CDir) and run.kind == RUN:
+            for child_id in run.children.values():
+                s = self.nodes[child_id]
+                if isinstance(s, CStep) and s.complete and (best is None or s.id > best.id):
+                    best = s
+        return best
+
+    def _settled(self, step: CStep) -> bool | None:
+        """Whether every file below `step` is closed and durable; None if one never will be."""
+        files = list(self.files_below(step))
+        if any(f.abandoned or f.error is not None for f in files):
+            return None
+        return bool(files) and all(self._file_durable(f) for f in files)
+
+    def _file_durable(self, f: CFile) -> bool:
+        return not f.writers and not f.dirty and not f.mem and not f.pending and f.ticket <= self.durable
+
+    def state(self, node: CNode) -> str:
+        """writing | persisting | durable | incomplete, of a step or a file."""
+        if isinstance(node, CStep):
+            if node.complete:
+                return DURABLE
+            if node.interrupted:
+                return INCOMPLETE
+            settled = self._settled(node)
+            if settled is None:
+                return INCOMPLETE
+            return PERSISTING if node.sealed and any(True for _ in self.files_below(node)) else WRITING
+        if isinstance(node, CFile):
+            if node.abandoned or node.error is not None:
+                return INCOMPLETE
+            if node.writers:
+                return WRITING
+            return DURABLE if self._file_durable(node) else PERSISTING
+        raise InvalidArgument("only steps and files have a state")
+
+    def stored_size(self, f: CFile) -> int:
+        return sum(c.stored_size for c in f.stored.values())
+
+    def tiers(self, f: CFile) -> list[str]:
+        return sorted({TIER_NAMES[c.tier] for c in f.stored.values()} | ({"memory"} if f.mem else set())) or ["none"]
+
+    def checksum(self, f: CFile) -> int | None:
+        """CRC-32 of the whole content, from the chunks' own CRCs; None while any is in memory."""
+        if f.mem:
+            return None
+        crc, step = 0, f.chunk_bytes
+        for i in range(-(-f.size // step)):
+            n = min(step, f.size - i * step)
+            chunk = f.stored.get(i)
+            if chunk is None:
+                part_crc, have = 0, 0
+            elif chunk.size > n:
+                return None  # longer than the file says (a crash mid-rewrite): no answer
+            else:
+                part_crc, have = chunk.checksum, chunk.size
+            crc = crc32_combine(crc, part_crc, have) if have else crc
+            if have < n:  # a hole or a short chunk reads as zeros
+                crc = crc32_combine(crc, zlib.crc32(bytes(n - have)), n - have)
+        return crc
+
+    def stats(self) -> dict:
+        steps = [n for n in self.nodes.values() if isinstance(n, CStep)]
+        files = [n for n in self.nodes.values() if isinstance(n, CFile)]
+        states: dict[str, int] = {}
+        for s in steps:
+            st = self.state(s)
+            states[st] = states.get(st, 0) + 1
+        return {
+            "runs": sum(1 for n in self.nodes.values() if n.kind == RUN),
+            "steps": len(steps),
+            "steps_by_state": states,
+            "pinned": sum(1 for s in steps if s.pinned),
+            "files": len(files),
+            "bytes": sum(f.size for f in files),
+            "stored_bytes": sum(self.stored_size(f) for f in files),
+            "writeback": {"budget_bytes": self.budget.capacity, "held_bytes": self.budget.used,
+                          "peak_bytes": self.budget.peak, "writers_waiting": self.budget.waiting,
+                          "waits": self.budget.waits, "wait_s": round(self.budget.wait_s, 3)},
+            "queue": {"items": len(self._queue), "tickets": self._tickets, "committed": self.committed,
+                      "durable": self.durable},
+            "config": self.config.to_dict(),
+            **self.counters,
+        }
+
+    # ----- tree changes --------------------------------------------------------------
+
+    async def mkdir(self, parent_id: int, name: bytes, owner: Owner) -> CDir:
+        parent = self.dir(parent_id)
+        check_name(name)
+        kind = _CHILD_KIND[parent.kind]
+        if kind == DIR:
+            await self._reopen(self.step_of(parent))
+        change = MakeNode(self, parent_id, name, kind, owner)
+        await self.store.committer.submit(change)
+        return change.node  # type: ignore[return-value]
+
+    async def create(self, parent_id: int, name: bytes, owner: Owner) -> CFile:
+        """A new empty file, open for writing (call `released` when its handle closes).
+
+        It exists in memory at once; its record goes into the catalog with its first
+        chunk or commit, so a create never waits behind the persister's transactions
+        (a crash before leaves no trace of it, and its step is incomplete anyway)."""
+        parent = self.dir(parent_id)
+        check_name(name)
+        if parent.kind not in (STEP, DIR):
+            raise NotPermitted("checkpoint files go in a step directory: checkpoints/RUN/STEP/...")
+        await self._reopen(self.step_of(parent))
+        if not parent.attached:
+            raise NotFound(f"{self.path_of(parent)} was removed")
+        if name in parent.children:
+            raise AlreadyExists(f"{name!r} exists")
+        f = CFile(self.next_id, FILE, parent_id, name, owner.mode, owner.uid, owner.gid, time.time_ns(),
+                  chunk_bytes=self.config.chunk_bytes, recorded=False)
+        self.next_id += 1
+        self.nodes[f.id] = f
+        parent.children[name] = f.id
+        self._attach(f, write=True)
+        return f
+
+    async def open_write(self, f: CFile, truncate: bool) -> None:
+        """An existing file opened for writing (its step is opened again if it was closed)."""
+        await self._reopen(self.step_of(f))
+        if not f.attached:
+            raise NotFound(f"{self.path_of(f)} was removed")
+        self._attach(f, write=True)
+        if truncate and f.size:
+            try:
+                await self.truncate(f, 0)
+            except BaseException:
+                self.released(f, write=True)
+                raise
+
+    def open_read(self, f: CFile) -> None:
+        if f.error is not None:
+            raise CorruptValue(f"{self.path_of(f)}: lost when it was persisted ({f.error})")
+        self._attach(f, write=False)
+
+    def _attach(self, f: CFile, write: bool) -> None:
+        step = self.step_of(f)
+        f.handles += 1
+        if step is not None:
+            step.handles += 1
+        if write:
+            f.writers += 1
+            f.dirty = True
+            f.abandoned = False
+            if step is not None:
+                step.writers += 1
+                step.active = time.monotonic()
+
+    def flushed(self, f: CFile, writer_exiting: bool) -> None:
+        """close() of a write handle: what it wrote is held; persist it in the background.
+        `writer_exiting`: the kernel closed it for a dying process (a save cut short)."""
+        if writer_exiting and f.attached:
+            f.abandoned = True
+            self.counters["abandoned_files"] += 1
+            log.warning("the writer of %s died before closing it: its step will not complete", self.path_of(f))
+        self._queue_file(f)
+        step = self.step_of(f)
+        if step is not None:
+            step.active = time.monotonic()
+
+    def released(self, f: CFile, write: bool) -> None:
+        """A handle on `f` is gone (after its last close)."""
+        step = self.step_of(f)
+        f.handles -= 1
+        if step is not None:
+            step.handles -= 1
+        if write:
+            f.writers -= 1
+            if step is not None:
+                step.writers -= 1
+                step.active = time.monotonic()
+            self._queue_file(f)
+        if step is not None and step.handles == 0 and (step.complete or step.interrupted):
+            self._collect(self.nodes.get(step.parent))
+
+    async def _reopen(self, step: CStep | None) -> None:
+        """About to change something below `step`: it is being written again."""
+        if step is None:
+            return
+        if step.interrupted:
+            raise ReadOnly(f"{self.path_of(step)} was interrupted by a crash and is read-only (remove it)")
+        step.active = time.monotonic()
+        if step.sealed:
+            step.sealed = False
+            self._sealed.discard(step)
+            self._unsealed.add(step)
+        if step.complete:
+            await self.store.committer.submit(SetStepFlags(self, step, complete=False))
+            self.counters["steps_reopened"] += 1
+            log.info("%s is written again: no longer complete", self.path_of(step))
+
+    async def remove(self, parent_id: int, name: bytes, want_dir: bool) -> CNode:
+        node = self.child(parent_id, name)
+        if want_dir and not isinstance(node, CDir):
+            raise NotADirectory(f"{self.path_of(node)} is not a directory")
+        if not want_dir and isinstance(node, CDir):
+            raise IsADirectory(f"{self.path_of(node)} is a directory")
+        step = self.step_of(self.node(parent_id))
+        if step is not None and not step.interrupted:
+            await self._reopen(step)
+        await self.store.committer.submit(RemoveTree(self, node, background=False))
+        return node
+
+    async def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, noreplace: bool) -> CNode:
+        node = self.child(old_parent, old)
+        src, dst = self.dir(old_parent), self.dir(new_parent)
+        check_name(new)
+        if src.kind in (ROOT, RUN):
+            if dst is not src:
+                raise CrossDevice(f"{node.kind}s are renamed within their {src.kind}")
+        elif self.step_of(src) is not self.step_of(dst) or dst.kind not in (STEP, DIR):
+            raise CrossDevice("files move only within their step")
+        if (src.kind == ROOT and new in CONTROL) or (src.kind == RUN and new == LATEST):
+            raise AlreadyExists(f"{new!r} is reserved")
+        step = self.step_of(src) if src.kind not in (ROOT, RUN) else None
+        await self._reopen(step)
+        change = Rename(self, node, new_parent, new, noreplace)
+        await self.store.committer.submit(change)
+        return node
+
+    async def set_attrs(self, node: CNode, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
+        if node.id == ROOT_ID:
+            return
+        await self.store.committer.submit(SetAttrs(self, node, mode, uid, gid, mtime_ns))
+
+    async def set_pinned(self, step: CStep, pinned: bool) -> None:
+        await self.store.committer.submit(SetStepFlags(self, step, pinned=pinned))
+        if not pinned:
+            self._collect(self.nodes.get(step.parent))
+
+    async def configure(self, text: bytes) -> CheckpointsConfig:
+        config = CheckpointsConfig.from_json(text, self.config)
+        await self.store.committer.submit(Configure(self, config))
+        for node in list(self.nodes.values()):
+            if node.kind == RUN:
+                self._collect(node)
+        return config
+
+    # ----- data ----------------------------------------------------------------------
+
+    async def write(self, f: CFile, off: int, data: bytes) -> int:
+        if not f.attached:
+            raise NotFound(f"{self.path_of(f)} was removed")
+        if f.error is not None:
+            raise type(f.error)(f"{self.path_of(f)}: an earlier persist failed ({f.error})")
+        n = len(data)
+        step, view, pos, end = f.chunk_bytes, memoryview(data), off, off + n
+        while pos < end:
+            index, lo = divmod(pos, step)
+            k = min(step - lo, end - pos)
+            await self._put(f, index, lo, data if k == n else view[pos - off:pos - off + k])
+            pos += k
+            f.size = max(f.size, pos)
+        f.dirty = True
+        f.mtime_ns = time.time_ns()
+        self.counters["bytes_written"] += n
+        return n
+
+    async def _put(self, f: CFile, index: int, lo: int, piece) -> None:
+        end = lo + len(piece)
+        while True:
+            buf = await self._writable(f, index)
+            size = len(buf.data)
+            want = size if end <= size else self._capacity(f, index, end)
+            if want > size:
+                await self._take(want - size)
+                if f.mem.get(index) is not buf or buf.busy is not None or len(buf.data) != size:
+                    self.budget.give(want - size)  # persisted or changed while we waited: again
+                    continue
+                self._resize(buf, want)
+            if lo > buf.length:
+                buf.data[buf.length:lo] = bytes(lo - buf.length)  # a hole; pooled buffers hold old bytes
+            buf.data[lo:end] = piece
+            buf.length = max(buf.length, end)
+            f.dirty = True
+            if buf.length >= f.chunk_bytes and not buf.queued:
+                self._queue_chunk(f, index, buf)  # a full chunk is persisted at once
+            return
+
+    def _capacity(self, f: CFile, index: int, end: int) -> int:
+        """Buffer size for chunk `index` holding `end` bytes: exact while small; a file past
+        its first chunk gets whole chunks at once."""
+        if index > 0 or end > f.chunk_bytes // 2:
+            return f.chunk_bytes
+        if end < MIN_POOLED:
+            return end
+        return 1 << (end - 1).bit_length()
+
+    def _resize(self, buf: Buf, size: int) -> None:
+        if size < MIN_POOLED:
+            buf.data.extend(bytes(size - len(buf.data)))
+            return
+        new = self.pool.get(size)
+        new[:buf.length] = memoryview(buf.data)[:buf.length]
+        old, buf.data = buf.data, new
+        if len(old) >= MIN_POOLED:
+            self.pool.put(old)
+
+    async def _take(self, n: int) -> None:
+        """Budget for `n` more bytes held (waits while full); free pooled buffers make room."""
+        self.pool.shrink(self.budget.used + self.pool.free_bytes + n - self.budget.capacity)
+        await self.budget.take(n, self._kick)
+        self.pool.shrink(self.budget.used + self.pool.free_bytes - self.budget.capacity)
+
+    async def _writable(self, f: CFile, index: int) -> Buf:
+        """Chunk `index` of `f` in memory and not being persisted (loaded back if stored)."""
+        while True:
+            if not f.attached:
+                raise NotFound(f"{self.path_of(f)} was removed")
+            buf = f.mem.get(index)
+            if buf is not None:
+                if buf.busy is not None:
+                    await buf.busy.wait()
+                    continue
+                return buf
+            chunk = f.stored.get(index)
+            if chunk is None:
+                buf = f.mem[index] = Buf(bytearray())
+                self._held[f] = None
+                return buf
+            data = await trio.to_thread.run_sync(load_chunk, self.store, chunk, self._what(f, index))
+            size = self._capacity(f, index, max(len(data), 1))
+            await self._take(size)
+            if f.mem.get(index) is not None or f.stored.get(index) is not chunk or not f.attached:
+                self.budget.give(size)
+                continue
+            self.counters["chunk_reloads"] += 1
+            buf = f.mem[index] = Buf(self.pool.get(size) if size >= MIN_POOLED else bytearray(size), len(data))
+            buf.data[:len(data)] = data
+            self._held[f] = None
+            return buf
+
+    async def truncate(self, f: CFile, size: int) -> None:
+        if size < 0:
+            raise InvalidArgument(f"negative size {size}")
+        await self._reopen(self.step_of(f))
+        step = f.chunk_bytes
+        keep = -(-size // step)  # chunks 0..keep-1 stay
+        if size < f.size:
+            while True:
+                busy = [b for i, b in f.mem.items() if i >= keep and b.busy is not None]
+                if not busy:
+                    break
+                await busy[0].busy.wait()  # type: ignore[union-attr]
+            for i in [i for i in f.mem if i >= keep]:
+                self._drop(f, i)
+            for i in [i for i in f.stored if i >= keep]:
+                f.garbage.append((i, f.stored.pop(i)))
+            last = size - (keep - 1) * step
+            if keep and last < step and (keep - 1 in f.mem or keep - 1 in f.stored):
+                buf = await self._writable(f, keep - 1)
+                buf.length = min(buf.length, last)
+                if not buf.pooled and len(buf.data) > buf.length:
+                    freed = len(buf.data) - buf.length
+                    del buf.data[buf.length:]
+                    self.budget.give(freed)
+        f.size = size
+        f.dirty = True
+        f.mtime_ns = time.time_ns()
+
+    def _drop(self, f: CFile, index: int, reusable: bool = True) -> None:
+        buf = f.mem.pop(index)
+        self.budget.give(len(buf.data))
+        if buf.pooled and reusable:
+            self.pool.put(buf.data)
+        if not f.mem:
+            self._held.pop(f, None)
+
+    def _what(self, f: CFile, index: int) -> str:
+        return f"{self.path_of(f)} chunk {index}"
+
+    async def fsync(self, f: CFile) -> None:
+        """Wait until what was written to `f` so far is durable."""
+        self._queue_file(f)
+        await self._wait_durable(f.ticket)
+        if f.error is not None:
+            raise type(f.error)(f"{self.path_of(f)}: {f.error}")
+
+    async def sync_dir(self, node: CNode) -> None:
+        """fsync of a directory: everything written before it is made durable; a step
+        directory nobody has open for writing is closed first, and so completes."""
+        if isinstance(node, CStep) and node.writers == 0:
+            self._seal(node)
+        for f in [n for n in self.nodes.values() if isinstance(n, CFile) and n.dirty]:
+            self._queue_file(f)
+        await self._wait_durable(self._tickets)
+        while isinstance(node, CStep) and node in self._sealed and self._settled(node):
+            self._recheck = True  # its completion is being written: wait for it
+            self._kick()
+            await self._durable_event.wait()
+
+    async def _wait_durable(self, ticket: int) -> None:
+        self._wanted[ticket] = self._wanted.get(ticket, 0) + 1
+        try:
+            while self.durable < ticket:
+                self._kick()
+                await self._durable_event.wait()
+        finally:
+            self._wanted[ticket] -= 1
+            if not self._wanted[ticket]:
+                del self._wanted[ticket]
+
+    # ----- the persist queue ---------------------------------------------------------
+
+    def _queue_chunk(self, f: CFile, index: int, buf: Buf) -> None:
+        buf.queued = True
+        self._queue.append(("chunk", f, index))
+        f.pending += 1
+        self._kick()
+
+    def _queue_file(self, f: CFile) -> None:
+        """Queue `f`'s chunks still in memory, then a commit of the file: once that commit
+        is processed and synced, everything written to `f` before now is durable."""
+        if not f.dirty or not f.attached:
+            return
+        for index in sorted(f.mem):
+            buf = f.mem[index]
+            if not buf.queued:
+                self._queue_chunk(f, index, buf)
+        self._tickets += 1
+        f.ticket = self._tickets
+        f.dirty = False
+        self._queue.append(("commit", f, f.ticket))
+        f.pending += 1
+        self._kick()
+
+    def _evict(self) -> bool:
+        """Writers wait and nothing is queued: persist chunks still being filled (the
+        largest first) so memory frees up; a later write to one loads it back."""
+        victims = sorted(((len(buf.data), f, i) for f in self._held for i, buf in f.mem.items()
+                          if not buf.queued and buf.busy is None), key=lambda t: -t[0])
+        freed = 0
+        for length, f, i in victims:
+            if freed >= max(self.budget.capacity // 4, 1):
+                break
+            self._queue_chunk(f, i, f.mem[i])
+            freed += length
+            self.counters["evictions"] += 1
+        return bool(freed or victims)
+
+    async def _persist_chunk(self, f: CFile, index: int) -> None:
+        buf = f.mem.get(index)
+        if buf is None or not buf.queued or not f.attached:
+            return
+        buf.queued = False
+        buf.busy = done = trio.Event()
+        change = PersistChunk(self, f, index, memoryview(buf.data)[:buf.length])
+        try:
+            await self.store.committer.submit(change)
+            self.counters["chunks_persisted"] += 1
+            self.counters["bytes_persisted"] += buf.length
+        except DistorefsError as exc:
+            if f.attached:
+                self._failed(f, exc)
+        finally:
+            reusable = change.release()  # a buffer still viewed elsewhere is not reused
+            buf.busy = None
+            done.set()
+        if f.mem.get(index) is buf:
+            self._drop(f, index, reusable)
+
+    async def _commit_file(self, f: CFile, ticket: int) -> None:
+        try:
+            if f.attached:
+                await self.store.committer.submit(CommitFile(self, f))
+                self.counters["file_commits"] += 1
+        except DistorefsError as exc:
+            if f.attached:
+                self._failed(f, exc)
+        finally:
+            self.committed = max(self.committed, ticket)
+
+    def _failed(self, f: CFile, exc: DistorefsError) -> None:
+        f.error = exc
+        self.counters["persist_failures"] += 1
+        log.error("persisting %s failed: %s (its step will not complete)", self.path_of(f), exc)
+
+    async def _sync(self) -> None:
+        upto = self.committed
+        try:
+            await self.store.sync()
+        except Exception:
+            log.exception("checkpoint sync failed")
+            await trio.sleep(0.5)
+            return
+        self.durable = max(self.durable, upto)
+        self.counters["syncs"] += 1
+        await self._complete_steps()
+
+    async def _complete_steps(self) -> None:
+        """Closed steps whose files are all durable become complete (`latest` and retention
+        move); then waiters are woken, once the completions are on disk too."""
+        self._recheck = False
+        completed = []
+        for step in sorted(self._sealed, key=lambda s: s.id):
+            verdict = self._settled(step)
+            if verdict is None:
+                self._sealed.discard(step)
+                log.warning("%s cannot complete (a file of it was cut short or failed)", self.path_of(step))
+            elif verdict:
+                self._sealed.discard(step)
+                try:
+                    await self.store.committer.submit(SetStepFlags(self, step, complete=True))
+                except DistorefsError as exc:
+                    log.debug("completing %s: %s", self.path_of(step), exc)
+                    continue
+                completed.append(step)
+        try:
+            if completed:
+                await self.store.sync()
+        except Exception:
+            log.exception("checkpoint sync failed")
+        for step in completed:
+            self.counters["steps_completed"] += 1
+            self._collect(self.nodes.get(step.parent))
+        self._durable_event.set()
+        self._durable_event = trio.Event()
+
+    # ----- retention -----------------------------------------------------------------
+
+    def _victims(self, run: CDir, removing: bool = True) -> list[CStep]:
+        """Steps of `run` retention removes (`removing`: leave out those being removed)."""
+        steps = [s for s in (self.nodes[i] for i in run.children.values()) if isinstance(s, CStep)]
+        complete = sorted((s for s in steps if s.complete), key=lambda s: s.id)
+        kept = set(complete[-self.config.keep_last:])
+        newest = complete[-1].id if complete else 0
+        return [s for s in steps if not s.pinned and s.handles == 0 and not (removing and s.id in self._removing)
+                and ((s.complete and s not in kept) or (s.interrupted and s.id < newest))]
+
+    def _collect(self, run: CNode | None) -> None:
+        """Remove, in the background, steps no longer kept (see the module docstring)."""
+        if not isinstance(run, CDir) or run.kind != RUN or not run.attached:
+            return
+        for step in self._victims(run):
+            self._removing.add(step.id)
+            self.store.committer.submit_nowait(RemoveTree(self, step, background=True))
+
+
+class FileReader:
+    """One open read handle of a checkpoint file: content still in memory is served from
+    there, stored chunks are loaded (and verified) in worker threads, `AHEAD` of them
+    beyond the one being read at once, so a sequential read streams from disk."""
+
+    AHEAD = 2
+
+    def __init__(self, tree: "Checkpoints", f: CFile) -> None:
+        self.tree, self.f = tree, f
+        self.cache: dict[int, tuple[Chunk, bytes]] = {}
+        self.loading: dict[int, trio.Event] = {}
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        f = self.f
+        if not f.attached:
+            raise NotFound(f"{self.tree.path_of(f)} was removed")
+        if f.error is not None:
+            raise CorruptValue(f"{self.tree.path_of(f)}: lost when it was persisted ({f.error})")
+        end = min(off + size, f.size)
+        if off >= end:
+            return b""
+        step = f.chunk_bytes
+        parts: list = []
+        first, last = off // step, (end - 1) // step
+        for i in range(first, last + 1):
+            lo, hi = max(off - i * step, 0), min(end - i * step, step)
+            buf = f.mem.get(i)
+            if buf is not None:
+                parts.append(buf.read(lo, hi))
+                continue
+            chunk = f.stored.get(i)
+            if chunk is None:
+                parts.append(bytes(hi - lo))
+                continue
+            if i == first:
+                self._ahead(i)
+            data = await self._chunk(i, chunk)
+            piece = memoryview(data)[lo:hi]
+            parts.append(piece if len(piece) == hi - lo else bytes(piece) + bytes(hi - lo - len(piece)))
+        return parts[0] if len(parts) == 1 else b"".join(parts)  # pyfuse3 replies from any buffer
+
+    async def _chunk(self, i: int, chunk: Chunk) -> bytes:
+        while True:
+            held = self.cache.get(i)
+            if held is not None and held[0] is chunk:
+                return held[1]
+            await self._fetch(i, chunk)
+
+    async def _fetch(self, i: int, chunk: Chunk) -> None:
+        """Load chunk i into the cache, or wait for the load already under way."""
+        event = self.loading.get(i)
+        if event is not None:
+            await event.wait()
+            return
+        event = self.loading[i] = trio.Event()
+        try:
+            data = await trio.to_thread.run_sync(load_chunk, self.tree.store, chunk, self.tree._what(self.f, i))
+        finally:
+            del self.loading[i]
+            event.set()
+        self.cache[i] = (chunk, data)
+
+    def _ahead(self, i: int) -> None:
+        """Reading chunk i: forget those behind it, start loading the next ones."""
+        for old in [k for k in self.cache if k < i - 1 or k > i + self.AHEAD]:
+            del self.cache[old]
+        for j in range(i + 1, i + 1 + self.AHEAD):
+            chunk = self.f.stored.get(j)
+            if chunk is None or j in self.f.mem or j in self.cache or j in self.loading:
+                continue
+
+            async def load(j=j, chunk=chunk) -> None:
+                try:
+                    await self._fetch(j, chunk)
+                except Exception as exc:  # the read itself will report it
+                    log.debug("read-ahead of %s: %s", self.tree._what(self.f, j), exc)
+
+            self.tree.store.spawn(load)
+
+    def close(self) -> None:
+        self.cache.clear()
+
+
+# ----- changes -------------------------------------------------------------------------------
+
+class _CkptChange(Change):
+    def __init__(self, tree: Checkpoints) -> None:
+        self.tree = tree
+        self.conflict_key = ("checkpoints",)  # one at a time, in submission order
+
+    @property
+    def db(self):
+        return self.tree.store.env.db(DB_CKPT)
+
+    def _put(self, txn, node: CNode, **changes) -> None:
+        record = {**node.record(), **changes}
+        if "name" in changes:
+            record["name"] = changes["name"].hex()
+        txn.put(_nkey(node.id), json.dumps(record).encode(), db=self.db)
+
+
+class MakeNode(_CkptChange):
+    """mkdir: a run, a step or a directory in a step (files are made by `create`)."""
+
+    def __init__(self, tree, parent_id: int, name: bytes, kind: str, owner: Owner) -> None:
+        super().__init__(tree)
+        self.parent_id, self.name, self.kind, self.owner = parent_id, name, kind, owner
+
+    def plan(self, overlay: Overlay) -> None:
+        tree = self.tree
+        parent = tree.dir(self.parent_id)
+        if self.name in parent.children:
+            raise AlreadyExists(f"{self.name!r} exists")
+        if (parent.kind == ROOT and self.name in CONTROL) or (parent.kind == RUN and self.name == LATEST):
+            raise AlreadyExists(f"{self.name!r} is reserved")
+        o = self.owner
+        args = (tree.next_id, self.kind, self.parent_id, self.name, o.mode, o.uid, o.gid, time.time_ns())
+        self.node = CStep(*args, active=time.monotonic()) if self.kind == STEP else CDir(*args)
+        tree.next_id += 1
+
+    def txn(self, txn) -> None:
+        self._put(txn, self.node)
+
+    def apply(self) -> None:
+        tree, node = self.tree, self.node
+        tree.nodes[node.id] = node
+        parent = tree.nodes[self.parent_id]
+        parent.children[node.name] = node.id  # type: ignore[attr-defined]
+        if isinstance(node, CStep):
+            # a newer step: the save loop has moved on, so the older ones are closed
+            for sibling_id in parent.children.values():  # type: ignore[attr-defined]
+                sibling = tree.nodes[sibling_id]
+                if isinstance(sibling, CStep) and sibling is not node and sibling.writers == 0:
+                    tree._seal(sibling)
+            tree._unsealed.add(node)
+
+
+class PersistChunk(_CkptChange):
+    """One chunk of a file from memory into its tier (the value and its record together).
+    The chunk's buffer is read in place (it is busy: no write changes it meanwhile)."""
+
+    def __init__(self, tree, f: CFile, index: int, view: memoryview) -> None:
+        super().__init__(tree)
+        self.f, self.index, self.view = f, index, view
+        self.enc: codec.Encoded | None = None
+
+    def plan(self, overlay: Overlay) -> None:
+        if not self.f.attached:
+            raise NotFound(f"{self.tree.path_of(self.f)} was removed")
+        self.old = self.f.stored.get(self.index)
+        self.record = None if self.f.recorded else self.f.record()  # a new file: its record too
+
+    def prepare(self) -> None:
+        view, config = self.view, self.tree.config
+        if config.compression == "none":
+            self.enc = codec.Encoded(view, codec.RAW, len(view), codec.checksum(view))  # type: ignore[arg-type]
+        else:
+            self.enc = codec.encode(view, config.compression)
+
+    def txn(self, txn) -> None:
+        store = self.tree.store
+        raw = txn.get(_GEN_KEY, db=self.db)
+        gen = (_ID.unpack(bytes(raw))[0] if raw is not None else 0) + 1
+        txn.put(_GEN_KEY, _ID.pack(gen), db=self.db)
+        # every stored chunk has its own value key: the LMDB tier's location *is* the key
+        vkey = b"k" + _ID.pack(self.f.id) + _IDX.pack(self.index) + _ID.pack(gen)
+        self.chunk = put_encoded(store, txn, vkey, self.enc)
+        txn.put(_ckey(self.f.id, self.index), self.chunk.pack(), db=self.db)
+        if self.old is not None:
+            store.backend(self.old.tier).delete(txn, self.old.loc)
+        if self.record is not None:
+            txn.put(_nkey(self.f.id), json.dumps(self.record).encode(), db=self.db)
+
+    def apply(self) -> None:
+        self.f.stored[self.index] = self.chunk
+        self.f.recorded = True
+
+    def release(self) -> bool:
+        """Drop every view of the chunk's buffer; False if one is still held elsewhere."""
+        self.enc = None
+        try:
+            self.view.release()
+        except BufferError:
+            return False
+        return True
+
+
+class CommitFile(_CkptChange):
+    """A file's record (size, times) as of now; chunks truncated away are freed."""
+
+    def __init__(self, tree, f: CFile) -> None:
+        super().__init__(tree)
+        self.f = f
+
+    def plan(self, overlay: Overlay) -> None:
+        if not self.f.attached:
+            raise NotFound(f"{self.tree.path_of(self.f)} was removed")
+        self.record = self.f.record()
+        self.garbage = list(self.f.garbage)
+        self.reused = {i for i, _ in self.garbage if i in self.f.stored}  # stored again since: keep the record
+
+    def txn(self, txn) -> None:
+        txn.put(_nkey(self.f.id), json.dumps(self.record).encode(), db=self.db)
+        for index, chunk in self.garbage:
+            if index not in self.reused:
+                txn.delete(_ckey(self.f.id, index), db=self.db)
+            self.tree.store.backend(chunk.tier).delete(txn, chunk.loc)
+
+    def apply(self) -> None:
+        done = {id(c) for _, c in self.garbage}
+        self.f.garbage = [(i, c) for i, c in self.f.garbage if id(c) not in done]
+        self.f.recorded = True
+
+
+class SetStepFlags(_CkptChange):
+    def __init__(self, tree, step: CStep, complete: bool | None = None, pinned: bool | None = None) -> None:
+        super().__init__(tree)
+        self.step, self.complete, self.pinned = step, complete, pinned
+
+    def plan(self, overlay: Overlay) -> None:
+        step = self.step
+        if not step.attached:
+            raise NotFound(f"{self.tree.path_of(step)} was removed")
+        if self.complete and (step.sealed is False or step.interrupted or self.tree._settled(step) is not True):
+            raise NotFound(f"{self.tree.path_of(step)} changed before it completed")
+        self.values = {k: v for k, v in (("complete", self.complete), ("pinned", self.pinned)) if v is not None}
+
+    def txn(self, txn) -> None:
+        self._put(txn, self.step, **self.values)
+
+    def apply(self) -> None:
+        for k, v in self.values.items():
+            setattr(self.step, k, v)
+
+
+class SetAttrs(_CkptChange):
+    def __init__(self, tree, node: CNode, mode, uid, gid, mtime_ns) -> None:
+        super().__init__(tree)
+        self.node = node
+        self.values = {k: v for k, v in (("mode", mode), ("uid", uid), ("gid", gid), ("mtime_ns", mtime_ns))
+                       if v is not None}
+
+    def txn(self, txn) -> None:
+        if self.node.attached:
+            self._put(txn, self.node, **self.values)
+
+    def apply(self) -> None:
+        for k, v in self.values.items():
+            setattr(self.node, k, v)
+        if isinstance(self.node, CFile):
+            self.node.recorded = True
+
+
+class Configure(_CkptChange):
+    def __init__(self, tree, config: CheckpointsConfig) -> None:
+        super().__init__(tree)
+        self.config = config
+
+    def txn(self, txn) -> None:
+        txn.put(b"checkpoints", self.config.to_json(), db=self.tree.store.env.db(DB_META))
+
+    def apply(self) -> None:
+        self.tree.config = self.config
+        self.tree.budget.resize(self.config.writeback_bytes)
+
+
+def _subtree(tree: Checkpoints, node: CNode) -> list[CNode]:
+    out = [node]
+    if isinstance(node, CDir):
+        for child_id in list(node.children.values()):
+            out.extend(_subtree(tree, tree.nodes[child_id]))
+    return out
+
+
+def _remove_txn(change: _CkptChange, txn, nodes: list[CNode]) -> None:
+    store = change.tree.store
+    for n in nodes:
+        txn.delete(_nkey(n.id), db=change.db)
+        if isinstance(n, CFile):
+            for index, chunk in list(n.stored.items()) + n.garbage:
+                txn.delete(_ckey(n.id, index), db=change.db)
+                store.backend(chunk.tier).delete(txn, chunk.loc)
+
+
+def _remove_apply(tree: Checkpoints, nodes: list[CNode]) -> None:
+    top = nodes[0]
+    parent = tree.nodes.get(top.parent)
+    if isinstance(parent, CDir) and parent.children.get(top.name) == top.id:
+        del parent.children[top.name]
+    for n in nodes:
+        n.attached = False
+        tree.nodes.pop(n.id, None)
+        tree._removing.discard(n.id)
+        if isinstance(n, CStep):
+            tree._sealed.discard(n)
+            tree._unsealed.discard(n)
+        elif isinstance(n, CFile):
+            for index in [i for i, b in n.mem.items() if b.busy is None]:
+                tree._drop(n, index)  # busy ones are dropped by the persister when it is done
+
+
+class RemoveTree(_CkptChange):
+    """rm / rmdir (background=False), or retention removing a whole step (background=True)."""
+
+    def __init__(self, tree, node: CNode, background: bool) -> None:
+        super().__init__(tree)
+        self.node, self.background = node, background
+
+    def plan(self, overlay: Overlay) -> None:
+        node, tree = self.node, self.tree
+        if not node.attached:
+            raise NotFound(f"{tree.path_of(node)} is gone")
+        if self.background:
+            parent = tree.nodes.get(node.parent)
+            if not isinstance(node, CStep) or not isinstance(parent, CDir) or node not in tree._victims(parent, removing=False):
+                tree._removing.discard(node.id)
+                raise NotFound(f"{tree.path_of(node)} is kept after all")
+        elif isinstance(node, CDir) and node.children:
+            raise NotEmpty(f"{tree.path_of(node)} is not empty")
+        self.nodes = _subtree(tree, node)
+
+    def txn(self, txn) -> None:
+        _remove_txn(self, txn, self.nodes)
+
+    def apply(self) -> None:
+        _remove_apply(self.tree, self.nodes)
+        if self.background:
+            self.tree.counters["steps_removed"] += 1
+            for listener in self.tree.listeners:
+                try:
+                    listener(self.node)
+                except Exception:
+                    log.exception("checkpoint listener failed")
+
+
+class Rename(_CkptChange):
+    def __init__(self, tree, node: CNode, new_parent: int, new_name: bytes, noreplace: bool) -> None:
+        super().__init__(tree)
+        self.node, self.new_parent, self.new_name, self.noreplace = node, new_parent, new_name, noreplace
+
+    def plan(self, overlay: Overlay) -> None:
+        tree, node = self.tree, self.node
+        if not node.attached:
+            raise NotFound(f"{tree.path_of(node)} is gone")
+        dst = tree.dir(self.new_parent)
+        p: CNode | None = dst
+        while p is not None and p.id != ROOT_ID:  # a directory cannot move below itself
+            if p is node:
+                raise InvalidArgument("cannot move a directory into itself")
+            p = tree.nodes.get(p.parent)
+        target_id = dst.children.get(self.new_name)
+        target = tree.nodes[target_id] if target_id is not None and target_id != node.id else None
+        if target is not None:
+            if self.noreplace:
+                raise AlreadyExists(f"{self.new_name!r} exists")
+            if isinstance(target, CDir) != isinstance(node, CDir):
+                raise NotPermitted("rename between a directory and a non-directory")
+            if isinstance(target, CDir) and target.children:
+                raise NotEmpty(f"{self.new_name!r} is not empty")
+            if isinstance(target, CStep) and target.handles:
+                raise NotPermitted(f"{tree.path_of(target)} is open")
+        self.target = target
+        self.victims = _subtree(tree, target) if target is not None else []
+
+    def txn(self, txn) -> None:
+        self._put(txn, self.node, parent=self.new_parent, name=self.new_name)
+        _remove_txn(self, txn, self.victims)
+
+    def apply(self) -> None:
+        tree, node = self.tree, self.node
+        if self.victims:
+            _remove_apply(tree, self.victims)
+        old_parent = tree.nodes[node.parent]
+        if old_parent.children.get(node.name) == node.id:  # type: ignore[attr-defined]
+            del old_parent.children[node.name]  # type: ignore[attr-defined]
+        tree.nodes[self.new_parent].children[self.new_name] = node.id  # type: ignore[attr-defined]
+        node.parent, node.name = self.new_parent, self.new_name
+        if isinstance(node, CFile):
+            node.recorded = True
+
+
+__all__ = ["Checkpoints", "CNode", "CDir", "CStep", "CFile", "DB_CKPT", "ROOT_ID", "RUN", "STEP", "DIR", "FILE",
+           "FileReader", "LATEST", "CONTROL", "WRITING", "PERSISTING", "DURABLE", "INCOMPLETE", "crc32_combine", "WritebackBudget"]

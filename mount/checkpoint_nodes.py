@@ -1,0 +1,298 @@
+"""checkpoints/ in the path tree: thin nodes over `distorefs.checkpoints`.
+
+    checkpoints/config.json, stats.json     control files (config.json is writable)
+    checkpoints/RUN/                        mkdir makes a run
+    checkpoints/RUN/STEP/...                mkdir makes a step; any files and sub-directories below
+    checkpoints/RUN/latest                  symlink to the newest complete step (absent before one)
+
+Write handles bypass the page cache (direct_io) and hand every write to the core, which
+holds it in memory; close() returns once it is held. fsync of a file waits until that
+file is durable, fsync of any directory here until everything written before it is (a
+step directory is closed by it too). A write handle's close from a dying process (the
+kernel closing a killed writer's files) marks the file cut short, so its step never
+completes. Removals the core makes by itself (retention) are pushed to the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import TYPE_CHECKING
+
+import pyfuse3
+
+from distorefs.checkpoints import CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CNode, CStep, FileReader
+from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted
+from distorefs.ring import Owner
+
+from .handles import Handle, wants_read, wants_write
+from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
+from .weights_nodes import _exiting
+
+if TYPE_CHECKING:
+    from .operations import Filesystem
+
+
+def _key(node: CNode) -> tuple:
+    return ("ckdir", node.id) if isinstance(node, CDir) else ("ckfile", node.id)
+
+
+class CheckpointWriter(Handle):
+    """An open for writing: every write goes to the core's memory, close() hands it over."""
+
+    direct_io = True
+
+    def __init__(self, fs: "Filesystem", f: CFile, readable: bool, pid: int) -> None:
+        self.tree, self.f, self.pid = fs.store.checkpoints, f, pid
+        self.reader = FileReader(self.tree, f) if readable else None
+
+    async def read(self, off: int, size: int) -> bytes:
+        if self.reader is None:
+            raise NotPermitted("not open for reading")
+        return await self.reader.read(off, size)
+
+    async def write(self, off: int, buf: bytes) -> int:
+        return await self.tree.write(self.f, off, buf)
+
+    async def flush(self) -> None:
+        self.tree.flushed(self.f, writer_exiting=_exiting(self.pid))
+
+    async def fsync(self) -> None:
+        await self.tree.fsync(self.f)
+
+    async def release(self) -> None:
+        self.tree.released(self.f, write=True)
+
+
+class CheckpointReader(Handle):
+    """An open for reading (resume): through the page cache (so mmap works), chunks
+    streamed from their tier ahead of the reader."""
+
+    def __init__(self, fs: "Filesystem", f: CFile) -> None:
+        self.tree, self.f = fs.store.checkpoints, f
+        self.tree.open_read(f)
+        self.reader = FileReader(self.tree, f)
+
+    async def read(self, off: int, size: int) -> bytes:
+        return await self.reader.read(off, size)
+
+    async def release(self) -> None:
+        self.reader.close()
+        self.tree.released(self.f, write=False)
+
+
+class CheckpointsDir(Node):
+    """checkpoints/ itself, a run, a step, or a directory inside a step."""
+
+    def __init__(self, fs: "Filesystem", node_id: int) -> None:
+        super().__init__(fs)
+        self.node_id = node_id
+
+    @property
+    def tree(self):
+        return self.fs.store.checkpoints
+
+    def cnode(self) -> CDir:
+        return self.tree.dir(self.node_id)
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        n = self.cnode()
+        uid, gid = (self.fs.uid, self.fs.gid) if n.kind == ROOT else (n.uid, n.gid)
+        return make_attrs(self.ino, stat.S_IFDIR | (n.mode & 0o7777), 0, uid, gid, n.mtime_ns, DIR_LONG,
+                          nlink=2 + sum(1 for c in n.children.values() if isinstance(self.tree.nodes[c], CDir)))
+
+    def node_for(self, c: CNode) -> Node:
+        intern = self.fs.inodes.intern
+        if isinstance(c, CDir):
+            return intern(_key(c), lambda: CheckpointsDir(self.fs, c.id))
+        return intern(_key(c), lambda: CheckpointFile(self.fs, c))  # type: ignore[arg-type]
+
+    def _extra(self, name: bytes) -> Node | None:
+        """The names the filesystem makes: control files in checkpoints/, `latest` in a run."""
+        kind = self.cnode().kind
+        if kind == ROOT and name in CONTROL:
+            tree = self.tree
+            if name == b"config.json":
+                return self.fs.inodes.intern(("ckctl", name), lambda: RenderedFile(
+                    self.fs, lambda: tree.config.to_json(), write=tree.configure))
+            return self.fs.inodes.intern(("ckctl", name), lambda: RenderedFile(self.fs, lambda: _json(tree.stats())))
+        if kind == RUN and name == LATEST:
+            if self.tree.latest(self.cnode()) is None:
+                raise NotFound("no complete step yet")
+            return self.fs.inodes.intern(("cklatest", self.node_id), lambda: LatestLink(self.fs, self.node_id))
+        return None
+
+    async def lookup(self, name: bytes, ctx=None) -> Node:
+        return self._extra(name) or self.node_for(self.tree.child(self.node_id, name))
+
+    def children(self, start: int):
+        n = self.cnode()
+        names = ([*CONTROL] if n.kind == ROOT else []) + sorted(n.children)
+        if n.kind == RUN and self.tree.latest(n) is not None:
+            names.append(LATEST)
+        for i, name in enumerate(names[start:], start + 1):
+            child_id = n.children.get(name)
+            node = self.node_for(self.tree.nodes[child_id]) if child_id is not None else self._extra(name)
+            yield name, node, i
+
+    def _reserved(self, name: bytes) -> None:
+        kind = self.cnode().kind
+        if (kind == ROOT and name in CONTROL) or (kind == RUN and name == LATEST):
+            raise NotPermitted(f"{name.decode(errors='replace')} is made by the filesystem")
+
+    async def mkdir(self, name: bytes, mode: int, ctx) -> Node:
+        self._reserved(name)
+        owner = Owner(stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
+        return self.node_for(await self.tree.mkdir(self.node_id, name, owner))
+
+    async def create(self, name: bytes, mode: int, flags: int, ctx):
+        self._reserved(name)
+        existing = self.cnode().children.get(name)
+        if existing is None:
+            owner = Owner(stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
+            f = await self.tree.create(self.node_id, name, owner)
+        else:
+            if flags & os.O_EXCL:
+                raise AlreadyExists(f"{name!r} exists")
+            f = self.tree.nodes[existing]
+            if not isinstance(f, CFile):
+                raise IsADirectory(f"{name!r} is a directory")
+            await self.tree.open_write(f, truncate=bool(flags & os.O_TRUNC))
+        return self.node_for(f), CheckpointWriter(self.fs, f, wants_read(flags), ctx.pid)
+
+    async def unlink(self, name: bytes) -> None:
+        self._reserved(name)
+        await self.tree.remove(self.node_id, name, want_dir=False)
+
+    async def rmdir(self, name: bytes) -> None:
+        self._reserved(name)
+        await self.tree.remove(self.node_id, name, want_dir=True)
+
+    async def rename(self, old: bytes, new_parent: Node, new: bytes, flags: int) -> None:
+        if not isinstance(new_parent, CheckpointsDir):
+            raise CrossDevice("checkpoints move only within checkpoints/")
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise InvalidArgument("RENAME_EXCHANGE is not supported under checkpoints/")
+        self._reserved(old)
+        new_parent._reserved(new)
+        await self.tree.rename(self.node_id, old, new_parent.node_id, new,
+                               noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        await _set_attrs(self.tree, self.cnode(), attr, fields)
+
+    def xattrs(self) -> dict[bytes, bytes]:
+        n = self.cnode()
+        if not isinstance(n, CStep):
+            return {}
+        files = list(self.tree.files_below(n))
+        return {
+            b"state": self.tree.state(n).encode(),
+            b"pinned": b"1" if n.pinned else b"0",
+            b"seq": b"%d" % n.id,
+            b"files": b"%d" % len(files),
+            b"size": b"%d" % sum(f.size for f in files),
+            b"stored_size": b"%d" % sum(self.tree.stored_size(f) for f in files),
+        }
+
+    async def setxattr(self, name: bytes, value: bytes) -> None:
+        n = self.cnode()
+        if name != b"pinned" or not isinstance(n, CStep):
+            await super().setxattr(name, value)
+        flag = value.strip().lower()
+        if flag not in (b"0", b"1", b"true", b"false", b"yes", b"no"):
+            raise InvalidArgument(f"pinned must be 1 or 0, got {value[:20]!r}")
+        await self.tree.set_pinned(n, flag in (b"1", b"true", b"yes"))
+
+    async def fsyncdir(self) -> None:
+        await self.tree.sync_dir(self.cnode())
+
+
+class LatestLink(Node):
+    """RUN/latest -> the newest complete step (read anew at every readlink)."""
+
+    def __init__(self, fs: "Filesystem", run_id: int) -> None:
+        super().__init__(fs)
+        self.run_id = run_id
+
+    def readlink(self) -> bytes:
+        tree = self.fs.store.checkpoints
+        step = tree.latest(tree.node(self.run_id))
+        if step is None:
+            raise NotFound("no complete step")
+        return step.name
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        run = self.fs.store.checkpoints.node(self.run_id)
+        target = self.readlink()
+        return make_attrs(self.ino, stat.S_IFLNK | 0o777, len(target), run.uid, run.gid, run.mtime_ns, NO_CACHE)
+
+
+class CheckpointFile(Node):
+    def __init__(self, fs: "Filesystem", f: CFile) -> None:
+        super().__init__(fs)
+        self.f = f
+
+    @property
+    def tree(self):
+        return self.fs.store.checkpoints
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        f = self.f
+        return make_attrs(self.ino, stat.S_IFREG | (f.mode & 0o7777), f.size, f.uid, f.gid, f.mtime_ns, NO_CACHE,
+                          nlink=1 if f.attached else 0, entry_timeout=DIR_LONG)
+
+    async def open(self, flags: int, ctx) -> Handle:
+        if not self.f.attached:
+            raise NotFound("the file was removed")
+        if wants_write(flags):
+            await self.tree.open_write(self.f, truncate=bool(flags & os.O_TRUNC))
+            return CheckpointWriter(self.fs, self.f, wants_read(flags), ctx.pid if ctx is not None else 0)
+        return CheckpointReader(self.fs, self.f)
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        if fields.update_size:
+            await self.tree.truncate(self.f, attr.st_size)
+        await _set_attrs(self.tree, self.f, attr, fields)
+
+    def xattrs(self) -> dict[bytes, bytes]:
+        f, tree = self.f, self.tree
+        attrs = {
+            b"state": tree.state(f).encode(),
+            b"seq": b"%d" % f.id,
+            b"tier": ",".join(tree.tiers(f)).encode(),
+            b"size": b"%d" % f.size,
+            b"stored_size": b"%d" % tree.stored_size(f),
+        }
+        crc = tree.checksum(f)
+        if crc is not None:  # known once every chunk is stored
+            attrs[b"checksum"] = b"crc32:%08x" % crc
+        return attrs
+
+
+async def _set_attrs(tree, node: CNode, attr, fields) -> None:
+    mode = (node.mode & ~0o7777) | (attr.st_mode & 0o7777) if fields.update_mode else None
+    uid = attr.st_uid if fields.update_uid else None
+    gid = attr.st_gid if fields.update_gid else None
+    mtime = attr.st_mtime_ns if fields.update_mtime else None
+    if (mode, uid, gid, mtime) != (None, None, None, None):
+        await tree.set_attrs(node, mode=mode, uid=uid, gid=gid, mtime_ns=mtime)
+
+
+def checkpoints_root(fs: "Filesystem") -> tuple[tuple, Node]:
+    """checkpoints/ (its fixed inode key and node); the kernel is told of removals the core
+    makes by itself, so a retired step disappears from cached names at once."""
+    root = CheckpointsDir(fs, ROOT_ID)
+
+    def removed(node: CNode) -> None:
+        ino = fs.inodes.unname(_key(node))
+        parent = fs.inodes.ino_of(("ckdir", node.parent))
+        if fs.invalidator is not None and parent is not None:
+            fs.invalidator.entry(parent, node.name, ino or 0)
+
+    fs.store.checkpoints.listeners.append(removed)
+    return ("ckdir", ROOT_ID), root
+
+
+__all__ = ["CheckpointsDir", "CheckpointFile", "LatestLink", "CheckpointWriter", "CheckpointReader",
+           "checkpoints_root"]

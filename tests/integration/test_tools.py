@@ -1,0 +1,230 @@
+"""The inspection and operation commands on real mounts: ls, inspect, stats (tables, JSON,
+Prometheus), .distorefs/metrics, gc (through the daemon and offline), export, verify
+(clean, corrupt, in use), and the mount.fuse.distorefs helper mount(8) runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import zlib
+
+import numpy as np
+import pytest
+
+from distorefs_it import CLI, PYTHON, Mount, is_mounted, make_payload, write_entry, xattr
+
+
+def cli(*args, check=True) -> subprocess.CompletedProcess:
+    res = subprocess.run(list(CLI) + [str(a) for a in args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert res.returncode == 0, f"{args}: {res.returncode}\n{res.stdout}\n{res.stderr}"
+    return res
+
+
+def npy(arr) -> bytes:
+    out = io.BytesIO()
+    np.save(out, arr)
+    return out.getvalue()
+
+
+def npz(**arrays) -> bytes:
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
+
+
+def test_ls_inspect_stats_metrics(fs, buf):
+    write_entry(buf, "obs.npy", npy(np.zeros((84, 84, 4), np.uint8)))
+    write_entry(buf, "step.npz", npz(obs=np.ones((3, 4), np.float32), action=np.arange(3, dtype=np.int16)))
+    write_entry(buf, "raw", make_payload("raw", 3000))
+    os.setxattr(buf / "entries" / "raw", "user.distorefs.priority", b"2.5")
+    with open(buf / "sample" / "2", "rb") as f:
+        f.read()
+
+    rows = [json.loads(line) for line in cli("ls", buf, "--json").stdout.splitlines()]
+    assert [r["name"] for r in rows] == ["obs.npy", "step.npz", "raw"]  # FIFO order
+    by = {r["name"]: r for r in rows}
+    assert by["obs.npy"]["tier"] == "lmdb" and by["obs.npy"]["ratio"] > 50  # zeros compress
+    assert by["raw"]["priority"] == 2.5 and by["raw"]["seq"] == 3
+    assert sum(r["times_sampled"] for r in rows) == 2
+    table = cli("ls", buf).stdout
+    assert re.search(r"^obs\.npy\s+27\.7 KiB\s+\S+ B\s+\d+\.\d\d\s+lmdb", table, re.M), table
+    assert cli("ls", buf, "-n", "1", "--json").stdout.count("\n") == 1
+
+    info = json.loads(cli("inspect", buf / "entries" / "step.npz", "--json").stdout)
+    assert info["content"]["format"] == "npz"
+    assert info["content"]["arrays"] == {"obs": {"dtype": "float32", "shape": [3, 4], "fortran_order": False},
+                                         "action": {"dtype": "int16", "shape": [3], "fortran_order": False}}
+    assert info["xattrs"]["checksum"] == xattr(buf / "entries" / "step.npz", "checksum")
+    text = cli("inspect", buf / "entries" / "obs.npy").stdout
+    assert "dtype uint8, shape (84, 84, 4)" in text and "times_sampled" in text
+
+    text = cli("stats", fs.mnt).stdout
+    assert "TIER" in text and "NAMESPACE" in text and f"buffers/{buf.name}" in text
+    assert json.loads(cli("stats", buf, "--json").stdout)["entries"] == 3
+    prom = cli("stats", fs.mnt, "--prometheus").stdout
+    line = f'distorefs_namespace_entries{{kind="buffers",name="{buf.name}"}} 3'
+    assert line in prom
+    metrics = (fs.mnt / ".distorefs" / "metrics").read_text()
+    assert line in metrics and "# TYPE distorefs_namespace_inserts_total counter" in metrics
+    _check_exposition(metrics)
+    with pytest.raises(OSError):
+        open(fs.mnt / ".distorefs" / "metrics", "wb")
+
+
+def _check_exposition(text: str) -> None:
+    """Every line is a comment or `name{labels} value`, every family typed once, values numeric."""
+    typed = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            assert name not in typed and kind in ("counter", "gauge")
+            typed.add(name)
+        elif not line.startswith("#"):
+            m = re.fullmatch(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)', line)
+            assert m, line
+            assert m.group(1) in typed
+            float(m.group(3).replace("+Inf", "inf"))
+
+
+def test_export_gc_and_verify(fresh_mount, tmp_path):
+    m = fresh_mount("segment_bytes=1048576")
+    b = m.buffer("ex", {"compression": "none"})
+    data = {f"e{i}": make_payload(f"e{i}", 700 << 10 if i % 3 == 0 else 5000 + i, seed=i) for i in range(6)}
+    for k, v in data.items():
+        write_entry(b, k, v)
+    os.setxattr(b / "entries" / "e2", "user.distorefs.priority", b"7")
+    (m.mnt / "weights" / "model").mkdir()
+    (m.mnt / "weights" / "model" / "w.bin").write_bytes(b"weights" * 1000)
+    os.symlink("w.bin", m.mnt / "weights" / "model" / "latest")
+
+    cli("export", b, tmp_path / "out", "-q")
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out / "entries")) == sorted(data)
+    assert not (out / "sample").exists() and not (out / "batch").exists()
+    for k, v in data.items():
+        assert (out / "entries" / k).read_bytes() == v
+    manifest = json.loads((out / ".distorefs-export.json").read_text())
+    files = [f for f in manifest["files"] if f["path"].startswith("entries/")]
+    assert [f["path"] for f in files] == [f"entries/{k}" for k in data]  # FIFO order kept
+    assert {f["path"]: f["priority"] for f in files}["entries/e2"] == "7"
+    assert files[0]["checksum"] == f"crc32:{zlib.crc32(data['e0']):08x}"
+    assert json.loads((out / "config.json").read_text())["compression"] == "none"
+    cli("export", m.mnt / "weights", tmp_path / "w", "-q")
+    assert (tmp_path / "w" / "model" / "w.bin").read_bytes() == b"weights" * 1000
+    assert os.readlink(tmp_path / "w" / "model" / "latest") == "w.bin"
+    assert cli("export", b, tmp_path / "out", check=False).returncode != 0  # not empty
+    cli("export", m.mnt, tmp_path / "all", "-q")  # the whole mount: data, not control files
+    assert not (tmp_path / "all" / ".distorefs").exists()
+    assert (tmp_path / "all" / "buffers" / "ex" / "entries" / "e1").read_bytes() == data["e1"]
+
+    # gc through the daemon: delete every value of the oldest segment files, collect now
+    segs = lambda: sorted(p.name for p in (m.store / "segments").glob("seg-*.dat"))  # noqa: E731
+    before = segs()
+    for k in ("e0", "e3"):
+        os.unlink(b / "entries" / k)
+    res = cli("gc", m.mnt)
+    assert "freed" in res.stdout and "daemon" in res.stdout
+    assert json.loads((m.mnt / ".distorefs" / "gc").read_bytes())["segment_bytes_freed"] > 0
+    assert len(segs()) < len(before)
+    assert (b / "entries" / "e1").read_bytes() == data["e1"]
+
+    # verify refuses a mounted store, then passes once it is unmounted
+    res = cli("verify", m.store, check=False)
+    assert res.returncode == 8 and "in use" in res.stderr
+    m.umount()
+    res = cli("verify", m.store, "--json", check=False)
+    report = json.loads(res.stdout)
+    assert res.returncode == 0 and report["problems"] == 0, res.stdout
+    assert set(report["passes"]) >= {"values", "segments", "lmdb-space", "ring-entries", "weights-tree"}
+    assert cli("gc", m.store).stdout.startswith(f"store {m.store.resolve()} (offline)")
+
+
+def test_verify_reports_flipped_bytes_and_repair_keeps_data(fresh_mount):
+    m = fresh_mount()
+    b = m.buffer("c", {"compression": "none"})
+    victim = bytearray(make_payload("victim", 600 << 10))
+    marker = b"<<tools-victim>>"
+    victim[4096:4096 + len(marker)] = marker
+    write_entry(b, "victim", bytes(victim))
+    write_entry(b, "ok", make_payload("ok", 600 << 10, seed=1))
+    m.umount()
+    seg = next(p for p in (m.store / "segments").glob("seg-*.dat") if marker in p.read_bytes())
+    raw = bytearray(seg.read_bytes())
+    at = raw.find(marker)
+    raw[at] ^= 0xFF
+    seg.write_bytes(bytes(raw))
+
+    res = cli("verify", m.store, check=False)
+    assert res.returncode == 4, res.stdout
+    assert "buffers/c/entries/victim" in res.stdout and "ERROR" in res.stdout
+    res = cli("verify", m.store, "--repair", "--json", check=False)
+    assert res.returncode == 4  # a corrupt value is never "repaired" away
+    m.mount()
+    with pytest.raises(OSError):
+        (b / "entries" / "victim").read_bytes()
+    assert (b / "entries" / "ok").read_bytes() == make_payload("ok", 600 << 10, seed=1)
+    os.unlink(b / "entries" / "victim")  # the way out: rm through the mount
+    m.umount()
+    assert cli("verify", m.store, check=False).returncode == 0
+
+
+def test_mount_helper_as_mount8_calls_it(tmp_path):
+    from distorefs.tools.mount_helper import parse
+    args, fake = parse(["/s", "/m", "-o", "rw,nofail,_netdev,allow_other,x-systemd.automount,cache_bytes=1000",
+                        "-t", "fuse.distorefs", "-n"])
+    assert args == ["mount", "/s", "/m", "--allow-other", "-o", "cache_bytes=1000"] and not fake
+    assert parse(["/s", "/m", "-f"])[1]
+    for bad in (["/s", "/m", "-o", "ro"], ["/s", "/m", "-o", "bogus=1"], ["/s"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+
+    m = Mount(tmp_path)
+    helper = [PYTHON, "-m", "distorefs.tools.mount_helper"]
+    try:
+        res = subprocess.run(helper + [str(m.store), str(m.mnt), "-o", "rw,defaults,nofail,sync_interval=2.5,"
+                                       "cache_bytes=33554432", "-t", "fuse.distorefs"],
+                             capture_output=True, text=True, timeout=90)
+        assert res.returncode == 0, res.stdout + res.stderr
+        m.pid = int(re.search(r"daemon pid (\d+)", res.stdout).group(1))
+        m.pids.add(m.pid)
+        assert is_mounted(m.mnt)
+        config = json.loads((m.mnt / ".distorefs" / "config.json").read_bytes())
+        assert config["sync_interval"] == 2.5 and config["cache_bytes"] == 33554432
+        assert "fuse.distorefs" in open("/proc/mounts").read()
+        res = subprocess.run(helper + [str(m.store), str(m.mnt)], capture_output=True, text=True, timeout=60)
+        assert res.returncode != 0  # already mounted
+        m.umount()
+    finally:
+        m.cleanup()
+
+
+def test_umount_force_recovers_a_hung_daemon(fresh_mount):
+    """A daemon that answers nothing (stopped here; after a kill -9 it can be a dead process
+    that cannot exit) leaves callers waiting: umount --force aborts the FUSE connection."""
+    import signal
+    import time
+
+    m = fresh_mount()
+    b = m.buffer("hang")
+    write_entry(b, "e", b"data")
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        reader = subprocess.Popen(["cat", str(b / "entries" / "e")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(0.5)
+        assert reader.poll() is None  # waiting for the daemon
+        cli("umount", "--force", "--timeout", "1", m.mnt, check=False)  # the stopped daemon cannot exit yet
+        assert reader.wait(timeout=20) != 0  # its call failed instead of waiting forever
+        assert not is_mounted(m.mnt)
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while m.lock_pid() is not None and os.path.exists(f"/proc/{m.pid}") and time.monotonic() < deadline:
+        if open(f"/proc/{m.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    m.mount()  # the store is whole and mounts again
+    assert (b / "entries" / "e").read_bytes() == b"data"

@@ -1,0 +1,351 @@
+"""Checkpoints as a library (no FUSE): snapshot and persist phases, the write-back budget,
+step completion and `latest`, keep_last and pinning, reopening, crash leftovers."""
+
+import zlib
+
+import numpy as np
+import pytest
+import trio
+
+from distorefs.checkpoints import (DURABLE, INCOMPLETE, PERSISTING, ROOT_ID, WRITING, FileReader, crc32_combine)
+from distorefs.errors import InvalidConfig, NotEmpty, ReadOnly
+from distorefs.ring import Owner
+from store_runner import run
+
+DIR = Owner(0o40755, 0, 0)
+FILE = Owner(0o100644, 0, 0)
+SMALL = b'{"chunk_bytes": 65536, "writeback_bytes": 524288, "seal_after": 0, "keep_last": 2}'
+
+
+def payload(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+async def save(ck, step_id: int, name: bytes, data: bytes, piece: int = 50_000):
+    """What a writer does: create, write in pieces, close."""
+    f = await ck.create(step_id, name, FILE)
+    for off in range(0, len(data), piece):
+        await ck.write(f, off, data[off:off + piece])
+    ck.flushed(f, writer_exiting=False)
+    ck.released(f, write=True)
+    return f
+
+
+async def new_step(store, config: bytes = SMALL, step: bytes = b"s"):
+    """checkpoints configured with `config`, run/ and run/STEP: (tree, run, step)."""
+    ck = store.checkpoints
+    await ck.configure(config)
+    r = await ck.mkdir(ROOT_ID, b"run", DIR)
+    return ck, r, await ck.mkdir(r.id, step, DIR)
+
+
+async def read_all(ck, f) -> bytes:
+    reader = FileReader(ck, f)
+    ck.open_read(f)
+    try:
+        return await reader.read(0, f.size + 10)
+    finally:
+        ck.released(f, write=False)
+
+
+def test_crc32_combine():
+    a, b = payload(1000, 1), payload(123457, 2)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert crc32_combine(zlib.crc32(a), 0, 0) == zlib.crc32(a)
+
+
+def test_config_is_validated(tmp_path):
+    async def body(store):
+        with pytest.raises(InvalidConfig):
+            await store.checkpoints.configure(b'{"writeback_bytes": 1024}')
+        with pytest.raises(InvalidConfig):
+            await store.checkpoints.configure(b'{"keep_last": 0}')
+        await store.checkpoints.configure(SMALL)
+        return store.checkpoints.config.chunk_bytes
+
+    assert run(tmp_path / "s", body) == 65536
+
+
+def test_write_read_persist_complete_and_reload(tmp_path):
+    data = payload(700_001, 3)
+
+    async def write(store):
+        ck, r, s = await new_step(store, step=b"step-1")
+        f = await ck.create(s.id, b"model.bin", FILE)
+        for off in range(0, len(data), 30_000):  # pieces that straddle chunk borders
+            await ck.write(f, off, data[off:off + 30_000])
+        await ck.write(f, 10, b"HEADER")  # a seek back, as zip writers do
+        expect = data[:10] + b"HEADER" + data[16:]
+        assert ck.state(f) == WRITING and ck.state(s) == WRITING
+        assert await FileReader(ck, f).read(65530, 20) == expect[65530:65550]  # from memory
+        ck.flushed(f, writer_exiting=False)
+        ck.released(f, write=True)
+        assert ck.latest(r) is None
+        await ck.sync_dir(s)  # fsync of the step directory: closes it, waits for durability
+        assert ck.state(f) == DURABLE and ck.state(s) == DURABLE
+        assert ck.latest(r) is s
+        assert not f.mem and ck.budget.used == 0
+        assert len(f.stored) == 11
+        assert ck.checksum(f) == zlib.crc32(expect)
+        assert await read_all(ck, f) == expect
+        return expect
+
+    expect = run(tmp_path / "s", write)
+
+    async def reload(store):
+        ck = store.checkpoints
+        r = ck.resolve("run")
+        s = ck.resolve("run/step-1")
+        f = ck.resolve("run/step-1/model.bin")
+        assert ck.latest(r) is s and ck.state(s) == DURABLE
+        assert f.size == len(expect) and ck.checksum(f) == zlib.crc32(expect)
+        assert await read_all(ck, f) == expect
+        reader = FileReader(ck, f)  # ranges across chunks, sparse reads past the end
+        for off, n in ((0, 1), (65535, 2), (131000, 200_000), (len(expect) - 3, 100)):
+            assert await reader.read(off, n) == expect[off:off + n]
+
+    run(tmp_path / "s", reload)
+
+
+def test_backpressure_keeps_memory_in_the_budget(tmp_path):
+    data = payload(3 << 20, 4)
+
+    async def body(store):
+        ck, r, s = await new_step(store)
+        peak = 0
+
+        async def watch():
+            nonlocal peak
+            while True:
+                peak = max(peak, ck.budget.used)
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            files = []
+            for i in range(3):  # three writers at once, each with 3 MiB
+                async def one(i=i):
+                    files.append(await save(ck, s.id, b"f%d" % i, data, piece=40_000))
+                nursery.start_soon(one)
+            await trio.sleep(0.01)
+            while len(files) < 3:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        await ck.sync_dir(s)
+        assert ck.budget.waits > 0, "the writers never had to wait"
+        assert peak <= ck.budget.capacity
+        assert ck.budget.peak <= ck.budget.capacity
+        for f in files:
+            assert await read_all(ck, f) == data
+        assert ck.state(s) == DURABLE
+
+    run(tmp_path / "s", body)
+
+
+def test_partly_filled_chunks_are_evicted_when_the_budget_is_full(tmp_path):
+    async def body(store):
+        ck = store.checkpoints
+        await ck.configure(SMALL)  # 8 chunks of 64 KiB
+        r = await ck.mkdir(ROOT_ID, b"run", DIR)
+        s = await ck.mkdir(r.id, b"s", DIR)
+        files = [await ck.create(s.id, b"f%d" % i, FILE) for i in range(12)]
+        pieces = [payload(60_000, i) for i in range(12)]
+        with trio.fail_after(10):  # 12 half-full chunks > the budget: must not deadlock
+            for f, p in zip(files, pieces):
+                await ck.write(f, 0, p[:45_000])
+            for f, p in zip(files, pieces):
+                await ck.write(f, 45_000, p[45_000:])
+        assert ck.counters["evictions"] > 0 and ck.counters["chunk_reloads"] > 0
+        for f, p in zip(files, pieces):
+            ck.flushed(f, False)
+            ck.released(f, True)
+            assert await read_all(ck, f) == p
+
+    run(tmp_path / "s", body)
+
+
+def test_keep_last_pinning_and_latest(tmp_path):
+    async def body(store):
+        ck = store.checkpoints
+        await ck.configure(SMALL)
+        r = await ck.mkdir(ROOT_ID, b"run", DIR)
+        steps = []
+        for i in range(5):
+            s = await ck.mkdir(r.id, b"step-%d" % i, DIR)  # closes the previous step
+            steps.append(s)
+            await save(ck, s.id, b"w", payload(100_000, i))
+            if i == 0:
+                await ck.set_pinned(s, True)
+            await trio.sleep(0)
+        assert ck.state(steps[-1]) == WRITING
+        await ck.sync_dir(steps[-1])
+        await store.committer.drain()
+        assert ck.latest(r) is steps[-1]
+        names = sorted(ck.dir(r.id).children)
+        assert names == [b"step-0", b"step-3", b"step-4"], names  # keep_last 2, + the pinned one
+        await ck.set_pinned(steps[0], False)
+        await store.committer.drain()
+        assert sorted(ck.dir(r.id).children) == [b"step-3", b"step-4"]
+        assert ck.counters["steps_removed"] == 3
+
+    run(tmp_path / "s", body)
+
+
+def test_writing_a_complete_step_again_reopens_it(tmp_path):
+    async def body(store):
+        ck, r, s1 = await new_step(store, step=b"a")
+        await save(ck, s1.id, b"w", b"one")
+        s2 = await ck.mkdir(r.id, b"b", DIR)
+        f = await save(ck, s2.id, b"w", b"two")
+        await ck.sync_dir(s2)
+        assert ck.latest(r) is s2
+        await ck.open_write(f, truncate=True)  # a rewrite: b is no longer complete
+        assert not s2.complete and ck.latest(r) is s1
+        await ck.write(f, 0, b"three")
+        ck.flushed(f, False)
+        ck.released(f, True)
+        await ck.sync_dir(s2)
+        assert ck.latest(r) is s2 and await read_all(ck, f) == b"three"
+
+    run(tmp_path / "s", body)
+
+
+def test_truncate_and_holes(tmp_path):
+    async def body(store):
+        ck, r, s = await new_step(store)
+        f = await ck.create(s.id, b"sparse", FILE)
+        data = payload(200_000, 9)
+        await ck.write(f, 0, data)
+        await ck.fsync(f)  # everything stored
+        assert not f.mem and ck.state(f) == WRITING  # still open
+        await ck.truncate(f, 70_000)
+        await ck.write(f, 300_000, b"end")
+        ck.flushed(f, False)
+        ck.released(f, True)
+        expect = data[:70_000] + bytes(230_000) + b"end"
+        assert await read_all(ck, f) == expect
+        await ck.sync_dir(s)
+        assert ck.checksum(f) == zlib.crc32(expect) and not f.garbage
+        assert await read_all(ck, f) == expect
+
+    run(tmp_path / "s", body)
+
+
+def test_a_step_left_incomplete_is_interrupted_after_reopen(tmp_path):
+    async def crash(store):
+        ck, r, good = await new_step(store, step=b"good")
+        await save(ck, good.id, b"w", b"good")
+        cut = await ck.mkdir(r.id, b"cut", DIR)
+        f = await ck.create(cut.id, b"w", FILE)  # never closed: as if the daemon died now
+        await ck.write(f, 0, payload(300_000, 1))
+        await ck.fsync(f)
+        assert ck.state(good) == DURABLE and ck.state(cut) == WRITING
+
+    run(tmp_path / "s", crash)
+
+    async def after(store):
+        ck = store.checkpoints
+        r = ck.resolve("run")
+        cut = ck.resolve("run/cut")
+        assert ck.latest(r).name == b"good"
+        assert ck.state(cut) == INCOMPLETE and cut.interrupted
+        with pytest.raises(ReadOnly):
+            await ck.create(cut.id, b"more", FILE)
+        assert len(await read_all(ck, ck.resolve("run/cut/w"))) == 300_000  # what it got stays readable
+        s = await ck.mkdir(r.id, b"next", DIR)
+        await save(ck, s.id, b"w", b"next")
+        await ck.sync_dir(s)
+        await store.committer.drain()
+        assert sorted(ck.dir(r.id).children) == [b"good", b"next"]  # the interrupted step went
+
+    run(tmp_path / "s", after)
+
+
+def test_abandoned_writer_keeps_the_step_incomplete(tmp_path):
+    async def body(store):
+        ck, r, s = await new_step(store)
+        f = await ck.create(s.id, b"w", FILE)
+        await ck.write(f, 0, b"half")
+        ck.flushed(f, writer_exiting=True)
+        ck.released(f, True)
+        await ck.sync_dir(s)
+        assert ck.state(s) == INCOMPLETE and ck.latest(r) is None
+        await save(ck, s.id, b"w2", b"x")  # other files do not make it whole
+        await ck.sync_dir(s)
+        assert ck.latest(r) is None
+        await ck.open_write(f, truncate=True)  # rewriting the cut file does
+        await ck.write(f, 0, b"whole")
+        ck.flushed(f, False)
+        ck.released(f, True)
+        await ck.sync_dir(s)
+        assert ck.latest(r) is s and ck.state(s) == DURABLE
+
+    run(tmp_path / "s", body)
+
+
+def test_seal_after_closes_a_quiet_step(tmp_path):
+    async def body(store):
+        ck, r, s = await new_step(store, b'{"chunk_bytes": 65536, "writeback_bytes": 524288, "seal_after": 0.1}')
+        await save(ck, s.id, b"w", payload(100_000, 5))
+        assert ck.state(s) == WRITING
+        with trio.fail_after(5):
+            while ck.latest(r) is not s:
+                assert ck.state(s) in (WRITING, PERSISTING, DURABLE)
+                await trio.sleep(0.01)
+
+    run(tmp_path / "s", body)
+
+
+def test_rename_and_remove(tmp_path):
+    async def body(store):
+        ck, r, tmp = await new_step(store, step=b"tmp")
+        live = store.backends[0].live_bytes()
+        sub = await ck.mkdir(tmp.id, b"sub", DIR)
+        await save(ck, sub.id, b"a.tmp", b"A" * 1000)
+        await ck.rename(sub.id, b"a.tmp", sub.id, b"a", noreplace=False)
+        await ck.rename(r.id, b"tmp", r.id, b"step-7", noreplace=False)  # the write-then-rename idiom
+        await ck.sync_dir(tmp)
+        assert ck.latest(r).name == b"step-7"
+        assert await read_all(ck, ck.resolve("run/step-7/sub/a")) == b"A" * 1000
+        assert store.backends[0].live_bytes() == live + 1000
+        with pytest.raises(NotEmpty):
+            await ck.remove(tmp.id, b"sub", want_dir=True)
+        await ck.remove(sub.id, b"a", want_dir=False)  # the step is being changed: no longer complete
+        assert ck.latest(r) is None
+        await ck.remove(tmp.id, b"sub", want_dir=True)
+        await store.committer.drain()
+        assert store.backends[0].live_bytes() == live  # the chunk's value went with it
+
+    run(tmp_path / "s", body)
+
+    async def after(store):
+        ck = store.checkpoints
+        assert sorted(ck.dir(ck.resolve("run").id).children) == [b"step-7"]
+        assert not ck.resolve("run/step-7").children
+
+    run(tmp_path / "s", after)
+
+
+def test_big_chunks_use_recycled_buffers(tmp_path):
+    data = payload(21 << 20, 6)
+
+    async def body(store):
+        ck, r, s = await new_step(store, b'{"chunk_bytes": 4194304, "writeback_bytes": 16777216, "seal_after": 0}')
+        f = await save(ck, s.id, b"big", data, piece=1 << 20)
+        await ck.sync_dir(s)
+        assert ck.pool.free_bytes > 0 and ck.budget.peak <= 16 << 20
+        s2 = await ck.mkdir(r.id, b"s2", DIR)
+        g = await ck.create(s2.id, b"mid", FILE)  # a first chunk grows 1, 2, 4 MiB
+        await ck.write(g, 0, data[:700_000])
+        assert len(g.mem[0].data) == 700_000
+        await ck.write(g, 700_000, data[700_000:1_500_000])
+        assert len(g.mem[0].data) == 2 << 20
+        await ck.write(g, 100, b"patch")
+        ck.flushed(g, False)
+        ck.released(g, True)
+        await ck.sync_dir(s2)
+        assert await read_all(ck, f) == data
+        assert await read_all(ck, g) == data[:100] + b"patch" + data[105:1_500_000]
+        assert ck.budget.used == 0 and ck.budget.used + ck.pool.free_bytes <= ck.budget.capacity
+
+    run(tmp_path / "s", body)
