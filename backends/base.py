@@ -36,8 +36,9 @@ class ValueBackend(ABC):
     name: str  # "lmdb" or "nvme"
 
     @abstractmethod
-    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview) -> bytes:
-        """Store ``data``; return an opaque location (bytes)."""
+    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
+        """Store ``data``; return an opaque location (bytes). ``stream`` groups values that
+        age together (a ring's); a tier may keep each stream's values apart."""
 
     @abstractmethod
     def get(self, loc: bytes) -> bytes:

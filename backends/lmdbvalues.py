@@ -31,8 +31,9 @@ class LmdbValues(ValueBackend):
         # Open the handles now: opening a db inside a caller's write txn is not allowed.
         self._values = env.db(b"values")
         self._meta = env.db(b"tiermeta")
+        self.recent_live = 0
 
-    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview) -> bytes:
+    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
         if not 0 < len(vkey) <= _MAX_KEY:
             raise InvalidArgument(f"vkey must be 1..{_MAX_KEY} bytes, got {len(vkey)}")
         size = memoryview(data).nbytes
@@ -70,15 +71,16 @@ class LmdbValues(ValueBackend):
 
     def _add_live(self, txn: lmdb.Transaction, delta: int) -> None:
         raw = txn.get(_LIVE_KEY, db=self._meta)
-        live = _U64.unpack(raw)[0] if raw is not None else 0
-        txn.put(_LIVE_KEY, _U64.pack(max(0, live + delta)), db=self._meta)
+        live = max(0, (_U64.unpack(raw)[0] if raw is not None else 0) + delta)
+        txn.put(_LIVE_KEY, _U64.pack(live), db=self._meta)
+        self.recent_live = live  # as of the last write (its txn may still abort): for triggers only
+
+    def live_bytes_in(self, txn: lmdb.Transaction) -> int:
+        raw = txn.get(_LIVE_KEY, db=self._meta)
+        return _U64.unpack(raw)[0] if raw is not None else 0
 
     def live_bytes(self) -> int:
-        def fn(txn: lmdb.Transaction) -> int:
-            raw = txn.get(_LIVE_KEY, db=self._meta)
-            return _U64.unpack(raw)[0] if raw is not None else 0
-
-        return self.env.read(fn)
+        return self.env.read(self.live_bytes_in)
 
     def sync(self) -> None:
         self.env.sync()

@@ -1,7 +1,8 @@
 """The NVMe value tier: values appended to segment files ``seg-00000001.dat`` …
 
-Owns the segment directory and the ``segments`` database of the shared LmdbEnv
-(per-segment live/total accounting, written in the caller's transaction).
+Owns the segment directories (one or several, each with an optional capacity) and the
+``segments`` database of the shared LmdbEnv (per-segment live/total accounting, written
+in the caller's transaction).
 
 On-disk record::
 
@@ -10,13 +11,24 @@ On-disk record::
 
 The header sits directly before the data so that ``get`` reads header and data
 with one ``pread`` at ``offset - 18`` and checks magic, length and crc. The
-vkey trails the data; it is only there so a scan (``locations``) or a repair
-tool can name what a record holds. A location is ``(segment id u32, offset of
-the data u64, length u64)``.
+vkey trails the data; it names what a record holds, for a scan (``locations``,
+``records``: compaction and repair tools). A location is ``(segment id u32, offset
+of the data u64, length u64)``; segment ids are unique across all directories, so a
+location does not name its directory.
+
+Streams: every put names a stream (a replay buffer's namespace id, or 0 for everything
+else), and each stream appends to a segment of its own. A ring's values then lie in
+its segments in FIFO order, so evicting its oldest entries empties its oldest segments
+whole; holes left by deletes and rewrites are what compaction (in the core) removes.
+
+Directories: a new segment goes to the directory with the most room (its capacity,
+or the free space of its file system, less what it holds), so segments stripe across
+directories in proportion to their room. A directory can be added to a store at any
+time; one that holds segments must stay listed (opening refuses otherwise).
 
 Accounting: the ``segments`` db maps segment id -> (live bytes, total bytes,
-live records), updated in the caller's transaction. ``collect()`` unlinks a
-non-current segment once its live *records* reach 0 (counting records, not
+live records, stream), updated in the caller's transaction. ``collect()`` unlinks a
+segment no stream appends to once its live *records* reach 0 (counting records, not
 bytes, keeps a segment holding only empty values alive). ``delete`` cannot
 tell whether a location was already deleted: callers delete each location
 exactly once (the store's reference counts guarantee it). Segment files that
@@ -26,8 +38,8 @@ them too.
 Crash model: bytes are written with ``pwrite`` and made durable only by
 ``sync()``; the caller must sync this tier before it makes durable any
 metadata that references the new locations. Bytes of a put whose transaction
-aborted (or never committed) are dead space. Each process start appends to a
-fresh segment, so a torn tail from a crash is always at the end of a file and
+aborted (or never committed) are dead space. Each process start appends to
+fresh segments, so a torn tail from a crash is always at the end of a file and
 a scan stops there cleanly.
 
 Thread rules: ``put``/``delete`` run inside ``LmdbEnv.write()``; ``get`` may
@@ -44,6 +56,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -57,13 +70,55 @@ MAGIC = b"DSEG"
 HEADER = struct.Struct("<4sHQI")  # magic, vkey length, data length, crc32 of data
 LOCATION = struct.Struct("<IQQ")  # segment id, offset of the data, data length
 _SEG_KEY = struct.Struct(">I")  # big-endian so the db iterates in segment order
-_SEG_VAL = struct.Struct("<QQQ")  # live bytes, total bytes, live records
+_SEG_VAL = struct.Struct("<QQQI")  # live bytes, total bytes, live records, stream
 _NAME = re.compile(r"^seg-(\d+)\.dat$")
 _MAX_VKEY = 0xFFFF
 
 
 def _segment_name(seg: int) -> str:
     return f"seg-{seg:08d}.dat"
+
+
+def _device(path: Path) -> int:
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return -1
+
+
+def unpack_row(raw: bytes) -> tuple[int, int, int, int]:
+    """(live bytes, total bytes, live records, stream) of an accounting row."""
+    return _SEG_VAL.unpack(raw)
+
+
+@dataclass(frozen=True)
+class SegmentDir:
+    """One directory of the tier; `capacity_bytes` 0 means the room its file system has."""
+
+    path: Path
+    capacity_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """A segment as the accounting sees it (for compaction and stats)."""
+
+    seg: int
+    live_bytes: int
+    total_bytes: int
+    live_records: int
+    stream: int
+
+
+class _Stream:
+    """The segment one stream appends to."""
+
+    __slots__ = ("seg", "fd", "offset")
+
+    def __init__(self, seg: int, fd: int, offset: int) -> None:
+        self.seg = seg
+        self.fd = fd
+        self.offset = offset
 
 
 def _pwrite_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
@@ -115,56 +170,103 @@ class SegmentValues(ValueBackend):
     def __init__(
         self,
         env: LmdbEnv,
-        directory: str | os.PathLike[str],
+        directories: "str | os.PathLike[str] | Sequence[SegmentDir]",
         segment_bytes: int = 256 << 20,
         max_open_readers: int = 256,
     ) -> None:
         if segment_bytes <= 0:
             raise InvalidArgument("segment_bytes must be positive")
+        if isinstance(directories, (str, os.PathLike)):
+            directories = [SegmentDir(Path(directories))]
+        if not directories:
+            raise InvalidArgument("the NVMe tier needs at least one directory")
         self.env = env
-        self.directory = Path(directory)
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in directories]
+        for d in self.dirs:
+            d.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory = self.dirs[0].path
         self.segment_bytes = segment_bytes
         self._segdb = env.db(b"segments")
         self._max_readers = max_open_readers
 
         # Lock order: env write lock -> _sync_lock -> _lock; _readers_lock is a leaf.
-        self._lock = threading.Lock()  # append state, dirty set, retired fds
+        self._lock = threading.Lock()  # append state, dirty set, retired fds, directory use
         self._sync_lock = threading.Lock()  # only holders of it close write fds
         self._readers_lock = threading.Lock()
         self._readers: OrderedDict[int, _Reader] = OrderedDict()
 
-        recorded = set(env.read(lambda txn: [_SEG_KEY.unpack(bytes(k))[0] for k in txn.cursor(db=self._segdb).iternext(values=False)]))
-        on_disk = set(self._segment_files())
-        # Always start a fresh segment: a torn tail from a crash stays at the end
-        # of the old file. The file itself is created on the first put.
-        self._cur = max(on_disk | recorded, default=0) + 1
-        self._fd: int | None = None
-        self._offset = 0
+        rows = env.read(lambda txn: {_SEG_KEY.unpack(bytes(k))[0]: _SEG_VAL.unpack(bytes(v))
+                                     for k, v in txn.cursor(db=self._segdb)})
+        self._dir_of: dict[int, int] = {}  # segment -> index in self.dirs
+        self._dir_used = [0] * len(self.dirs)  # bytes of segment files in each directory
+        for i, d in enumerate(self.dirs):
+            for seg, size in self._scan_dir(d.path):
+                if seg in self._dir_of:
+                    raise InvalidArgument(f"segment {seg} is in both {self.dirs[self._dir_of[seg]].path} "
+                                          f"and {d.path}")
+                self._dir_of[seg] = i
+                self._dir_used[i] += size
+        lost = sorted(seg for seg, row in rows.items() if row[2] > 0 and seg not in self._dir_of)
+        if lost:
+            raise InvalidArgument(
+                f"{len(lost)} segments holding values (e.g. {_segment_name(lost[0])}) are in none of the NVMe "
+                f"directories {', '.join(str(d.path) for d in self.dirs)}: was a directory left out?")
+        # Always start fresh segments: a torn tail from a crash stays at the end of an old
+        # file. A stream's file is created on its first put.
+        self._next_seg = max(set(self._dir_of) | set(rows), default=0) + 1
+        self._streams: dict[int, _Stream] = {}
         self._dirty: set[int] = set()  # segments written since the last sync
         self._retired: dict[int, int] = {}  # rolled-over write fds, closed after their fsync
-        self._dir_dirty = False
+        self._dirs_dirty: set[int] = set()  # directories with new files since the last sync
         # Files with no accounting record hold only uncommitted puts. If the db
         # has no records at all, refuse to judge (it may be the wrong env).
-        self._orphans = on_disk - recorded if recorded else set()
+        self._orphans = set(self._dir_of) - set(rows) if rows else set()
         self._closed = False
 
     # -- paths ---------------------------------------------------------------
 
-    def _path(self, seg: int) -> Path:
-        return self.directory / _segment_name(seg)
-
-    def _segment_files(self) -> list[int]:
-        ids = []
-        for entry in os.scandir(self.directory):
+    @staticmethod
+    def _scan_dir(directory: Path) -> list[tuple[int, int]]:
+        out = []
+        for entry in os.scandir(directory):
             m = _NAME.match(entry.name)
             if m:
-                ids.append(int(m.group(1)))
-        return sorted(ids)
+                try:
+                    out.append((int(m.group(1)), entry.stat().st_size))
+                except FileNotFoundError:
+                    pass
+        return out
+
+    def _path(self, seg: int) -> Path:
+        i = self._dir_of.get(seg)
+        return (self.dirs[i].path if i is not None else self.directory) / _segment_name(seg)
+
+    def path_of(self, seg: int) -> Path | None:
+        """The file of segment `seg`, or None if there is none."""
+        return self._path(seg) if seg in self._dir_of else None
+
+    def segment_files(self) -> dict[int, Path]:
+        """Every segment file, in every directory (a fresh scan)."""
+        return {seg: d.path / _segment_name(seg) for d in self.dirs for seg, _ in self._scan_dir(d.path)}
+
+    def _room(self, i: int) -> int:
+        """Bytes directory i may still take (caller holds _lock): up to its capacity, or, with
+        none set, all but 1% of its file system (left for the metadata, which may share it)."""
+        d = self.dirs[i]
+        try:
+            st = os.statvfs(d.path)
+        except OSError:
+            return 0
+        free = st.f_bavail * st.f_frsize
+        if d.capacity_bytes:
+            free = min(free, d.capacity_bytes - self._dir_used[i])
+        else:
+            free -= st.f_blocks * st.f_frsize // 100
+        return max(0, free)
 
     # -- writes --------------------------------------------------------------
 
-    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview) -> bytes:
+    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
         if len(vkey) > _MAX_VKEY:
             raise InvalidArgument(f"vkey longer than {_MAX_VKEY} bytes")
         view = memoryview(data).cast("B")
@@ -174,41 +276,50 @@ class SegmentValues(ValueBackend):
         with self._lock:
             if self._closed:
                 raise RuntimeError("SegmentValues is closed")
-            if self._offset > 0 and self._offset + record > self.segment_bytes:
-                self._roll()
-            seg, start = self._cur, self._offset
+            st = self._streams.get(stream)
+            if st is None or (st.offset > 0 and st.offset + record > self.segment_bytes) \
+                    or self._room(self._dir_of[st.seg]) < record:
+                st = self._roll(stream, record)
+            seg, start = st.seg, st.offset
             try:
-                if self._fd is None:
-                    self._fd = os.open(self._path(seg), os.O_WRONLY | os.O_CREAT, 0o600)
-                    self._dir_dirty = True
-                    start = self._offset = os.fstat(self._fd).st_size
-                _pwrite_all(self._fd, (header, view, vkey), start)
+                _pwrite_all(st.fd, (header, view, vkey), start)
             except OSError as exc:
                 # Drop the torn record so the file stays walkable; the offset
                 # is not advanced, so the next put overwrites whatever remains.
-                if self._fd is not None:
-                    try:
-                        os.ftruncate(self._fd, start)
-                    except OSError:
-                        pass
+                try:
+                    os.ftruncate(st.fd, start)
+                except OSError:
+                    pass
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise NoSpace(f"{self.directory}: no space for a {size}-byte value") from exc
+                    raise NoSpace(f"{self._path(seg).parent}: no space for a {size}-byte value") from exc
                 raise
-            self._offset = start + record
+            st.offset = start + record
+            self._dir_used[self._dir_of[seg]] += record
             self._dirty.add(seg)
         # Accounting goes into the caller's txn: it commits or aborts together
         # with the reference to the location.
-        self._account(txn, seg, size, 1, grow_total=True)
+        self._account(txn, seg, size, 1, grow_total=True, stream=stream)
         return LOCATION.pack(seg, start + HEADER.size, size)
 
-    def _roll(self) -> None:
-        """Start the next segment (caller holds _lock). The old fd is not closed
-        here: a concurrent sync() may be fsyncing it; sync closes it afterwards."""
-        if self._fd is not None:
-            self._retired[self._cur] = self._fd
-        self._cur += 1
-        self._fd = None
-        self._offset = 0
+    def _roll(self, stream: int, record: int) -> _Stream:
+        """Start the stream's next segment in the directory with the most room (caller holds
+        _lock). The old fd is not closed here: a concurrent sync() may be fsyncing it; sync
+        closes it afterwards."""
+        rooms = [(self._room(i), i) for i in range(len(self.dirs))]
+        room, i = max(rooms)
+        if room < record:
+            raise NoSpace(f"NVMe tier full: no directory has room for a {record}-byte record "
+                          f"({', '.join(f'{self.dirs[j].path}: {r} bytes' for r, j in rooms)})")
+        old = self._streams.pop(stream, None)
+        if old is not None:
+            self._retired[old.seg] = old.fd
+        seg = self._next_seg
+        self._next_seg += 1
+        fd = os.open(self.dirs[i].path / _segment_name(seg), os.O_WRONLY | os.O_CREAT, 0o600)
+        self._dir_of[seg] = i
+        self._dirs_dirty.add(i)
+        st = self._streams[stream] = _Stream(seg, fd, os.fstat(fd).st_size)
+        return st
 
     def delete(self, txn: lmdb.Transaction, loc: bytes) -> None:
         try:
@@ -217,7 +328,8 @@ class SegmentValues(ValueBackend):
             return
         self._account(txn, seg, -size, -1, grow_total=False)
 
-    def _account(self, txn: lmdb.Transaction, seg: int, dbytes: int, drecords: int, grow_total: bool) -> None:
+    def _account(self, txn: lmdb.Transaction, seg: int, dbytes: int, drecords: int, grow_total: bool,
+                 stream: int = 0) -> None:
         key = _SEG_KEY.pack(seg)
         raw = txn.get(key, db=self._segdb)
         if raw is None:
@@ -225,9 +337,10 @@ class SegmentValues(ValueBackend):
                 return  # delete of an unknown (already collected) segment: no-op
             live = total = records = 0
         else:
-            live, total, records = _SEG_VAL.unpack(raw)
+            live, total, records, stream = _SEG_VAL.unpack(raw)
         total += dbytes if grow_total else 0
-        txn.put(key, _SEG_VAL.pack(max(0, live + dbytes), total, max(0, records + drecords)), db=self._segdb)
+        txn.put(key, _SEG_VAL.pack(max(0, live + dbytes), total, max(0, records + drecords), stream),
+                db=self._segdb)
 
     # -- reads ---------------------------------------------------------------
 
@@ -257,6 +370,8 @@ class SegmentValues(ValueBackend):
         with self._readers_lock:
             reader = self._readers.get(seg)
             if reader is None:
+                if seg not in self._dir_of:
+                    raise NotFound(f"segment {seg} does not exist")
                 try:
                     fd = os.open(self._path(seg), os.O_RDONLY)
                 except FileNotFoundError:
@@ -288,6 +403,35 @@ class SegmentValues(ValueBackend):
         for seg in [s for s, r in self._readers.items() if r.refs == 0][: max(0, excess)]:
             os.close(self._readers.pop(seg).fd)
 
+    def records(self, seg: int) -> list[tuple[bytes, bytes]]:
+        """(vkey, location) of every record physically in segment `seg`, live or dead, in file
+        order (blocking I/O). Stops at the first torn or foreign header."""
+        path = self.path_of(seg)
+        if path is None:
+            return []
+        out = []
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return []
+        try:
+            end_of_file = os.fstat(fd).st_size
+            pos = 0
+            while pos + HEADER.size <= end_of_file:
+                raw = os.pread(fd, HEADER.size, pos)
+                if len(raw) < HEADER.size:
+                    break
+                magic, klen, dlen, _crc = HEADER.unpack(raw)
+                end = pos + HEADER.size + dlen + klen
+                if magic != MAGIC or end > end_of_file:
+                    break
+                vkey = os.pread(fd, klen, pos + HEADER.size + dlen) if klen else b""
+                out.append((vkey, LOCATION.pack(seg, pos + HEADER.size, dlen)))
+                pos = end
+        finally:
+            os.close(fd)
+        return out
+
     # -- maintenance ---------------------------------------------------------
 
     def sync(self) -> None:
@@ -296,14 +440,15 @@ class SegmentValues(ValueBackend):
                 if self._closed:
                     return
                 dirty, self._dirty = self._dirty, set()
-                dir_dirty, self._dir_dirty = self._dir_dirty, False
-                fds = [self._fd if seg == self._cur else self._retired.get(seg) for seg in dirty]
+                dirs_dirty, self._dirs_dirty = self._dirs_dirty, set()
+                current = {st.seg: st.fd for st in self._streams.values()}
+                fds = [current.get(seg, self._retired.get(seg)) for seg in dirty]
             try:
                 for fd in fds:
                     if fd is not None:
                         os.fsync(fd)
-                if dir_dirty:
-                    dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+                for i in dirs_dirty:
+                    dfd = os.open(self.dirs[i].path, os.O_RDONLY | os.O_DIRECTORY)
                     try:
                         os.fsync(dfd)
                     finally:
@@ -311,14 +456,18 @@ class SegmentValues(ValueBackend):
             except BaseException:
                 with self._lock:  # not durable: try again next time
                     self._dirty |= dirty
-                    self._dir_dirty |= dir_dirty
+                    self._dirs_dirty |= dirs_dirty
                 raise
             with self._lock:
                 for seg in [s for s in self._retired if s not in self._dirty]:
                     os.close(self._retired.pop(seg))
 
+    def current_segments(self) -> set[int]:
+        with self._lock:
+            return {st.seg for st in self._streams.values()}
+
     def collect(self) -> int:
-        """Unlink every non-current segment with no live record; return bytes freed.
+        """Unlink every segment no stream appends to that has no live record; return bytes freed.
 
         Runs its own write transaction (never call it inside one): holding the
         writer lock means no uncommitted put can be pointing into a segment we
@@ -329,14 +478,13 @@ class SegmentValues(ValueBackend):
 
         def fn(txn: lmdb.Transaction) -> list[int]:
             nonlocal freed
-            with self._lock:
-                current = self._cur
+            current = self.current_segments()
             dead = set(self._orphans)
             for key, value in txn.cursor(db=self._segdb):
                 seg = _SEG_KEY.unpack(key)[0]
-                if seg != current and _SEG_VAL.unpack(value)[2] == 0:
+                if _SEG_VAL.unpack(value)[2] == 0:
                     dead.add(seg)
-            dead.discard(current)
+            dead -= current
             for seg in sorted(dead):
                 freed += self._unlink(seg)
                 txn.delete(_SEG_KEY.pack(seg), db=self._segdb)
@@ -361,45 +509,59 @@ class SegmentValues(ValueBackend):
             self._dirty.discard(seg)
             if fd is not None:
                 os.close(fd)
+            i = self._dir_of.pop(seg, None)
+            if i is not None:
+                self._dir_used[i] = max(0, self._dir_used[i] - size)
         return size
 
+    def segments(self) -> list[SegmentInfo]:
+        """Every accounted segment (one read transaction)."""
+        def fn(txn: lmdb.Transaction) -> list[SegmentInfo]:
+            return [SegmentInfo(_SEG_KEY.unpack(bytes(k))[0], *_SEG_VAL.unpack(bytes(v)))
+                    for k, v in txn.cursor(db=self._segdb)]
+        return self.env.read(fn)
+
     def usage(self) -> TierUsage:
-        used = 0
-        for seg in self._segment_files():
-            try:
-                used += self._path(seg).stat().st_size
-            except FileNotFoundError:
-                pass
+        with self._lock:
+            used = sum(self._dir_used)
+            rooms = [self._room(i) for i in range(len(self.dirs))]
 
         def live(txn: lmdb.Transaction) -> int:
             return sum(_SEG_VAL.unpack(v)[0] for v in txn.cursor(db=self._segdb).iternext(keys=False))
 
-        return TierUsage(used_bytes=used, live_bytes=self.env.read(live), capacity_bytes=capacity_of(self.directory, used))
+        # Directories sharing an uncapped file system share its free space: count it once.
+        seen: set[int] = set()
+        room = 0
+        for d, r in zip(self.dirs, rooms):
+            if not d.capacity_bytes:
+                dev = _device(d.path)
+                if dev in seen:
+                    continue
+                seen.add(dev)
+            room += r
+        return TierUsage(used_bytes=used, live_bytes=self.env.read(live), capacity_bytes=used + room)
+
+    def shared_devices(self) -> set[int]:
+        """File systems (st_dev) of the directories with no capacity: their free space is
+        the tier's room."""
+        return {_device(d.path) for d in self.dirs if not d.capacity_bytes}
+
+    def dir_usage(self) -> list[dict]:
+        """Per directory: path, capacity (0: its file system), bytes held, room left, segments."""
+        with self._lock:
+            counts = [0] * len(self.dirs)
+            for i in self._dir_of.values():
+                counts[i] += 1
+            return [{"path": str(d.path), "capacity_bytes": d.capacity_bytes, "used_bytes": self._dir_used[i],
+                     "room_bytes": self._room(i), "segments": counts[i]} for i, d in enumerate(self.dirs)]
 
     def locations(self) -> Iterator[tuple[bytes, int]]:
         """Walk every segment file by its headers. This lists records physically
         present, including dead ones (aborted or deleted puts): verify/gc compare
         it against the metadata. A walk stops at the first torn or foreign header."""
-        for seg in self._segment_files():
-            try:
-                fd = os.open(self._path(seg), os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # collected meanwhile
-            try:
-                end_of_file = os.fstat(fd).st_size
-                pos = 0
-                while pos + HEADER.size <= end_of_file:
-                    raw = os.pread(fd, HEADER.size, pos)
-                    if len(raw) < HEADER.size:
-                        break
-                    magic, klen, dlen, _crc = HEADER.unpack(raw)
-                    end = pos + HEADER.size + dlen + klen
-                    if magic != MAGIC or end > end_of_file:
-                        break
-                    yield LOCATION.pack(seg, pos + HEADER.size, dlen), dlen
-                    pos = end
-            finally:
-                os.close(fd)
+        for seg in sorted(self.segment_files()):
+            for _vkey, loc in self.records(seg):
+                yield loc, LOCATION.unpack(loc)[2]
 
     def close(self) -> None:
         """Close every fd. Does not fsync (call sync() first) nor close the LmdbEnv."""
@@ -407,9 +569,9 @@ class SegmentValues(ValueBackend):
             if self._closed:
                 return
             self._closed = True
-            fds = list(self._retired.values()) + ([self._fd] if self._fd is not None else [])
+            fds = list(self._retired.values()) + [st.fd for st in self._streams.values()]
             self._retired.clear()
-            self._fd = None
+            self._streams.clear()
             for fd in fds:
                 os.close(fd)
         with self._readers_lock:

@@ -46,6 +46,13 @@ class ValueCache:
             self.used_bytes -= len(old)
         self._items[key] = value
         self.used_bytes += len(value)
+        self._shrink()
+
+    def resize(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._shrink()
+
+    def _shrink(self) -> None:
         while self.used_bytes > self.capacity_bytes and self._items:
             _, evicted = self._items.popitem(last=False)
             self.used_bytes -= len(evicted)

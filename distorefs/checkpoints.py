@@ -70,6 +70,7 @@ from .catalog import DB_META, TIER_NAMES
 from .chunks import Chunk, load_chunk, put_encoded
 from .committer import Change, Overlay
 from .config import CheckpointsConfig
+from .memory import MemoryPlan
 from .errors import (AlreadyExists, CorruptValue, CrossDevice, DistorefsError, InvalidArgument, IsADirectory,
                      NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .names import check_name
@@ -345,7 +346,7 @@ class Checkpoints:
         now = time.time_ns()
         self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now)}
         self.next_id = ROOT_ID + 1
-        self.budget = WritebackBudget(self.config.writeback_bytes)
+        self.budget = WritebackBudget(0)  # sized by the store's memory plan
         self.pool = BufferPool(self.budget)
         self.listeners: list[Callable[[CNode], None]] = []  # told of nodes the tree removes by itself
         self._queue: deque[tuple[str, CFile, int]] = deque()
@@ -372,7 +373,6 @@ class Checkpoints:
         raw = txn.get(b"checkpoints", db=self.store.env.db(DB_META))
         if raw is not None:
             self.config = CheckpointsConfig.from_json(bytes(raw))
-            self.budget.capacity = self.config.writeback_bytes
         chunks = []
         for k, v in txn.cursor(db=self.store.env.db(DB_CKPT)):
             key = bytes(k)
@@ -777,6 +777,7 @@ class Checkpoints:
 
     async def configure(self, text: bytes) -> CheckpointsConfig:
         config = CheckpointsConfig.from_json(text, self.config)
+        MemoryPlan.of(self.store.config, config.writeback_bytes)  # fits in memory_bytes, or InvalidConfig
         await self.store.committer.submit(Configure(self, config))
         for node in list(self.nodes.values()):
             if node.kind == RUN:
@@ -1346,7 +1347,7 @@ class Configure(_CkptChange):
 
     def apply(self) -> None:
         self.tree.config = self.config
-        self.tree.budget.resize(self.config.writeback_bytes)
+        self.tree.store.apply_memory_plan()
 
 
 def _subtree(tree: Checkpoints, node: CNode) -> list[CNode]:

@@ -44,7 +44,7 @@ class Chunk:
 
 def put_encoded(store: "Store", txn, vkey: bytes, enc: codec.Encoded) -> Chunk:
     """Store one encoded chunk in the tier placement picks (inside the caller's write txn)."""
-    tier = choose_tier(len(enc.stored), store.config)
+    tier = choose_tier(store, txn, len(enc.stored))
     loc = store.backend(tier).put(txn, vkey, enc.stored)
     return Chunk(enc.size, len(enc.stored), enc.checksum, enc.codec, tier, loc)
 

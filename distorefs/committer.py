@@ -10,6 +10,8 @@ Invariants (what may happen between two awaits):
   group applied and nothing half-applied.
 - A group never holds two changes with the same `conflict_key`; the second waits for
   the next group, so a change never plans against a value its group-mate is writing.
+- An `exclusive` change (moving values between tiers) is a group of its own: it plans
+  against state nothing else in its transaction touches.
 - If a group's transaction fails, nothing of it is visible (the transaction aborted and
   nothing was applied); each change is then retried alone so one bad change (ENOSPC on
   a big value, say) fails by itself.
@@ -62,6 +64,7 @@ class Change(ABC):
     """One mutation. Subclasses say what it writes and what it does in memory."""
 
     conflict_key: Hashable | None = None
+    exclusive = False
 
     def plan(self, overlay: Overlay) -> None:
         """Decide the effects (on the event loop). May raise DistorefsError to fail alone."""
@@ -164,11 +167,15 @@ class Committer:
         group: list[_Pending] = []
         keys: set[Hashable] = set()
         rest: list[_Pending] = []
-        for pending in self._held:
+        for i, pending in enumerate(self._held):
             key = pending.change.conflict_key
-            if rest or (key is not None and key in keys):
+            if rest or (key is not None and key in keys) or (group and pending.change.exclusive):
                 rest.append(pending)  # keep submission order behind a conflict
                 continue
+            if pending.change.exclusive:  # first in line: a group of its own
+                group.append(pending)
+                rest.extend(self._held[i + 1:])
+                break
             if key is not None:
                 keys.add(key)
             group.append(pending)

@@ -65,6 +65,10 @@ class _Config:
 
 def _coerce(name: str, value: Any, annotation: Any) -> Any:
     kind = str(annotation)
+    if kind.endswith(" | None"):  # optional: null means "derived" (see the field's docs)
+        if value is None:
+            return None
+        kind = kind[:-len(" | None")]
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
@@ -102,6 +106,7 @@ class RingConfig(_Config):
     max_entry_bytes: int = 64 << 20
     compression: str = "zstd"
     compression_level: int = 1
+    evict_when_full: bool = True  # a full NVMe tier evicts the oldest entries instead of ENOSPC
 
     def validate(self) -> None:
         _require(self.capacity >= 1, f"capacity must be >= 1, got {self.capacity}")
@@ -167,13 +172,16 @@ class DatasetConfig(_Config):
         _require(self.max_item_bytes >= 1, f"max_item_bytes must be >= 1, got {self.max_item_bytes}")
 
 
-def default_prefetch_bytes() -> int:
-    """A sixteenth of the machine's memory, between 64 MiB and 4 GiB."""
+def physical_memory() -> int:
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        total = 4 << 30
-    return max(64 << 20, min(4 << 30, total // 16))
+        return 16 << 30
+
+
+def default_memory_bytes() -> int:
+    """A quarter of the machine's memory, between 1 GiB and 32 GiB."""
+    return max(1 << 30, min(32 << 30, physical_memory() // 4))
 
 
 @dataclass
@@ -192,16 +200,11 @@ class WeightsConfig(_Config):
                  f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
 
 
-def default_writeback_bytes() -> int:
-    """An eighth of the machine's memory, between 256 MiB and 8 GiB."""
-    return max(256 << 20, min(8 << 30, 2 * default_prefetch_bytes()))
-
-
 @dataclass
 class CheckpointsConfig(_Config):
     """Checkpoints (checkpoints/config.json): write-back budget, retention, step closing."""
 
-    writeback_bytes: int = field(default_factory=default_writeback_bytes)
+    writeback_bytes: int | None = None  # None: the store's write-back share of memory_bytes
     keep_last: int = 3
     seal_after: float = 5.0  # seconds without writes after which a step nobody writes is closed
     chunk_bytes: int = 8 << 20
@@ -210,7 +213,7 @@ class CheckpointsConfig(_Config):
     def validate(self) -> None:
         _require(64 << 10 <= self.chunk_bytes <= 256 << 20,
                  f"chunk_bytes must be in 64 KiB..256 MiB, got {self.chunk_bytes}")
-        _require(self.writeback_bytes >= 4 * self.chunk_bytes,
+        _require(self.writeback_bytes is None or self.writeback_bytes >= 4 * self.chunk_bytes,
                  f"writeback_bytes must be at least 4 chunks ({4 * self.chunk_bytes}), got {self.writeback_bytes}")
         _require(1 <= self.keep_last <= 100000, f"keep_last must be in 1..100000, got {self.keep_last}")
         _require(0 <= self.seal_after <= 86400,
@@ -221,14 +224,38 @@ class CheckpointsConfig(_Config):
 
 
 @dataclass
+class NvmeDir(_Config):
+    """One directory of the NVMe segment tier; capacity_bytes 0: what its file system has."""
+
+    path: str = ""
+    capacity_bytes: int = 0
+
+    def validate(self) -> None:
+        _require(bool(self.path) and self.path.startswith("/"),
+                 f"an NVMe directory needs an absolute path, got {self.path!r}")
+        _require(self.capacity_bytes >= 0, f"capacity_bytes of {self.path} must be >= 0, got {self.capacity_bytes}")
+
+
+@dataclass
 class StoreConfig(_Config):
-    """Store-wide settings, kept in the store and shown in .distorefs/config.json."""
+    """Store-wide settings, kept in the store and shown in .distorefs/config.json.
+
+    Memory: `memory_bytes` bounds everything the daemon caches or buffers. It is shared
+    by the memory tier (`cache_bytes`), read-ahead (`prefetch_bytes`: dataset prefetch
+    and pre-sampled batches), checkpoint write-back (checkpoints/config.json
+    `writeback_bytes`) and values on their way into the kernel page cache; a share left
+    null is derived (see `distorefs.memory`), one set explicitly is taken as is.
+    Disk: `lmdb_bytes` bounds the values the LMDB (hot) tier holds; `nvme_dirs` lists the
+    segment directories, each with an optional capacity (none: STORE/segments)."""
 
     segment_threshold: int = 512 << 10
     segment_bytes: int = 256 << 20
-    nvme_dir: str = ""
-    cache_bytes: int = 512 << 20
-    prefetch_bytes: int = field(default_factory=default_prefetch_bytes)
+    nvme_dirs: list = field(default_factory=list)
+    memory_bytes: int = field(default_factory=default_memory_bytes)
+    cache_bytes: int | None = None
+    prefetch_bytes: int | None = None
+    lmdb_bytes: int = 4 << 30
+    max_space_overhead: float = 1.5
     sync_interval: float = 1.0
     entry_timeout: float = 300.0
     max_batch_entries: int = 65536
@@ -238,12 +265,28 @@ class StoreConfig(_Config):
     def validate(self) -> None:
         _require(self.segment_threshold >= 0, f"segment_threshold must be >= 0, got {self.segment_threshold}")
         _require(self.segment_bytes >= 1 << 20, f"segment_bytes must be >= 1 MiB, got {self.segment_bytes}")
-        _require(self.cache_bytes >= 0, f"cache_bytes must be >= 0, got {self.cache_bytes}")
-        _require(self.prefetch_bytes >= 0, f"prefetch_bytes must be >= 0, got {self.prefetch_bytes}")
+        _require(self.memory_bytes >= 16 << 20, f"memory_bytes must be >= 16 MiB, got {self.memory_bytes}")
+        for name in ("cache_bytes", "prefetch_bytes"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, f"{name} must be >= 0 (or null: a share of memory_bytes), "
+                                                  f"got {value}")
+        explicit = sum(v for v in (self.cache_bytes, self.prefetch_bytes) if v)
+        _require(explicit <= self.memory_bytes,
+                 f"cache_bytes + prefetch_bytes ({explicit}) exceed memory_bytes ({self.memory_bytes})")
+        _require(self.lmdb_bytes >= 0, f"lmdb_bytes must be >= 0 (0: every value on NVMe), got {self.lmdb_bytes}")
+        _require(1.05 <= self.max_space_overhead <= 100,
+                 f"max_space_overhead must be in 1.05..100 (on-disk bytes / live bytes), got {self.max_space_overhead}")
         _require(self.sync_interval > 0, f"sync_interval must be > 0 seconds, got {self.sync_interval}")
         _require(self.entry_timeout >= 0, f"entry_timeout must be >= 0 seconds, got {self.entry_timeout}")
         _require(self.max_batch_entries >= 1, f"max_batch_entries must be >= 1, got {self.max_batch_entries}")
         _require(self.max_batch_bytes >= 1 << 20, f"max_batch_bytes must be >= 1 MiB, got {self.max_batch_bytes}")
+        paths = [d.path for d in self.nvme_dirs]
+        _require(len(set(paths)) == len(paths), f"nvme_dirs lists a directory twice: {paths}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["nvme_dirs"] = [d.to_dict() for d in self.nvme_dirs]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, base: "StoreConfig | None" = None) -> "StoreConfig":
@@ -252,5 +295,14 @@ class StoreConfig(_Config):
         data = dict(data)
         buffer_base = base.default_buffer if base else None
         data["default_buffer"] = BufferConfig.from_dict(data.get("default_buffer", {}), buffer_base)
+        if "nvme_dir" in data:  # the one-directory form of earlier versions
+            legacy = data.pop("nvme_dir")
+            data.setdefault("nvme_dirs", [{"path": legacy}] if legacy else [])
+        if "nvme_dirs" in data:
+            dirs = data["nvme_dirs"]
+            if not isinstance(dirs, list):
+                raise InvalidConfig(f"nvme_dirs must be a list of {{path, capacity_bytes}}, got {dirs!r}")
+            data["nvme_dirs"] = [d if isinstance(d, NvmeDir) else NvmeDir.from_dict(
+                {"path": d} if isinstance(d, str) else d) for d in dirs]
         config = super().from_dict(data, base)
         return config

@@ -17,6 +17,7 @@ does this for files whose inode the kernel already holds) and then needs no memo
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import OrderedDict
 from typing import Callable, Generic, Hashable, Iterable, Sequence, TypeVar
@@ -58,8 +59,11 @@ class Prefetcher(Generic[K]):
         self.push = push
         self._plan: Sequence[K] = []
         self._next = 0  # index in _plan of the next key to load
+        self._base = 0  # plan positions consumed and trimmed from the head of _plan
         self._gen = 0  # bumped by declare(): loads of an older plan are dropped
         self._pos: dict[K, int] = {}  # plan position of every held or in-flight key
+        self._behind: list[tuple[int, int, K]] = []  # heap of (position, tie, key) of held values
+        self._tie = 0
         self._held: OrderedDict[K, bytes] = OrderedDict()
         self._held_bytes = 0
         self._inflight: dict[K, trio.Event] = {}
@@ -79,6 +83,7 @@ class Prefetcher(Generic[K]):
         self._drop_all()
         self._plan = keys
         self._next = 0
+        self._base = 0
         self.counters["plans"] += 1
         self._kick()
 
@@ -86,9 +91,11 @@ class Prefetcher(Generic[K]):
         """Append to the plan (pre-sampled batches arrive one at a time)."""
         if not isinstance(self._plan, list):
             self._plan = list(self._plan[self._next:])
+            self._base += self._next
             self._next = 0
         elif self._next > 4096:  # keep the consumed head from growing without bound
             del self._plan[:self._next]
+            self._base += self._next
             self._next = 0
         self._plan.extend(keys)
         self._kick()
@@ -139,12 +146,12 @@ class Prefetcher(Generic[K]):
     def _consumed(self, key: K, value: bytes) -> None:
         position = self._release(key, value)
         # Values the reader went past (it skipped them, or read them elsewhere) leave too.
-        while self._held:
-            first = next(iter(self._held))
-            if self._pos.get(first, position) >= position - self.lag:
-                break
-            self._release(first, self._held.pop(first))
-            self.counters["skipped"] += 1
+        # Loads finish out of order, so the held values are kept in a heap by position.
+        while self._behind and self._behind[0][0] < position - self.lag:
+            pos, _, first = heapq.heappop(self._behind)
+            if first in self._held and self._pos.get(first) == pos:
+                self._release(first, self._held.pop(first))
+                self.counters["skipped"] += 1
 
     def _release(self, key: K, value: bytes) -> int:
         self._held_bytes -= len(value)
@@ -157,6 +164,7 @@ class Prefetcher(Generic[K]):
             self._held_bytes -= len(value)
             self.budget.used -= len(value)
         self._held.clear()
+        self._behind.clear()
         self._pos = {k: p for k, p in self._pos.items() if k in self._inflight}
         self._pushed.clear()
 
@@ -187,7 +195,7 @@ class Prefetcher(Generic[K]):
                             if not isinstance(key, tuple):
                                 key = key.item() if hasattr(key, "item") else key  # numpy scalars
                             if key not in self._pos:
-                                self._pos[key] = self._next
+                                self._pos[key] = self._base + self._next
                                 self._inflight[key] = trio.Event()
                                 keys.append(key)
                             self._next += 1
@@ -221,6 +229,8 @@ class Prefetcher(Generic[K]):
                         self._pos.pop(key, None)
                     else:
                         self._held[key] = value
+                        self._tie += 1
+                        heapq.heappush(self._behind, (self._pos[key], self._tie, key))
                         self._held_bytes += len(value)
                         self.budget.used += len(value)
                 if event is not None:

@@ -21,11 +21,11 @@ import trio
 from sortedcontainers import SortedDict
 
 from . import codec
-from .catalog import (DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, TIER_NAMES, entry_key,
+from .catalog import (DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, TIER_LMDB, TIER_NAMES, entry_key,
                       ns_prefix, pack_f64, split_entry_key)
 from .committer import Change, Overlay
 from .config import RingConfig
-from .errors import CorruptValue, DistorefsError, NotFound, TooLarge
+from .errors import CorruptValue, DistorefsError, NoSpace, NotFound, TooLarge
 from .names import check_name
 from .placement import choose_tier
 
@@ -70,6 +70,11 @@ class Ring:
         self._free_slots: list[int] = []
         self.counters = {"inserts": 0, "rewrites": 0, "deletes": 0, "evictions": 0,
                          "reads": 0, "read_bytes": 0, "inserted_bytes": 0}
+        # Entries with a smaller seq were demoted to NVMe (placement.py); a rewrite of one
+        # goes to NVMe too.
+        self.demote_front = 0
+        self._room_lock = trio.Lock()
+        self._room_epoch = 0  # bumped by every eviction that made room
         # Set by namespaces that read ahead (buffers: pre-sampled batches); keys (seq, gen).
         self.prefetcher: Prefetcher | None = None
 
@@ -211,11 +216,43 @@ class Ring:
             raise TooLarge(f"{self.kind}/{self.name}: entry of {size} bytes exceeds the limit of {limit}")
 
     async def insert(self, key: bytes, data: bytes, owner: Owner, priority: float | None = None) -> EntryMeta:
-        """Insert or rewrite `key` with `data`; returns once committed."""
+        """Insert or rewrite `key` with `data`; returns once committed. With the disk full,
+        the oldest entries make room if the ring allows it (`evict_when_full`)."""
         self.check_insert(key, len(data))
-        change = InsertEntry(self, key, data, owner, priority)
-        await self.store.committer.submit(change)
-        return change.meta  # type: ignore[return-value]
+        for attempt in range(4):
+            change = InsertEntry(self, key, data, owner, priority)
+            epoch = self._room_epoch
+            try:
+                await self.store.committer.submit(change)
+            except NoSpace:
+                if not self.config.evict_when_full or attempt == 3 or not await self._make_room(len(data), epoch):
+                    raise
+                continue
+            return change.meta  # type: ignore[return-value]
+        raise AssertionError("unreachable")
+
+    async def _make_room(self, need: int, epoch: int) -> bool:
+        """Evict the oldest entries, at least a segment's worth, and give their space back
+        (sync, then unlink the segments they emptied). False if there is nothing to evict."""
+        async with self._room_lock:
+            if self._room_epoch != epoch:
+                return True  # another insert made room since our attempt: try again first
+            goal = max(2 * need, self.store.config.segment_bytes)
+            victims, total = [], 0
+            for meta in self.by_seq.values():
+                if total >= goal or len(victims) >= len(self.by_seq) - 1:
+                    break
+                victims.append(meta)
+                total += meta.stored_size
+            if not victims:
+                return False
+            errors = await self.store.committer.submit_all(
+                [RemoveEntry(self, m.key, m.seq, "evictions_for_space") for m in victims])
+            await self.store.collect()
+            self._room_epoch += 1
+            log.warning("%s/%s: disk full, evicted the %d oldest entries (%d bytes)", self.kind, self.name,
+                        sum(e is None for e in errors), total)
+            return True
 
     async def delete(self, key: bytes, expect_seq: int | None = None, reason: str = "deletes") -> None:
         await self.store.committer.submit(RemoveEntry(self, key, expect_seq, reason))
@@ -286,6 +323,17 @@ class Ring:
         if self.observer is not None:
             self.observer.entry_replaced(old, new)
         self.store.entry_changed(self, old, new)
+
+    def apply_relocate(self, old: EntryMeta, new: EntryMeta) -> None:
+        """The same value moved to another tier or location (demotion, compaction): the
+        entry keeps its slot, generation (cached copies stay valid) and priority."""
+        new.gen = old.gen
+        new.slot = old.slot
+        self.slot_meta[new.slot] = new
+        self.by_seq[new.seq] = new
+        self.by_key[new.key] = new
+        self._account(old, -1)
+        self._account(new, +1)
 
     def apply_remove(self, meta: EntryMeta, reason: str) -> None:
         del self.by_seq[meta.seq]
@@ -415,13 +463,13 @@ class InsertEntry(Change):
         self.prepare()
         enc = self.enc
         assert enc is not None
-        self.tier = choose_tier(len(enc.stored), store.config)
         for victim in self.victims:
             ring.txn_remove(txn, victim)
         if self.old is not None:
             store.backend(self.old.tier).delete(txn, self.old.loc)
+        self.tier = choose_tier(store, txn, len(enc.stored), cold=self.seq < ring.demote_front)
         k = entry_key(ring.ns_id, self.seq)
-        loc = store.backend(self.tier).put(txn, k, enc.stored)
+        loc = store.backend(self.tier).put(txn, k, enc.stored, stream=ring.ns_id)
         self.meta = EntryMeta(self.seq, self.key, enc.size, len(enc.stored), enc.checksum, enc.codec,
                               self.tier, loc, self.owner.mode, self.owner.uid, self.owner.gid, self.mtime_ns)
         txn.put(k, self.meta.pack(), db=store.env.db(DB_ENTRIES))
@@ -441,6 +489,8 @@ class InsertEntry(Change):
             ring.counters["inserts"] += 1
         ring.counters["inserted_bytes"] += len(self.raw)
         ring.store.cache.put(ring._cache_key(self.meta), bytes(self.raw))
+        if self.tier == TIER_LMDB:
+            ring.store.mover.value_added()
 
 
 class RemoveEntry(Change):

@@ -27,20 +27,22 @@ from . import __version__, codec
 from distorefs.backends.base import ValueBackend
 from distorefs.backends.lmdbenv import LmdbEnv
 from distorefs.backends.lmdbvalues import LmdbValues
-from distorefs.backends.segments import SegmentValues
+from distorefs.backends.segments import SegmentDir, SegmentValues
 from .bank import Bank
 from .buffer import Buffer
 from .cache import ValueCache
 from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, TIER_LMDB, TIER_NAMES, TIER_NVME, EntryMeta, pack_u32, unpack_u32
 from .committer import Change, Committer, Overlay
 from .dataset import DB_DSNODES, Dataset
-from .config import BufferConfig, StoreConfig, WeightsConfig
+from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
 from .errors import AlreadyExists, CorruptValue, DistorefsError, NoSpace, NotEmpty, NotFound, StoreLocked
 from .names import check_name
+from .memory import MemoryPlan
 from .prefetcher import PrefetchBudget, hit_rate
 from .ring import Owner, Ring
 from .weights import DB_WNODES, WeightsTree
 from .checkpoints import DB_CKPT, Checkpoints
+from .tiering import TierMover
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ KINDS: dict[str, type] = {"buffers": Buffer, "banks": Bank, "datasets": Dataset}
 
 
 class Store:
-    def __init__(self, path: str | os.PathLike, *, nvme_dir: str | None = None,
+    def __init__(self, path: str | os.PathLike, *, nvme_dirs: list | None = None,
                  config: dict | None = None) -> None:
         """Open (creating if missing) the store at `path`. `config` overrides stored settings."""
         self.path = Path(path).resolve()
@@ -58,29 +60,33 @@ class Store:
         os.chmod(self.path, 0o700)
         self._lock_fd = lock_store(self.path)
         try:
-            self._open(nvme_dir, config)
+            self._open(nvme_dirs, config)
         except BaseException:
             os.close(self._lock_fd)
             raise
 
-    def _open(self, nvme_dir: str | None, overrides: dict | None) -> None:
+    def _open(self, nvme_dirs: list | None, overrides: dict | None) -> None:
         self.env = LmdbEnv(self.path / "meta")
         for name in (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DSNODES, DB_CKPT):
             self.env.db(name)  # opening a db writes: do it once, before any transaction
         stored = self.env.read(lambda txn: _copy(txn.get(b"config", db=self.env.db(DB_META))))
         base = StoreConfig.from_json(stored) if stored else StoreConfig()
-        if nvme_dir:
-            overrides = {**(overrides or {}), "nvme_dir": str(Path(nvme_dir).resolve())}
+        overrides = dict(overrides or {})
+        if nvme_dirs or "nvme_dirs" in overrides:
+            given = StoreConfig.from_dict({"nvme_dirs": list(nvme_dirs or []) + list(overrides.pop("nvme_dirs", []))})
+            overrides["nvme_dirs"] = self._merge_dirs(base.nvme_dirs, given.nvme_dirs)
         self.config = StoreConfig.from_dict(overrides, base) if overrides else base
         self.env.write(self._init_meta)
-        self.nvme_path = Path(self.config.nvme_dir) if self.config.nvme_dir else self.path / "segments"
-        self.backends: dict[int, ValueBackend] = {
-            TIER_LMDB: LmdbValues(self.env),
-            TIER_NVME: SegmentValues(self.env, self.nvme_path, self.config.segment_bytes),
-        }
-        self.cache = ValueCache(self.config.cache_bytes)
-        self.prefetch_budget = PrefetchBudget(self.config.prefetch_bytes)
+        dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in self.config.nvme_dirs] \
+            or [SegmentDir(self.path / "segments")]
+        self.nvme_path = dirs[0].path
+        self.lmdb_values = LmdbValues(self.env)
+        self.nvme_values = SegmentValues(self.env, dirs, self.config.segment_bytes)
+        self.backends: dict[int, ValueBackend] = {TIER_LMDB: self.lmdb_values, TIER_NVME: self.nvme_values}
+        self.cache = ValueCache(0)  # sized by the memory plan, below
+        self.prefetch_budget = PrefetchBudget(0)
         self.committer = Committer(self.env.write)
+        self.mover = TierMover(self)
         self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
         self.buffers: dict[str, Buffer] = self.namespaces["buffers"]  # type: ignore[assignment]
         self.banks: dict[str, Bank] = self.namespaces["banks"]  # type: ignore[assignment]
@@ -96,6 +102,35 @@ class Store:
         self.weights = WeightsTree(self, WeightsConfig.from_json(stored) if stored else WeightsConfig())
         self.checkpoints = Checkpoints(self)
         self.env.read(self._load_namespaces)
+        self.apply_memory_plan()
+
+    def _merge_dirs(self, stored: list[NvmeDir], given: list[NvmeDir]) -> list[NvmeDir]:
+        """The NVMe directories after a mount names some: the stored ones (a directory that
+        holds segments cannot be dropped) with the given ones added or their capacity set."""
+        dirs = {d.path: d for d in stored}
+        default = self.path / "segments"
+        if not dirs and default.is_dir() and any(default.glob("seg-*.dat")):
+            dirs[str(default)] = NvmeDir(str(default))  # in use before any directory was named
+        for d in given:
+            path = str(Path(d.path).resolve())
+            dirs[path] = NvmeDir(path, d.capacity_bytes)
+        return list(dirs.values())
+
+    def apply_memory_plan(self) -> MemoryPlan:
+        """Share memory_bytes out (store config and checkpoints' writeback_bytes) and size
+        the memory tier, the read-ahead budget and the write-back budget to it."""
+        plan = MemoryPlan.of(self.config, self.checkpoints.config.writeback_bytes)
+        self.memory = plan
+        self.cache.resize(plan.cache)
+        self.prefetch_budget.capacity = plan.prefetch
+        self.checkpoints.budget.resize(plan.writeback)
+        return plan
+
+    def rings(self) -> list[Ring]:
+        return [ns.ring for kind in ("buffers", "banks") for ns in self.namespaces[kind].values()]
+
+    def rings_by_id(self) -> dict[int, Ring]:
+        return {r.ns_id: r for r in self.rings()}
 
     def _init_meta(self, txn) -> None:
         db = self.env.db(DB_META)
@@ -135,6 +170,7 @@ class Store:
             await nursery.start(self.committer.run)
             nursery.start_soon(self._sync_loop)
             await nursery.start(self.checkpoints.run)
+            await nursery.start(self.mover.run)
             for buf in self.buffers.values():
                 buf.remove_spent(buf.spent_at_load())
             self.weights.collect_detached()
@@ -301,11 +337,23 @@ class Store:
     # ----- reporting -----------------------------------------------------------------
 
     def statfs(self) -> dict[str, int]:
-        st = os.statvfs(self.path)
-        used = sum(b.usage().used_bytes for b in self.backends.values())
-        return {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize, "used": used,
+        """For df: bytes the store's files take, and the room left in its NVMe directories
+        (their capacities) plus the LMDB file system's when that is another one."""
+        nvme = self.nvme_values.usage()
+        lmdb_used = self.lmdb_values.usage().used_bytes
+        room = nvme.capacity_bytes - nvme.used_bytes
+        if os.stat(self.path).st_dev not in self.nvme_values.shared_devices():
+            st = os.statvfs(self.path)
+            room += st.f_bavail * st.f_frsize
+        used = nvme.used_bytes + lmdb_used
+        return {"total": used + room, "free": room, "used": used,
                 "files": sum(len(ns.ring) for kind in ("buffers", "banks") for ns in self.namespaces[kind].values())
                 + sum(ds.counters.items for ds in self.datasets.values())}
+
+    def memory_held(self) -> int:
+        """Bytes held against memory_bytes now (the mount adds what waits for the page cache)."""
+        wb = self.checkpoints.budget.used + self.checkpoints.pool.free_bytes
+        return self.cache.used_bytes + self.prefetch_budget.used + wb
 
     def stats(self) -> dict[str, Any]:
         tiers = {}
@@ -313,6 +361,10 @@ class Store:
             u = backend.usage()
             tiers[TIER_NAMES[tier]] = {"used_bytes": u.used_bytes, "live_bytes": u.live_bytes,
                                        "capacity_bytes": u.capacity_bytes}
+        tiers["lmdb"]["budget_bytes"] = self.config.lmdb_bytes
+        tiers["nvme"]["directories"] = self.nvme_values.dir_usage()
+        on_disk = sum(t["used_bytes"] for t in tiers.values())
+        live = sum(t["live_bytes"] for t in tiers.values())
         buffers = {name: b.stats() for name, b in sorted(self.buffers.items())}
         totals = {k: sum(b.get(k, 0) for b in buffers.values())
                   for k in ("entries", "bytes", "stored_bytes", "inserts", "rewrites", "deletes", "evictions",
@@ -323,7 +375,11 @@ class Store:
             "uptime_s": round(time.time() - self.started, 1),
             "ops": totals,
             "tiers": tiers,
-            "memory": {"cache": self.cache.stats()},
+            "space": {"on_disk_bytes": on_disk, "live_bytes": live,
+                      "overhead": round(on_disk / live, 3) if live else None,
+                      "max_overhead": self.config.max_space_overhead},
+            "tiering": self.mover.stats(),
+            "memory": {**self.memory.as_dict(), "held_bytes": self.memory_held(), "cache": self.cache.stats()},
             "commits": {"groups": self.committer.groups, "changes": self.committer.changes,
                         "failures": self.committer.failures},
             **self.counters,

@@ -175,7 +175,7 @@ class Check:
     def __init__(self, path: Path, repair: bool, progress: bool, report: Report) -> None:
         from distorefs.backends.lmdbenv import LmdbEnv
         from distorefs.backends.lmdbvalues import LmdbValues
-        from distorefs.backends.segments import SegmentValues
+        from distorefs.backends.segments import SegmentDir, SegmentValues
 
         self.path = path
         self.repair = repair
@@ -191,9 +191,10 @@ class Check:
         raw = self.env.read(lambda txn: _copy(txn.get(b"config", db=self.env.db(DB_META)))) \
             if DB_META in names else None
         self.config = StoreConfig.from_json(raw) if raw else StoreConfig()
-        self.nvme_path = Path(self.config.nvme_dir) if self.config.nvme_dir else path / "segments"
+        dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in self.config.nvme_dirs] \
+            or [SegmentDir(path / "segments")]
         self.lmdb = LmdbValues(self.env)
-        self.segments = SegmentValues(self.env, self.nvme_path, self.config.segment_bytes)
+        self.segments = SegmentValues(self.env, dirs, self.config.segment_bytes)
         self.tiers = {TIER_LMDB: self.lmdb, TIER_NVME: self.segments}
         self.claimed: set[bytes] = {DB_VALUES, DB_TIERMETA, DB_SEGMENTS}
         self.refs: list[Ref] = []
@@ -882,12 +883,13 @@ def check_segments(check: Check) -> str:
     segdb = check.env.db(DB_SEGMENTS)
     rows = check.read(lambda txn: {_SEG_KEY.unpack(bytes(k))[0]: _SEG_VAL.unpack(bytes(v))
                                    for k, v in txn.cursor(db=segdb)})
+    paths = check.segments.segment_files()
     files: dict[int, int] = {}
-    if check.nvme_path.is_dir():
-        for e in os.scandir(check.nvme_path):
-            m = _SEG_NAME.match(e.name)
-            if m:
-                files[int(m.group(1))] = e.stat().st_size
+    for seg, p in paths.items():
+        try:
+            files[seg] = p.stat().st_size
+        except FileNotFoundError:
+            pass
     refs: dict[int, list[Ref]] = {}
     for r in check.refs:
         if r.tier == TIER_NVME:
@@ -907,8 +909,9 @@ def check_segments(check: Check) -> str:
         if seg_refs and size is None:
             check.error(f"{name} is missing: {len(seg_refs)} values lost (e.g. {seg_refs[0].what})")
         if seg_refs and (row is None or row[0] != live or row[2] != len(seg_refs)):
-            def fix(txn, seg=seg, live=live, n=len(seg_refs), total=max(live, row[1] if row else 0)):
-                txn.put(_SEG_KEY.pack(seg), _SEG_VAL.pack(live, total, n), db=segdb)
+            def fix(txn, seg=seg, live=live, n=len(seg_refs), total=max(live, row[1] if row else 0),
+                    stream=row[3] if row else 0):
+                txn.put(_SEG_KEY.pack(seg), _SEG_VAL.pack(live, total, n, stream), db=segdb)
             said = f"{row[2]} live records of {row[0]} bytes" if row else "nothing"
             # Rewritten only when every reference is known: too low a count lets the
             # collector unlink a segment some unknown record still points into.
@@ -916,16 +919,16 @@ def check_segments(check: Check) -> str:
                         + ("" if row else " (the collector could unlink it)"),
                         fix if check.complete else None, "accounting rewritten")
             if check.repair and check.complete:
-                row = (live, max(live, row[1] if row else 0), len(seg_refs))
+                row = (live, max(live, row[1] if row else 0), len(seg_refs), row[3] if row else 0)
         if not seg_refs:
             if row is not None and row[2] > 0:
                 if check.complete:
-                    def fix(txn, seg=seg, total=row[1]):
-                        txn.put(_SEG_KEY.pack(seg), _SEG_VAL.pack(0, total, 0), db=segdb)
+                    def fix(txn, seg=seg, total=row[1], stream=row[3]):
+                        txn.put(_SEG_KEY.pack(seg), _SEG_VAL.pack(0, total, 0, stream), db=segdb)
                     check.error(f"{name}: accounting says {row[2]} live records, none is referenced "
                                 f"(the space is never freed)", fix, "accounting set to 0 records")
                     if check.repair:
-                        row = (0, row[1], 0)
+                        row = (0, row[1], 0, row[3])
                 else:
                     check.find(NOTE, f"{name}: accounting says {row[2]} live records, none known to verify; "
                                + _free_note(check), nbytes=size or 0)
@@ -939,7 +942,7 @@ def check_segments(check: Check) -> str:
                         def fix(txn, seg=seg):
                             txn.delete(_SEG_KEY.pack(seg), db=segdb)
                         check.write(fix)
-                        (check.nvme_path / f"seg-{seg:08d}.dat").unlink(missing_ok=True)
+                        paths[seg].unlink(missing_ok=True)
                         finding.repair = "removed"
             elif row is not None:
                 finding = check.find(NOTE, f"{name}: accounting row for a file that is gone")
@@ -950,9 +953,9 @@ def check_segments(check: Check) -> str:
         if size is None:
             continue
         # Dead bytes inside a live segment: records of lost transactions, deleted values,
-        # a torn tail. Segments are never compacted; this is freed with the segment.
+        # a torn tail; compaction (ring segments) or the end of the segment frees them.
         offsets = {LOCATION.unpack(r.loc)[1] for r in seg_refs}
-        used = _referenced_record_bytes(check.nvme_path / f"seg-{seg:08d}.dat", offsets, HEADER, MAGIC)
+        used = _referenced_record_bytes(paths[seg], offsets, HEADER, MAGIC)
         dead_live += max(0, size - used)
     if dead_live:
         check.find(NOTE, f"{_size(dead_live)} of dead records inside live segments (freed with their segment)",

@@ -21,11 +21,11 @@ from .operations import Filesystem
 log = logging.getLogger(__name__)
 
 
-def serve(store_path: str, mountpoint: str, *, nvme_dir: str | None = None, allow_other: bool = False,
+def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, allow_other: bool = False,
           config: dict | None = None, ready_fd: int | None = None, debug_fuse: bool = False) -> None:
     """Mount `store_path` at `mountpoint` and serve until unmounted (blocking)."""
     try:
-        store = Store(store_path, nvme_dir=nvme_dir, config=config)
+        store = Store(store_path, nvme_dirs=nvme_dirs, config=config)
     except Exception as exc:
         _report(ready_fd, f"error: {exc}")
         raise

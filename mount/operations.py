@@ -74,7 +74,7 @@ class Filesystem(pyfuse3.Operations):
     def start_notifications(self) -> None:
         """Kernel invalidations need a live session: start them once the mount is up."""
         self.invalidator = Invalidator()
-        self.pusher = PageCachePusher()
+        self.pusher = PageCachePusher(self.store.memory.transfer)
 
     def stop_notifications(self) -> None:
         if self.invalidator is not None:
@@ -88,6 +88,9 @@ class Filesystem(pyfuse3.Operations):
         s = self.store.stats()
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0}
+        if self.pusher is not None:
+            s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes
+            s["memory"]["held_bytes"] += self.pusher.queued_bytes
         return s
 
     # ----- the core tells us an entry changed or went away ---------------------------

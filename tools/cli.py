@@ -35,29 +35,53 @@ def _parse_config(items: tuple[str, ...]) -> dict:
     return config
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "4096", "128M", "500G", "2T" (binary units; a trailing B or iB is allowed)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
+    try:
+        value = float(t[:len(t) - len(unit)])
+    except ValueError:
+        raise click.BadParameter(f"not a size: {text!r} (e.g. 4096, 128M, 500G)") from None
+    return int(value * _UNITS[unit])
+
+
+def _parse_nvme_dir(text: str) -> dict:
+    path, sep, size = text.rpartition(":")
+    if not sep or "/" in size:
+        path, size = text, ""
+    return {"path": str(Path(path).resolve()), "capacity_bytes": parse_size(size) if size else 0}
+
+
 @main.command()
 @click.argument("store", type=click.Path(file_okay=False))
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; log to stderr.")
-@click.option("--nvme-dir", type=click.Path(file_okay=False), help="Directory for segment files (default STORE/segments).")
+@click.option("--nvme-dir", "nvme_dirs", multiple=True, metavar="PATH[:SIZE]",
+              help="A directory for segment files, with an optional capacity (e.g. /nvme1/seg:500G); repeat "
+                   "for several. Added to the store's directories (default STORE/segments).")
 @click.option("--allow-other", is_flag=True, help="Let other users access the mount (needs user_allow_other).")
 @click.option("--config", "-o", "config", multiple=True, metavar="KEY=VALUE", help="Store setting, e.g. -o cache_bytes=1073741824.")
 @click.option("--debug", is_flag=True, help="Debug logging (and FUSE request tracing).")
 @click.option("--ready-fd", type=int, hidden=True)
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the mount to be ready.")
-def mount(store, mountpoint, foreground, nvme_dir, allow_other, config, debug, ready_fd, timeout) -> None:
+def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, ready_fd, timeout) -> None:
     """Mount STORE (created if missing) at MOUNTPOINT."""
     mnt = Path(mountpoint)
     if not mnt.is_dir():
         raise click.ClickException(f"mount point {mountpoint} is not a directory")
     overrides = _parse_config(config)
+    dirs = [_parse_nvme_dir(d) for d in nvme_dirs]
     if foreground:
         from distorefs.mount.daemon import serve
         handler = logging.StreamHandler() if ready_fd is None else logging.FileHandler(Path(store) / "daemon.log")
         logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, handlers=[handler],
                             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
         try:
-            serve(store, mountpoint, nvme_dir=nvme_dir, allow_other=allow_other, config=overrides or None,
+            serve(store, mountpoint, nvme_dirs=dirs, allow_other=allow_other, config=overrides or None,
                   ready_fd=ready_fd, debug_fuse=debug)
         except Exception as exc:
             raise click.ClickException(str(exc))
@@ -69,8 +93,8 @@ def mount(store, mountpoint, foreground, nvme_dir, allow_other, config, debug, r
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "distorefs.tools.cli", "mount", "--foreground", "--ready-fd", str(write_fd),
            str(store), str(mountpoint)]
-    if nvme_dir:
-        cmd += ["--nvme-dir", str(nvme_dir)]
+    for d in nvme_dirs:
+        cmd += ["--nvme-dir", d]
     if allow_other:
         cmd.append("--allow-other")
     if debug:

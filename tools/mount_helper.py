@@ -3,7 +3,7 @@
 mount(8) calls it as `mount.fuse.distorefs STORE MOUNTPOINT [-sfnv] [-o OPTIONS] [-t TYPE]`.
 OPTIONS mix generic mount options (ignored: they mean nothing to a FUSE daemon or are
 handled by mount(8) and systemd: `defaults`, `rw`, `auto`, `noauto`, `nofail`, `_netdev`,
-`x-systemd.*`, ...) with distorefs ones: `allow_other`, `nvme_dir=PATH`, `debug`, and any
+`x-systemd.*`, ...) with distorefs ones: `allow_other`, `nvme_dir=PATH[:SIZE]` (repeatable), `debug`, and any
 store setting (`cache_bytes=4294967296`, `sync_interval=2`, ...). It mounts like
 `distorefs mount` does (the daemon goes to the background, the helper returns once the
 mount is ready) and exits non-zero with a message if the mount fails.

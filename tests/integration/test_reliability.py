@@ -265,7 +265,7 @@ def test_full_disk_gives_enospc_and_keeps_everything_committed(small_disk):
     m = Mount(small_disk)
     try:
         m.mount("sync_interval=0.2", "segment_bytes=1048576")  # one big value per segment file
-        b = m.buffer("full", {"compression": "none"})
+        b = m.buffer("full", {"compression": "none", "evict_when_full": False})
         (m.mnt / "weights" / "w.bin").write_bytes(b"v1")
         committed: dict[str, bytes] = {}
         failed = None
@@ -312,7 +312,20 @@ def test_full_disk_gives_enospc_and_keeps_everything_committed(small_disk):
         m.mount()
         assert sorted(entry_names(b)) == sorted(committed)
         assert all(read_entry(b, k) == v for k, v in committed.items())
+        # a buffer that may evict: a full disk makes room by evicting its oldest entries
+        set_config(b, {"evict_when_full": True})
+        fifo = entry_names(b)  # oldest first
+        for i in range(40):
+            key = f"late{i:02d}"
+            write_entry(b, key, make_payload(key, 3 << 19, seed=i))
+        names = entry_names(b)
+        assert get_stats(b)["evictions_for_space"] > 0 and "late39" in names
+        assert fifo[0] not in names and names[0] in fifo  # the oldest went first
+        for key in names:
+            data = read_entry(b, key)
+            assert data == committed[key] if key in committed else verify_payload(data, key), key
         m.umount()
+        assert_verify_clean(m.store)
     finally:
         m.cleanup()
 

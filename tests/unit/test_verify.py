@@ -126,8 +126,8 @@ def test_dangling_rows_leaks_and_accounting_are_repaired(tmp_path):
         txn.put(entry_key(77, 1), pack_u32(3), db=sampled)  # of no namespace
         txn.put(b"orphan-value", b"x" * 5000, db=values)  # leaked value
         row = next(iter(txn.cursor(db=segments)))
-        live, total, n = struct.unpack("<QQQ", row[1])
-        txn.put(row[0], struct.pack("<QQQ", live + 1, total, n + 1), db=segments)  # wrong accounting
+        live, total, n, stream = struct.unpack("<QQQI", row[1])
+        txn.put(row[0], struct.pack("<QQQI", live + 1, total, n + 1, stream), db=segments)  # wrong accounting
         # an entry of a dropped namespace, with its value
         k = entry_key(55, 1)
         rec = bytes(txn.get(entry_key(1, 1), db=entries))

@@ -1,0 +1,224 @@
+"""Moving ring values between tiers in the background: demotion and compaction.
+
+Both move a value that does not change to a new location and point its entry there,
+which is one mechanism (`RelocateEntries`):
+
+- **Demotion**: when the LMDB (hot) tier holds more than `lmdb_bytes`, the oldest ring
+  entries still in it are moved to their ring's NVMe segment stream, ring by ring (the
+  ring holding most in LMDB first), until it is back under the budget.
+- **Compaction**: a ring segment whose live fraction has fallen (deletes, rewrites,
+  entries spent by `max_times_sampled`) has its live values rewritten at the end of the
+  ring's stream; with no live record left, the collector unlinks the file at its next
+  sync. Segments below half live are always compacted; sparser-than-the-bound segments
+  also while the tier's on-disk / live bytes is near `max_space_overhead`, emptiest first.
+
+Developer note on concurrency. Values are read (worker thread) before the move is
+committed; the move is an *exclusive* change (a commit group of its own), planned
+against fully applied state, and skips every entry that was rewritten, renamed or
+removed since it was read (`ring.by_seq[seq] is meta`). Each old location is deleted
+exactly once, in the transaction that writes the new one, so segment accounting stays
+exact and the collector never frees a segment still referenced. Readers holding the old
+record keep reading the old location until the collector unlinks it after a sync; a read
+that finds it gone retries with the current record (`Ring._load`). A crash before the
+commit leaves the old location referenced and the copied bytes dead; after it, the new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from .catalog import DB_ENTRIES, TIER_LMDB, TIER_NVME, EntryMeta, entry_key, split_entry_key
+from .committer import Change, Overlay
+from .errors import DistorefsError, NoSpace
+from .placement import DEMOTE_AT, compaction_threshold, demotion_target
+
+if TYPE_CHECKING:
+    from .ring import Ring
+    from .store import Store
+
+log = logging.getLogger(__name__)
+
+MOVE_BYTES = 32 << 20  # values read and moved in one change
+MOVE_ENTRIES = 512
+ALWAYS_COMPACT_BELOW = 0.5
+
+
+class RelocateEntries(Change):
+    """Move the stored values of entries of one ring to NVMe (their ring's stream)."""
+
+    exclusive = True
+
+    def __init__(self, ring: "Ring", moves: list[tuple[EntryMeta, bytes]]) -> None:
+        self.ring = ring
+        self.moves = moves
+        self.new: list[EntryMeta] = []
+
+    def plan(self, overlay: Overlay) -> None:
+        self.moves = [(m, stored) for m, stored in self.moves if self.ring.by_seq.get(m.seq) is m]
+
+    def txn(self, txn) -> None:
+        ring, store = self.ring, self.ring.store
+        nvme = store.backend(TIER_NVME)
+        entries = store.env.db(DB_ENTRIES)
+        self.new = []
+        for meta, stored in self.moves:
+            k = entry_key(ring.ns_id, meta.seq)
+            loc = nvme.put(txn, k, stored, stream=ring.ns_id)
+            store.backend(meta.tier).delete(txn, meta.loc)
+            new = dataclasses.replace(meta, tier=TIER_NVME, loc=loc)
+            txn.put(k, new.pack(), db=entries)
+            self.new.append(new)
+
+    def apply(self) -> None:
+        for (old, _), new in zip(self.moves, self.new):
+            self.ring.apply_relocate(old, new)
+
+
+class TierMover:
+    """The background task that demotes and compacts (started by `Store.running`)."""
+
+    def __init__(self, store: "Store") -> None:
+        self.store = store
+        self.counters = {"demoted_entries": 0, "demoted_bytes": 0, "compacted_segments": 0,
+                         "compacted_entries": 0, "compacted_bytes": 0, "move_failures": 0}
+        self._wake = trio.Event()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def value_added(self) -> None:
+        """A commit put values in the hot tier: start demoting as soon as it nears its budget."""
+        store = self.store
+        if store.lmdb_values.recent_live > DEMOTE_AT * store.config.lmdb_bytes:
+            self._wake.set()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            with trio.move_on_after(self.store.config.sync_interval):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            try:
+                await self.demote()
+                await self.compact()
+            except NoSpace as exc:  # no room to move into: the next round tries again
+                self.counters["move_failures"] += 1
+                log.warning("moving values between tiers postponed: %s", exc)
+            except DistorefsError as exc:
+                self.counters["move_failures"] += 1
+                log.warning("moving values between tiers failed: %s", exc)
+
+    # ----- demotion -----------------------------------------------------------------
+
+    async def demote(self) -> None:
+        store = self.store
+        lmdb = store.lmdb_values
+        while True:
+            excess = demotion_target(store.config, await trio.to_thread.run_sync(lmdb.live_bytes))
+            if excess <= 0:
+                return
+            rings = [r for r in store.rings() if r.tier_bytes[TIER_LMDB] > 0]
+            if not rings:
+                return  # what is over the budget is not ring values: placement holds the line
+            ring = max(rings, key=lambda r: r.tier_bytes[TIER_LMDB])
+            metas = self._oldest_hot(ring, min(excess, MOVE_BYTES))
+            if not metas:
+                return
+            moved = await self._move(ring, metas)
+            self.counters["demoted_entries"] += len(moved)
+            self.counters["demoted_bytes"] += sum(m.stored_size for m in moved)
+
+    @staticmethod
+    def _oldest_hot(ring: "Ring", limit: int) -> list[EntryMeta]:
+        """The oldest entries of `ring` still in LMDB, up to `limit` stored bytes; advances
+        the ring's demotion front past them."""
+        out: list[EntryMeta] = []
+        total = 0
+        for seq in ring.by_seq.irange(minimum=ring.demote_front):
+            meta = ring.by_seq[seq]
+            ring.demote_front = seq + 1
+            if meta.tier != TIER_LMDB:
+                continue
+            out.append(meta)
+            total += meta.stored_size
+            if total >= limit or len(out) >= MOVE_ENTRIES:
+                break
+        return out
+
+    # ----- compaction ---------------------------------------------------------------
+
+    async def compact(self) -> None:
+        store = self.store
+        nvme = store.nvme_values
+        bound = store.config.max_space_overhead
+        threshold = compaction_threshold(store.config)
+        infos = await trio.to_thread.run_sync(nvme.segments)
+        current = nvme.current_segments()
+        candidates = sorted((i for i in infos if i.stream and i.seg not in current and i.live_records
+                             and i.total_bytes and i.live_bytes < threshold * i.total_bytes),
+                            key=lambda i: i.live_bytes / i.total_bytes)
+        for info in candidates:
+            if info.live_bytes >= ALWAYS_COMPACT_BELOW * info.total_bytes:
+                usage = await trio.to_thread.run_sync(nvme.usage)
+                if usage.used_bytes <= 0.9 * bound * max(1, usage.live_bytes):
+                    return
+            await self._compact_segment(info.seg)
+            self.counters["compacted_segments"] += 1
+
+    async def _compact_segment(self, seg: int) -> None:
+        store = self.store
+        records = await trio.to_thread.run_sync(store.nvme_values.records, seg)
+        rings = store.rings_by_id()
+        by_ring: dict[int, list[EntryMeta]] = {}
+        for vkey, loc in records:
+            if len(vkey) != 12:
+                continue  # not a ring entry's value (ring streams hold nothing else)
+            ns_id, seq = split_entry_key(vkey)
+            ring = rings.get(ns_id)
+            meta = ring.by_seq.get(seq) if ring is not None else None
+            if meta is not None and meta.tier == TIER_NVME and meta.loc == loc:
+                by_ring.setdefault(ns_id, []).append(meta)
+        for ns_id, metas in by_ring.items():
+            ring = store.rings_by_id().get(ns_id)  # still there after the moves before
+            start = 0
+            while ring is not None and start < len(metas):
+                batch, total = [], 0
+                while start < len(metas) and total < MOVE_BYTES and len(batch) < MOVE_ENTRIES:
+                    batch.append(metas[start])
+                    total += metas[start].stored_size
+                    start += 1
+                moved = await self._move(ring, batch)
+                self.counters["compacted_entries"] += len(moved)
+                self.counters["compacted_bytes"] += sum(m.stored_size for m in moved)
+
+    # ----- the move -----------------------------------------------------------------
+
+    async def _move(self, ring: "Ring", metas: list[EntryMeta]) -> list[EntryMeta]:
+        """Read the stored values of `metas` (worker thread) and move them in one change;
+        values that vanished or fail to verify meanwhile are left where they are."""
+        store = self.store
+
+        def read() -> list[tuple[EntryMeta, bytes]]:
+            out = []
+            for meta in metas:
+                try:
+                    stored = store.backend(meta.tier).get(meta.loc)
+                except DistorefsError:
+                    continue  # removed since (NotFound) or damaged (reads report it)
+                if len(stored) == meta.stored_size:
+                    out.append((meta, stored))
+            return out
+
+        moves = await trio.to_thread.run_sync(read)
+        if not moves:
+            return []
+        change = RelocateEntries(ring, moves)
+        await store.committer.submit(change)
+        return [m for m, _ in change.moves]
+
+    def stats(self) -> dict:
+        return dict(self.counters)
