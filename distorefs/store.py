@@ -337,15 +337,16 @@ class Store:
     # ----- reporting -----------------------------------------------------------------
 
     def statfs(self) -> dict[str, int]:
-        """For df: bytes the store's files take, and the room left in its NVMe directories
-        (their capacities) plus the LMDB file system's when that is another one."""
+        """For df: bytes the store's files take, and the room left for data: in the NVMe
+        directories (within their capacities), plus what the hot tier may still take of
+        `lmdb_bytes` when it is on another file system than they are."""
         nvme = self.nvme_values.usage()
-        lmdb_used = self.lmdb_values.usage().used_bytes
+        lmdb = self.lmdb_values.usage()
         room = nvme.capacity_bytes - nvme.used_bytes
         if os.stat(self.path).st_dev not in self.nvme_values.shared_devices():
             st = os.statvfs(self.path)
-            room += st.f_bavail * st.f_frsize
-        used = nvme.used_bytes + lmdb_used
+            room += min(st.f_bavail * st.f_frsize, max(0, self.config.lmdb_bytes - lmdb.live_bytes))
+        used = nvme.used_bytes + lmdb.used_bytes
         return {"total": used + room, "free": room, "used": used,
                 "files": sum(len(ns.ring) for kind in ("buffers", "banks") for ns in self.namespaces[kind].values())
                 + sum(ds.counters.items for ds in self.datasets.values())}

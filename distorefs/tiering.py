@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MOVE_BYTES = 32 << 20  # values read and moved in one change
+MOVE_BYTES = 32 << 20  # values read and moved in one change (at most the memory plan's transfer share)
 MOVE_ENTRIES = 512
 ALWAYS_COMPACT_BELOW = 0.5
 
@@ -125,7 +125,7 @@ class TierMover:
             if not rings:
                 return  # what is over the budget is not ring values: placement holds the line
             ring = max(rings, key=lambda r: r.tier_bytes[TIER_LMDB])
-            metas = self._oldest_hot(ring, min(excess, MOVE_BYTES))
+            metas = self._oldest_hot(ring, min(excess, self._move_bytes()))
             if not metas:
                 return
             moved = await self._move(ring, metas)
@@ -187,7 +187,7 @@ class TierMover:
             start = 0
             while ring is not None and start < len(metas):
                 batch, total = [], 0
-                while start < len(metas) and total < MOVE_BYTES and len(batch) < MOVE_ENTRIES:
+                while start < len(metas) and total < self._move_bytes() and len(batch) < MOVE_ENTRIES:
                     batch.append(metas[start])
                     total += metas[start].stored_size
                     start += 1
@@ -196,6 +196,9 @@ class TierMover:
                 self.counters["compacted_bytes"] += sum(m.stored_size for m in moved)
 
     # ----- the move -----------------------------------------------------------------
+
+    def _move_bytes(self) -> int:
+        return max(1 << 20, min(MOVE_BYTES, self.store.memory.transfer))
 
     async def _move(self, ring: "Ring", metas: list[EntryMeta]) -> list[EntryMeta]:
         """Read the stored values of `metas` (worker thread) and move them in one change;

@@ -21,9 +21,25 @@ from .operations import Filesystem
 log = logging.getLogger(__name__)
 
 
+def _return_freed_memory() -> None:
+    """Have glibc give large freed blocks back to the system at once. Its mmap threshold
+    otherwise rises with every large block freed (up to 32 MiB), after which values of a
+    few hundred KB come from the heap arenas of our worker threads and stay resident
+    once freed: resident memory would grow past memory_bytes with what was merely read."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: fixed, not dynamic
+        libc.mallopt(-8, 4)  # M_ARENA_MAX: bounded arenas across threads
+    except (OSError, AttributeError):
+        log.debug("mallopt not available: resident memory may hold freed blocks")
+
+
 def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, allow_other: bool = False,
           config: dict | None = None, ready_fd: int | None = None, debug_fuse: bool = False) -> None:
     """Mount `store_path` at `mountpoint` and serve until unmounted (blocking)."""
+    _return_freed_memory()
     try:
         store = Store(store_path, nvme_dirs=nvme_dirs, config=config)
     except Exception as exc:
