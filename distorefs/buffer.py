@@ -39,6 +39,7 @@ class Buffer(RingNamespace):
         self._presampled: dict[int, deque] = {}
         self._refilling: set[int] = set()
         self._changed = trio.Event()
+        self._waiting = 0  # tasks waiting for min_size_to_sample
         self.counters = {"batches": 0, "sampled_entries": 0, "presampled_used": 0,
                          "priority_updates": 0, "priority_unknown_keys": 0, "exhausted": 0}
 
@@ -58,8 +59,9 @@ class Buffer(RingNamespace):
         self.sampler.grow(capacity)
 
     def _wake(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        if self._waiting:  # a fresh Event per insert would cost at load
+            self._changed.set()
+            self._changed = trio.Event()
 
     # ----- entries -------------------------------------------------------------------
 
@@ -86,7 +88,11 @@ class Buffer(RingNamespace):
             if nonblocking:
                 raise WouldBlock(f"buffers/{self.name}: {self.sampler.drawable_count()} drawable entries, "
                                  f"min_size_to_sample is {self.config.min_size_to_sample}")
-            await self._changed.wait()
+            self._waiting += 1
+            try:
+                await self._changed.wait()
+            finally:
+                self._waiting -= 1
         hint = None
         queue = self._presampled.get(n)
         if queue:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import struct
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Protocol
@@ -293,11 +294,13 @@ class Ring:
         txn.delete(k, db=env.db(DB_SAMPLED))
         self.store.backend(meta.tier).delete(txn, meta.loc)
 
-    def apply_add(self, meta: EntryMeta, priority: float | None = None, times_sampled: int = 0) -> None:
+    def apply_add(self, meta: EntryMeta, priority: float | None = None, times_sampled: int = 0,
+                  indexed: bool = False) -> None:
         meta.gen = self.store.next_gen()
         meta.slot = self._take_slot()
         self.slot_meta[meta.slot] = meta
-        self.by_seq[meta.seq] = meta
+        if not indexed:
+            self.by_seq[meta.seq] = meta
         self.by_key[meta.key] = meta
         self.next_seq = max(self.next_seq, meta.seq + 1)
         self._account(meta, +1)
@@ -374,13 +377,16 @@ class Ring:
         prio = _scan(txn, env.db(DB_PRIO), prefix, lambda v: float(memoryview(v).cast("d")[0]))
         sampled = _scan(txn, env.db(DB_SAMPLED), prefix, lambda v: int(memoryview(v).cast("I")[0]))
         cursor = txn.cursor(db=env.db(DB_ENTRIES))
+        metas = []
         if cursor.set_range(prefix):
             for k, v in cursor:
                 if not bytes(k[:4]) == prefix:
                     break
-                _, seq = split_entry_key(bytes(k))
-                meta = EntryMeta.unpack(seq, v)
-                self.apply_add(meta, prio.get(seq), sampled.get(seq, 0))
+                metas.append(EntryMeta.unpack(_SEQ.unpack_from(k, 4)[0], v))
+        # In seq order: one bulk update of the sorted index instead of an insert per entry.
+        self.by_seq.update((m.seq, m) for m in metas)
+        for meta in metas:
+            self.apply_add(meta, prio.get(meta.seq), sampled.get(meta.seq, 0), indexed=True)
 
 
 class RingNamespace:
@@ -406,6 +412,9 @@ class RingNamespace:
         return self.ring.ns_id
 
 
+_SEQ = struct.Struct(">Q")
+
+
 def _scan(txn, db, prefix: bytes, decode) -> dict[int, object]:
     out = {}
     cursor = txn.cursor(db=db)
@@ -413,7 +422,7 @@ def _scan(txn, db, prefix: bytes, decode) -> dict[int, object]:
         for k, v in cursor:
             if bytes(k[:4]) != prefix:
                 break
-            out[split_entry_key(bytes(k))[1]] = decode(v)
+            out[_SEQ.unpack_from(k, 4)[0]] = decode(v)
     return out
 
 

@@ -170,9 +170,10 @@ class DistorefsMount:
     def __init__(self, store: Path, mnt: Path) -> None:
         self.store, self.mnt, self.pid = store, mnt, None
 
-    def mount(self) -> None:
+    def mount(self, *options: str) -> None:
+        """Mount; `options` are store settings (KEY=VALUE, as for -o)."""
         self.mnt.mkdir(parents=True, exist_ok=True)
-        r = _cli("mount", str(self.store), str(self.mnt))
+        r = _cli("mount", *[a for o in options for a in ("-o", o)], str(self.store), str(self.mnt))
         if r.returncode != 0:
             raise RuntimeError(f"distorefs mount failed: {r.stderr.strip() or r.stdout.strip()}")
         self.pid = _daemon_pid(self.store)

@@ -286,6 +286,17 @@ def bench_checkpoints(out, quick, workdir) -> None:
     run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
 
 
+@bench.command("scale")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--quick", is_flag=True, help="1 GiB under 256 MiB of memory, 10 s phases (a smoke run).")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False),
+              help="Where the store and cpprb's memory-mapped file go (default: a temp dir under the current one).")
+def bench_scale(out, quick, workdir) -> None:
+    """A buffer of 20 GiB under 1 GiB of memory: insert, sample+read with compaction, RSS, space, mount time, vs cpprb."""
+    from .bench_scale import run
+    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+
+
 # verify, ls, inspect, export, gc, stats: tools/inspection.py
 from .inspection import COMMANDS as _INSPECTION  # noqa: E402
 
