@@ -313,7 +313,8 @@ def _chart(res: dict, path: Path) -> None:
     peer = res["cpprb"].get("entries_per_s")
     if peer:
         axes[0].axhline(peer, color="gray", ls="--", label=f"cpprb sample rate ({peer:,}/s)")
-    axes[0].set_ylabel("entries/s")
+    axes[0].set_ylabel("entries/s (log)")
+    axes[0].set_yscale("log")
     axes[0].legend(fontsize=8)
     limit = (res["params"]["memory_bytes"] + RSS_SLACK) / 1e6
     axes[1].plot(t, [s.get("RssAnon", 0) / 1e6 for s in tl], label="RssAnon")
@@ -331,7 +332,7 @@ def _chart(res: dict, path: Path) -> None:
         if s0["phase"] != s1["phase"]:
             for ax in axes:
                 ax.axvline(s1["t"], color="black", lw=0.5)
-            axes[0].text(s1["t"], axes[0].get_ylim()[1] * 0.9, s1["phase"], fontsize=7)
+            axes[0].text(s1["t"], axes[0].get_ylim()[1] * 0.5, s1["phase"], fontsize=7)
     fig.suptitle(f"bench scale: {res['fill']['entries']:,} entries of {ENTRY_BYTES:,} B, "
                  f"memory_bytes {res['params']['memory_bytes'] >> 20} MiB", fontsize=10)
     fig.tight_layout()
