@@ -27,6 +27,7 @@ def serve(store_path: str, mountpoint: str, *, nvme_dir: str | None = None, allo
     try:
         store = Store(store_path, nvme_dir=nvme_dir, config=config)
     except Exception as exc:
+        log.error("cannot open the store: %s", exc)
         _report(ready_fd, f"error: {exc}")
         raise
     fs = Filesystem(store)
