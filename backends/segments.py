@@ -24,7 +24,7 @@ whole; holes left by deletes and rewrites are what compaction (in the core) remo
 Directories: a new segment goes to the directory with the most room (its capacity,
 or the free space of its file system, less what it holds), so segments stripe across
 directories in proportion to their room. A directory can be added to a store at any
-time; one that holds segments must stay listed (opening refuses otherwise).
+time; the store's own list only grows (see `Store`).
 
 Accounting: the ``segments`` db maps segment id -> (live bytes, total bytes,
 live records, stream), updated in the caller's transaction. ``collect()`` unlinks a
@@ -50,6 +50,7 @@ outside transactions (``collect`` opens its own write transaction).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import struct
@@ -73,6 +74,8 @@ _SEG_KEY = struct.Struct(">I")  # big-endian so the db iterates in segment order
 _SEG_VAL = struct.Struct("<QQQI")  # live bytes, total bytes, live records, stream
 _NAME = re.compile(r"^seg-(\d+)\.dat$")
 _MAX_VKEY = 0xFFFF
+
+log = logging.getLogger(__name__)
 
 
 def _segment_name(seg: int) -> str:
@@ -173,7 +176,10 @@ class SegmentValues(ValueBackend):
         directories: "str | os.PathLike[str] | Sequence[SegmentDir]",
         segment_bytes: int = 256 << 20,
         max_open_readers: int = 256,
+        create: bool = True,
     ) -> None:
+        """`create`: make directories that do not exist (a checker opening a store passes
+        False, so that it never stands in an empty directory for a drive not mounted)."""
         if segment_bytes <= 0:
             raise InvalidArgument("segment_bytes must be positive")
         if isinstance(directories, (str, os.PathLike)):
@@ -182,8 +188,9 @@ class SegmentValues(ValueBackend):
             raise InvalidArgument("the NVMe tier needs at least one directory")
         self.env = env
         self.dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in directories]
-        for d in self.dirs:
-            d.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if create:
+            for d in self.dirs:
+                d.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory = self.dirs[0].path
         self.segment_bytes = segment_bytes
         self._segdb = env.db(b"segments")
@@ -206,11 +213,13 @@ class SegmentValues(ValueBackend):
                                           f"and {d.path}")
                 self._dir_of[seg] = i
                 self._dir_used[i] += size
-        lost = sorted(seg for seg, row in rows.items() if row[2] > 0 and seg not in self._dir_of)
-        if lost:
-            raise InvalidArgument(
-                f"{len(lost)} segments holding values (e.g. {_segment_name(lost[0])}) are in none of the NVMe "
-                f"directories {', '.join(str(d.path) for d in self.dirs)}: was a directory left out?")
+        # Segments that hold values but whose file is in no directory: lost (a disk cache lost
+        # in a power failure), or in a directory left out. Their values' reads fail with EIO.
+        self.missing = sorted(seg for seg, row in rows.items() if row[2] > 0 and seg not in self._dir_of)
+        if self.missing:
+            log.warning("%d segments holding values (e.g. %s) are in none of the NVMe directories %s: their "
+                        "values cannot be read (a lost file, or a directory left out?)", len(self.missing),
+                        _segment_name(self.missing[0]), ", ".join(str(d.path) for d in self.dirs))
         # Always start fresh segments: a torn tail from a crash stays at the end of an old
         # file. A stream's file is created on its first put.
         self._next_seg = max(set(self._dir_of) | set(rows), default=0) + 1
@@ -228,6 +237,8 @@ class SegmentValues(ValueBackend):
     @staticmethod
     def _scan_dir(directory: Path) -> list[tuple[int, int]]:
         out = []
+        if not directory.is_dir():
+            return out
         for entry in os.scandir(directory):
             m = _NAME.match(entry.name)
             if m:

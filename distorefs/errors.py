@@ -87,3 +87,10 @@ class StoreLocked(DistorefsError):
     """The store directory is already opened (mounted) by another process."""
 
     errno = _errno.EBUSY
+
+
+class RecoveryFailed(DistorefsError):
+    """A store left open by a crash still has problems after automatic recovery: it is not
+    opened (EUCLEAN, "structure needs cleaning", as a filesystem that needs fsck)."""
+
+    errno = _errno.EUCLEAN

@@ -165,7 +165,9 @@ class Prefetcher(Generic[K]):
             self.budget.used -= len(value)
         self._held.clear()
         self._behind.clear()
-        self._pos = {k: p for k, p in self._pos.items() if k in self._inflight}
+        # Loads in flight for the old plan finish by themselves (their values are dropped);
+        # the new plan loads its keys anew, whatever is in flight.
+        self._pos = {}
         self._pushed.clear()
 
     # ----- loading --------------------------------------------------------------------
@@ -196,8 +198,8 @@ class Prefetcher(Generic[K]):
                                 key = key.item() if hasattr(key, "item") else key  # numpy scalars
                             if key not in self._pos:
                                 self._pos[key] = self._base + self._next
-                                self._inflight[key] = trio.Event()
-                                keys.append(key)
+                                event = self._inflight[key] = trio.Event()
+                                keys.append((key, event))
                             self._next += 1
                         if keys:
                             self._active += 1
@@ -205,20 +207,21 @@ class Prefetcher(Generic[K]):
         finally:
             self._running = False
 
-    async def _load(self, gen: int, keys: list[K]) -> None:
+    async def _load(self, gen: int, keys: list[tuple[K, trio.Event]]) -> None:
         try:
             try:
-                results = await trio.to_thread.run_sync(self._load_blocking, keys)
+                results = await trio.to_thread.run_sync(self._load_blocking, [k for k, _ in keys])
             except Exception:
                 log.exception("prefetch load failed")
                 results = [(None, False)] * len(keys)
-            for key, (value, pushed) in zip(keys, results):
-                event = self._inflight.pop(key, None)
-                if value is None:
+            for (key, event), (value, pushed) in zip(keys, results):
+                if self._inflight.get(key) is event:
+                    del self._inflight[key]
+                if gen != self._gen:
+                    pass  # the plan changed while it loaded: the new one loads it again if it needs it
+                elif value is None:
                     self.counters["failed"] += 1
                     self._pos.pop(key, None)
-                elif gen != self._gen:
-                    self._pos.pop(key, None)  # the plan changed while it loaded
                 else:
                     self.counters["loaded"] += 1
                     self.counters["loaded_bytes"] += len(value)
@@ -233,8 +236,7 @@ class Prefetcher(Generic[K]):
                         heapq.heappush(self._behind, (self._pos[key], self._tie, key))
                         self._held_bytes += len(value)
                         self.budget.used += len(value)
-                if event is not None:
-                    event.set()
+                event.set()
         finally:
             self._active -= 1
             self._wake.set()

@@ -2,7 +2,9 @@
 
 A store directory holds `meta/` (the LMDB environment: catalog and small values),
 `segments/` (NVMe segment files, unless `nvme_dir` points elsewhere), `lock` (who has it
-open) and `daemon.log`. Only one process opens a store at a time (flock on `lock`).
+open; empty after a clean close) and `daemon.log`. Only one process opens a store at a
+time (flock on `lock`, distorefs/lockfile.py). A store its last holder did not close
+cleanly is recovered before it is opened (distorefs/recovery.py), or not opened.
 
 Durability: a commit reaches the OS at once (a kill -9 loses nothing committed) and the
 disk within `sync_interval` seconds; `sync()` (fsync) makes everything committed durable
@@ -12,7 +14,6 @@ points at non-durable data.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -35,7 +36,9 @@ from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VER
 from .committer import Change, Committer, Overlay
 from .dataset import DB_DSNODES, Dataset
 from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
-from .errors import AlreadyExists, CorruptValue, DistorefsError, NoSpace, NotEmpty, NotFound, StoreLocked
+from .errors import AlreadyExists, CorruptValue, DistorefsError, InvalidConfig, NoSpace, NotEmpty, NotFound
+from .lockfile import take_lock
+from .recovery import Recovery, recover
 from .names import check_name
 from .memory import MemoryPlan
 from .prefetcher import PrefetchBudget, hit_rate
@@ -54,15 +57,22 @@ KINDS: dict[str, type] = {"buffers": Buffer, "banks": Bank, "datasets": Dataset}
 class Store:
     def __init__(self, path: str | os.PathLike, *, nvme_dirs: list | None = None,
                  config: dict | None = None) -> None:
-        """Open (creating if missing) the store at `path`. `config` overrides stored settings."""
+        """Open (creating if missing) the store at `path`. `config` overrides stored settings.
+
+        Raises StoreLocked if another process has it open, and RecoveryFailed if it was not
+        closed cleanly and recovery left inconsistencies (see distorefs/recovery.py)."""
         self.path = Path(path).resolve()
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
-        self._lock_fd = lock_store(self.path)
+        self._lock = take_lock(self.path)
         try:
+            # Before our own LmdbEnv: recovery's check opens and closes one of its own.
+            self.recovery: Recovery = recover(self.path, self._lock)
             self._open(nvme_dirs, config)
         except BaseException:
-            os.close(self._lock_fd)
+            # Left as found: a store that needed recovery still does (nothing was opened,
+            # or what _open wrote was whole transactions on a consistent store).
+            self._lock.restore()
             raise
 
     def _open(self, nvme_dirs: list | None, overrides: dict | None) -> None:
@@ -77,6 +87,12 @@ class Store:
             overrides["nvme_dirs"] = self._merge_dirs(base.nvme_dirs, given.nvme_dirs)
         self.config = StoreConfig.from_dict(overrides, base) if overrides else base
         self.env.write(self._init_meta)
+        # A directory the store has used must still be there: a drive that is not mounted
+        # would otherwise be stood in for by an empty directory on another disk.
+        gone = [d.path for d in base.nvme_dirs if not Path(d.path).is_dir()]
+        if gone:
+            raise InvalidConfig(f"NVMe director{'ies' if len(gone) > 1 else 'y'} {', '.join(gone)} of the store "
+                                f"{'are' if len(gone) > 1 else 'is'} missing (a drive not mounted?)")
         dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in self.config.nvme_dirs] \
             or [SegmentDir(self.path / "segments")]
         self.nvme_path = dirs[0].path
@@ -219,12 +235,17 @@ class Store:
         self.counters["syncs"] += 1
 
     def close(self) -> None:
-        """Close after `running()` has exited (or if it never ran)."""
-        self.sync_blocking()
-        for backend in self.backends.values():
-            backend.close()
-        self.env.close()
-        os.close(self._lock_fd)
+        """Close after `running()` has exited (or if it never ran). Only a close whose sync
+        succeeded marks the store clean; after a failure it is recovered at the next open."""
+        try:
+            self.sync_blocking()
+            for backend in self.backends.values():
+                backend.close()
+            self.env.close()
+        except BaseException:
+            self._lock.keep_unclean(f"pid {os.getpid()}: close failed")
+            raise
+        self._lock.release()
 
     # ----- values --------------------------------------------------------------------
 
@@ -389,25 +410,11 @@ class Store:
             "weights": self.weights.stats(),
             "checkpoints": self.checkpoints.stats(),
             "datasets": {name: d.stats() for name, d in sorted(self.datasets.items())},
+            "recovery": self.recovery.as_dict(),
             "prefetch": {"budget_bytes": self.prefetch_budget.capacity, "held_bytes": self.prefetch_budget.used,
                          **_sum_prefetch([ns.prefetcher for kind in self.namespaces.values()
                                           for ns in kind.values() if getattr(ns, "prefetcher", None)])},
         }
-
-
-def lock_store(path: Path, what: str = "") -> int:
-    """Take the store's lock (flock on STORE/lock) and write our pid into it; StoreLocked
-    if another process (a mounted daemon, a running verify) holds it. Close the fd to let go."""
-    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreLocked(f"store {path} is already in use ({holder})") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}{' ' + what if what else ''}\n".encode(), 0)
-    return fd
 
 
 def _sum_prefetch(prefetchers) -> dict:

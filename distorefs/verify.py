@@ -15,6 +15,9 @@ would start a new segment and run load-time fixes), and runs its passes in order
   lmdb-space    every value in LMDB is referenced; the live-bytes counter is right
   segments      every referenced segment exists; per-segment accounting matches; dead space
 
+A `Store` opening a store that was not closed cleanly runs the same passes, less `values`,
+with repair (distorefs/recovery.py), through `run_passes` on the store it has locked.
+
 The passes up to `checkpoints` read the metadata and register every value a record points
 at (`Check.ref`); the last three compare those references with what the tiers hold.
 A finding is an *error* (inconsistent or corrupt), a *leak* (space nothing will ever
@@ -62,6 +65,7 @@ from .catalog import (DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VE
 from .chunks import Chunk
 from .config import StoreConfig
 from .errors import CorruptValue, DistorefsError, InvalidName, NotFound
+from .lockfile import take_lock
 from .names import check_name
 
 DB_VALUES = b"values"
@@ -83,10 +87,14 @@ class Finding:
     message: str
     repair: str = ""  # what --repair did (empty: nothing)
     bytes: int = 0  # space involved (leaks and dead space)
+    # The damage is confined to stored values whose reads fail with EIO (missing or corrupt
+    # data): the store stays usable and `rm` through the mount drops them, so such an
+    # error does not keep a store from being mounted (see Report.blocking).
+    eio: bool = False
 
     def as_dict(self) -> dict:
         return {"pass": self.check, "kind": self.kind, "message": self.message, "repair": self.repair,
-                "bytes": self.bytes}
+                "bytes": self.bytes, "eio": self.eio}
 
 
 @dataclass
@@ -132,6 +140,12 @@ class Report:
         return [f for f in self.problems if not f.repair]
 
     @property
+    def blocking(self) -> list[Finding]:
+        """Unrepaired inconsistencies of the metadata: a store with any is not mounted (a leak
+        only wastes space; an EIO finding only fails reads of its values)."""
+        return [f for f in self.unrepaired if f.kind == ERROR and not f.eio]
+
+    @property
     def exit_code(self) -> int:
         if not self.problems:
             return EXIT_CLEAN
@@ -141,6 +155,7 @@ class Report:
         return {"store": self.store, "repair": self.repair, "exit_code": self.exit_code,
                 "passes": self.passes, "counts": self.counts,
                 "problems": len(self.problems), "unrepaired": len(self.unrepaired),
+                "blocking": len(self.blocking),
                 "findings": [f.as_dict() for f in self.findings]}
 
 
@@ -194,7 +209,7 @@ class Check:
         dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in self.config.nvme_dirs] \
             or [SegmentDir(path / "segments")]
         self.lmdb = LmdbValues(self.env)
-        self.segments = SegmentValues(self.env, dirs, self.config.segment_bytes)
+        self.segments = SegmentValues(self.env, dirs, self.config.segment_bytes, create=False)
         self.tiers = {TIER_LMDB: self.lmdb, TIER_NVME: self.segments}
         self.claimed: set[bytes] = {DB_VALUES, DB_TIERMETA, DB_SEGMENTS}
         self.refs: list[Ref] = []
@@ -226,9 +241,11 @@ class Check:
         self.report.findings.append(finding)
         return finding
 
-    def error(self, message: str, fix: Callable | None = None, did: str = "") -> Finding:
-        """An inconsistency; `fix(txn)` repairs it (run now in --repair mode), `did` says how."""
+    def error(self, message: str, fix: Callable | None = None, did: str = "", *, eio: bool = False) -> Finding:
+        """An inconsistency; `fix(txn)` repairs it (run now in --repair mode), `did` says how;
+        `eio`: it only makes reads of some values fail (Finding.eio)."""
         finding = self.find(ERROR, message)
+        finding.eio = eio
         if fix is not None and self.repair:
             self.write(fix)
             finding.repair = did or "repaired"
@@ -278,32 +295,57 @@ def verify_store(path: str | os.PathLike, *, repair: bool = False, progress: boo
 
     Raises StoreLocked if the store is in use and NotFound if `path` is not a store.
     `on_pass(name, summary, findings)` is called after each pass.
-    """
-    from .store import lock_store
 
+    The lock's clean mark (distorefs/lockfile.py): a repairing run of every pass that
+    leaves no blocking problem marks the store clean (it recovered the store); one that
+    leaves some marks it unclean, so the next mount recovers (or refuses) first. A check
+    without repair changes nothing, that mark included.
+    """
     store = Path(path).resolve()
     if not (store / "meta" / "data.mdb").is_file():
         raise NotFound(f"{store} is not a distorefs store (no meta/data.mdb)")
-    fd = lock_store(store, "verify")
-    report = Report(str(store), repair)
+    lock = take_lock(store, "verify --repair" if repair else "verify")
+    note = f"pid {os.getpid()} verify --repair: problems left"
     try:
-        check = Check(store, repair, progress, report)
-        try:
-            wanted = set(only) if only else None
-            for p in PASSES:
-                if wanted is not None and p.name not in wanted:
-                    continue
-                check.current = p.name
-                before = len(report.findings)
-                summary = p.fn(check) or "ok"
-                report.passes[p.name] = summary
-                if on_pass is not None:
-                    on_pass(p.name, summary, report.findings[before:])
-        finally:
-            check.close()
+        report = run_passes(store, repair=repair, progress=progress, on_pass=on_pass, only=only)
+    except BaseException:
+        if repair:  # some repairs may have run: recover again at the next open
+            lock.keep_unclean(note)
+        else:
+            lock.restore()
+        raise
+    if not repair:
+        lock.restore()
+    elif not report.blocking and (lock.was_clean or set(report.passes) >= {p.name for p in PASSES}):
+        lock.release()
+    else:
+        lock.keep_unclean(note)
+    return report
+
+
+def run_passes(store: Path, *, repair: bool, progress: bool = False,
+               on_pass: Callable[[str, str, list[Finding]], None] | None = None,
+               only: Iterable[str] | None = None, skip: Iterable[str] = ()) -> Report:
+    """Run the passes (those in `only`, or all; none in `skip`) on the store directory
+    `store`, whose lock the caller holds: `verify_store`, or a `Store` recovering a store
+    left by a crash before it opens LMDB itself (the Check opens and closes its own
+    environment, and LMDB must not be open twice in one process)."""
+    report = Report(str(store), repair)
+    check = Check(store, repair, progress, report)
+    try:
+        wanted = set(only) if only else None
+        skipped = set(skip)
+        for p in PASSES:
+            if (wanted is not None and p.name not in wanted) or p.name in skipped:
+                continue
+            check.current = p.name
+            before = len(report.findings)
+            summary = p.fn(check) or "ok"
+            report.passes[p.name] = summary
+            if on_pass is not None:
+                on_pass(p.name, summary, report.findings[before:])
     finally:
-        os.ftruncate(fd, 0)
-        os.close(fd)
+        check.close()
     return report
 
 
@@ -793,13 +835,14 @@ def check_values(check: Check) -> str:
                 raw = codec.decode(stored, r.codec, r.size, r.checksum, r.what)
             except NotFound as exc:
                 bad += 1
-                check.error(f"{r.what}: value missing ({exc}); reads fail with EIO, rm it through the mount")
+                check.error(f"{r.what}: value missing ({exc}); reads fail with EIO, rm it through the mount",
+                            eio=True)
                 if r.whole is not None:
                     r.whole.bad = True
             except CorruptValue as exc:
                 bad += 1
                 message = str(exc) if str(exc).startswith(r.what) else f"{r.what}: {exc}"
-                check.error(f"{message}; reads fail with EIO, rm it through the mount")
+                check.error(f"{message}; reads fail with EIO, rm it through the mount", eio=True)
                 if r.whole is not None:
                     r.whole.bad = True
             else:
@@ -812,10 +855,10 @@ def check_values(check: Check) -> str:
         if w.bad:
             continue
         if w.seen != w.size:
-            check.error(f"{w.what}: chunks hold {w.seen} bytes, expected {w.size}")
+            check.error(f"{w.what}: chunks hold {w.seen} bytes, expected {w.size}", eio=True)
         elif w.checksum is not None and (w.crc & 0xFFFFFFFF) != w.checksum:
             check.error(f"{w.what}: whole-file checksum mismatch (stored {w.checksum:08x}, "
-                        f"read {w.crc & 0xFFFFFFFF:08x})")
+                        f"read {w.crc & 0xFFFFFFFF:08x})", eio=True)
     check.report.counts["values"] = len(check.refs)
     check.report.counts["value_bytes"] = total
     check.report.counts["bad_values"] = bad
@@ -907,7 +950,7 @@ def check_segments(check: Check) -> str:
         size = files.get(seg)
         name = f"segment {seg}"
         if seg_refs and size is None:
-            check.error(f"{name} is missing: {len(seg_refs)} values lost (e.g. {seg_refs[0].what})")
+            check.error(f"{name} is missing: {len(seg_refs)} values lost (e.g. {seg_refs[0].what})", eio=True)
         if seg_refs and (row is None or row[0] != live or row[2] != len(seg_refs)):
             def fix(txn, seg=seg, live=live, n=len(seg_refs), total=max(live, row[1] if row else 0),
                     stream=row[3] if row else 0):
@@ -996,5 +1039,5 @@ def _size(n: int) -> str:
     return str(n)
 
 
-__all__ = ["verify_store", "verify_pass", "Check", "Report", "Finding", "PASSES", "EXIT_CLEAN", "EXIT_REPAIRED",
+__all__ = ["verify_store", "run_passes", "verify_pass", "Check", "Report", "Finding", "PASSES", "EXIT_CLEAN", "EXIT_REPAIRED",
            "EXIT_PROBLEMS", "EXIT_FAILED"]

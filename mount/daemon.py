@@ -43,6 +43,7 @@ def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, al
     try:
         store = Store(store_path, nvme_dirs=nvme_dirs, config=config)
     except Exception as exc:
+        log.error("cannot open the store: %s", exc)
         _report(ready_fd, f"error: {exc}")
         raise
     fs = Filesystem(store)

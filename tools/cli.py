@@ -110,7 +110,8 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
     if message != "ready":
         if proc.poll() is None and not message:
             proc.terminate()
-        raise click.ClickException(message or f"the daemon did not get ready (see {log_path})")
+        raise click.ClickException(message.removeprefix("error: ")
+                                   or f"the daemon did not get ready (see {log_path})")
     click.echo(f"mounted {Path(store).resolve()} at {Path(mountpoint).resolve()} (daemon pid {proc.pid})")
 
 

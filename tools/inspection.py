@@ -384,11 +384,11 @@ def gc_cmd(target) -> None:
 
 def offline_gc(path: Path) -> dict:
     from distorefs.catalog import TIER_NVME
-    from distorefs.errors import StoreLocked
+    from distorefs.errors import RecoveryFailed, StoreLocked
     from distorefs.store import Store
     try:
         store = Store(path)
-    except StoreLocked as exc:
+    except (StoreLocked, RecoveryFailed) as exc:
         raise click.ClickException(str(exc))
     try:
         store.sync_blocking()

@@ -149,6 +149,10 @@ class Mount:
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log().splitlines()[-n:])
 
+    def recovery(self) -> dict:
+        """What recovery at open did for the running daemon (stats.json "recovery")."""
+        return json.loads((self.mnt / ".distorefs" / "stats.json").read_bytes())["recovery"]
+
     def alive(self) -> bool:
         """The daemon still answers: stats.json reads and parses."""
         json.loads((self.mnt / ".distorefs" / "stats.json").read_bytes())
@@ -191,6 +195,15 @@ def entry_names(buf: Path) -> list[str]:
 
 def xattr(path: Path, name: str) -> str:
     return os.getxattr(path, "user.distorefs." + name).decode()
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (under checkpoints/: returns once what was written below is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ----- self-verifying payloads --------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distorefs_it import xattr
+from distorefs_it import fsync_dir, xattr
 
 MiB = 1 << 20
 
@@ -24,14 +24,6 @@ MiB = 1 << 20
 def configure(m, **config) -> None:
     with open(m.mnt / "checkpoints" / "config.json", "w") as f:
         f.write(json.dumps(config))
-
-
-def fsync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def stats(m) -> dict:

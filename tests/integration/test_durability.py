@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from distorefs_it import (assert_errno, entry_names, get_config, get_stats, is_mounted, make_payload,
+from distorefs_it import (CLI, assert_errno, entry_names, get_config, get_stats, is_mounted, make_payload,
                           pid_alive, read_entry, set_config, verify_payload, write_entry, xattr)
 
 
@@ -60,8 +60,10 @@ def test_persistence_across_remount(fresh_mount):
 
     m.umount()
     assert not pid_alive(old_pid)
+    assert (m.store / "lock").read_text() == ""  # closed cleanly
     m.mount()
     assert m.pid != old_pid
+    assert m.recovery()["ran"] is False
     assert sorted(os.listdir(m.mnt / "buffers")) == ["alpha", "beta"]
     after_a, after_b = snapshot(a), snapshot(b)
     assert after_a == before_a
@@ -160,8 +162,12 @@ def test_kill9_keeps_every_closed_entry(fresh_mount, tmp_path):
         m.lazy_umount()
         assert not is_mounted(m.mnt)
         m.pid = None
+        assert (m.store / "lock").read_text().split()[:2] == ["pid", str(killed)]  # not closed cleanly
         m.mount()
         assert m.pid != killed
+        rec = m.recovery()  # so the mount recovered the store first
+        assert rec["ran"] and rec["previous_holder"].split()[:2] == ["pid", str(killed)], rec
+        assert rec["unrepaired"] == 0 and rec["blocking"] == 0, rec
         for log in logs:
             keys = log.read_text().split() if log.exists() else []
             assert keys, f"writer {log.name} committed nothing in {1.0 + 0.3 * cycle}s"
@@ -183,6 +189,34 @@ def test_kill9_keeps_every_closed_entry(fresh_mount, tmp_path):
         assert verify_payload(read_entry(b, f"after-{cycle}"), f"after-{cycle}")
         logged.add(f"after-{cycle}")
     assert len(logged) > 50
+
+
+def test_a_crashed_store_that_cannot_be_recovered_is_not_mounted(fresh_mount):
+    import lmdb
+    m = fresh_mount()
+    b = m.buffer("keep")
+    write_entry(b, "a", b"a value")
+    killed = m.kill9()
+    m.lazy_umount()
+    m.pid = None
+    env = lmdb.open(str(m.store / "meta"), max_dbs=32, subdir=True)
+    ns = env.open_db(b"ns")
+    with env.begin(write=True) as txn:
+        txn.put(b"banks/broken", b"{not json", db=ns)  # nothing can repair this
+    env.close()
+    for _ in range(2):  # refused with the reason, and again: the lock still says "recover first"
+        res = subprocess.run(list(CLI) + ["mount", str(m.store), str(m.mnt)], capture_output=True, text=True,
+                             timeout=90)
+        assert res.returncode != 0 and not is_mounted(m.mnt)
+        assert "banks/broken" in res.stderr and f"distorefs verify --repair {m.store}" in res.stderr, res.stderr
+        assert (m.store / "lock").read_text().split()[:2] == ["pid", str(killed)]
+    env = lmdb.open(str(m.store / "meta"), max_dbs=32, subdir=True)
+    ns = env.open_db(b"ns")
+    with env.begin(write=True) as txn:
+        txn.delete(b"banks/broken", db=ns)
+    env.close()
+    m.mount()
+    assert m.recovery()["ran"] and read_entry(b, "a") == b"a value"
 
 
 # ----- corruption ------------------------------------------------------------------------

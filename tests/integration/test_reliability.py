@@ -1,7 +1,8 @@
 """Reliability through real mounts: a table of bad inputs (each with its errno, nothing lost,
-daemon alive), a full disk (ENOSPC on a small tmpfs), a kill -9 crash harness checked
-against a log of acknowledged operations (and `distorefs verify` after every crash),
-concurrency stress with consistent stats, and permissions for another user.
+daemon alive), a full disk (ENOSPC on a small tmpfs), a kill -9 crash harness (inserts,
+samples, priority updates, weight publishes, checkpoint steps) checked against a log of
+acknowledged operations (and `distorefs verify` and the recovery at mount after every
+crash), concurrency stress with consistent stats, and permissions for another user.
 
 DISTOREFS_CRASH_CYCLES (default 10) sets the crash cycles; e.g. 200 for a long run.
 """
@@ -23,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distorefs_it import (CLI, Mount, assert_errno, entry_names, get_config, get_stats, have_fuse, is_mounted,
-                          make_payload, pid_alive, read_entry, set_config, verify_payload, write_entry, xattr)
+from distorefs_it import (CLI, Mount, assert_errno, entry_names, fsync_dir, get_config, get_stats, have_fuse,
+                          is_mounted, make_payload, pid_alive, read_entry, set_config, verify_payload, write_entry,
+                          xattr)
 
 E = errno
 # Names over 255 bytes: the core says EINVAL (DESIGN.md), the kernel ENAMETOOLONG where it checks first.
@@ -373,11 +375,30 @@ class OpLog:
         os.write(self.fd, (" ".join(str(p) for p in parts) + "\n").encode())
 
 
+def checkpoint_files(step: str) -> dict[str, tuple[int, int]]:
+    """The files of checkpoint step `step`, name -> (size, seed): a function of the step's
+    name, so the checker knows what a step must hold. Tens of KB to about a MB each."""
+    r = random.Random(step)
+    return {"model.bin": (r.randint(100_000, 1_200_000), r.randrange(1 << 30)),
+            "optim.bin": (r.randint(20_000, 300_000), r.randrange(1 << 30)),
+            "meta.json": (r.randint(200, 2000), r.randrange(1 << 30))}
+
+
+def check_checkpoint_step(step_dir: Path) -> None:
+    """Every file of the step, and only those, whole (AssertionError otherwise)."""
+    step = step_dir.name
+    files = checkpoint_files(step)
+    assert sorted(os.listdir(step_dir)) == sorted(files), f"{step}: {sorted(os.listdir(step_dir))}"
+    for name, (size, seed) in files.items():
+        assert (step_dir / name).read_bytes() == make_payload(f"{step}/{name}", size, seed), f"{step}/{name}"
+
+
 def _worker(kind: str, mnt: str, log_path: str, cycle: int, seed: int) -> None:
     rng = random.Random(seed)
     log = OpLog(log_path)
     mnt = Path(mnt)
     buf, bank, model = mnt / "buffers" / "crash", mnt / "banks" / "crash", mnt / "weights" / "model"
+    run = mnt / "checkpoints" / "crash"
     mine: list[str] = []
     parent = os.getppid()
     i = 0
@@ -449,6 +470,14 @@ def _worker(kind: str, mnt: str, log_path: str, cycle: int, seed: int) -> None:
                 mine.append(v)
                 if len(mine) > 3:  # old versions go (their readers keep reading them)
                     shutil.rmtree(model / mine.pop(0))
+            elif kind == "checkpoint":
+                step = f"c{cycle:04d}-{i:05d}"  # names sort in creation order
+                log.line("k", step)
+                (run / step).mkdir()
+                for name, (size, s) in checkpoint_files(step).items():
+                    write_entry_plain(run / step / name, make_payload(f"{step}/{name}", size, s))
+                fsync_dir(run / step)  # returns once the step is complete and durable
+                log.line("K", step)
             if kind != "sample" and i % 7 == 0:
                 time.sleep(0.001)
     except OSError as exc:
@@ -513,7 +542,11 @@ def test_crash_harness_kill9_at_random_moments(fresh_mount, tmp_path):
     set_config(m.mnt / "buffers" / "crash", {"sampler": "prioritized", "capacity": 1_000_000})
     (m.mnt / "banks" / "crash").mkdir()
     (m.mnt / "weights" / "model").mkdir()
+    (m.mnt / "checkpoints" / "crash").mkdir()
+    with open(m.mnt / "checkpoints" / "config.json", "w") as f:
+        f.write(json.dumps({"seal_after": 0}))  # a step closes only by its fsync (or a newer step)
     buf, bank, model = m.mnt / "buffers" / "crash", m.mnt / "banks" / "crash", m.mnt / "weights" / "model"
+    run = m.mnt / "checkpoints" / "crash"
     write_entry(buf, "seed", make_payload("seed", 1000))  # so sample/8 never waits
     rng = random.Random(1234)
     ctx = multiprocessing.get_context("fork")
@@ -522,9 +555,13 @@ def test_crash_harness_kill9_at_random_moments(fresh_mount, tmp_path):
     expect_bank: dict[str, set] = {}
     prio: dict[str, set] = {}
     latest_floor = None
-    totals = {"acked": 0, "cycles": 0, "verify_runs": 0, "forced": 0}
+    step_floor = None  # the newest acknowledged checkpoint step
+    steps_acked: set[str] = set()
+    recovery_s: list[float] = []
+    totals = {"acked": 0, "cycles": 0, "verify_runs": 0, "forced": 0, "steps": 0, "steps_cut": 0}
     for cycle in range(CRASH_CYCLES):
-        logs = {kind: tmp_path / f"c{cycle}-{kind}.log" for kind in ("insert", "bank", "sample", "publish")}
+        logs = {kind: tmp_path / f"c{cycle}-{kind}.log"
+                for kind in ("insert", "bank", "sample", "publish", "checkpoint")}
         procs = [ctx.Process(target=_worker, args=(kind, str(m.mnt), str(path), cycle, rng.randrange(1 << 30)))
                  for kind, path in logs.items()]
         for p in procs:
@@ -558,11 +595,14 @@ def test_crash_harness_kill9_at_random_moments(fresh_mount, tmp_path):
             bad = [parts for parts in ls if parts[0] == "ERR" or (parts[0] == "E"
                                                                     and int(parts[1]) not in EXPECTED_AFTER_KILL)]
             assert not bad, f"cycle {cycle} {kind}: {bad[:3]}"
-            totals["acked"] += sum(1 for parts in ls if parts[0] in "IDPWH")
+            totals["acked"] += sum(1 for parts in ls if parts[0] in "IDPWHK")
         # verify the crashed store before anything opens it again
         assert_verify_clean(m.store)
         totals["verify_runs"] += 1
         m.mount()
+        rec = m.recovery()  # the store was left open: the mount recovered it first
+        assert rec["ran"] and rec["unrepaired"] == 0 and rec["blocking"] == 0, rec
+        recovery_s.append(rec["seconds"])
 
         # buffer: every acknowledged insert or rewrite, whole; unacknowledged ones whole or absent
         acked, later = _attempts(lines["insert"], "a", "I")
@@ -632,13 +672,41 @@ def test_crash_harness_kill9_at_random_moments(fresh_mount, tmp_path):
             data = (model / "hot.bin").read_bytes()
             seeds = {acked_h["hot"][0], *[v[0] for v in later_h["hot"]]}
             assert any(data == make_payload("hot", 50_000, int(s)) for s in seeds), f"cycle {cycle}: hot.bin"
+        # checkpoints: `latest` names a step at least as new as the last acknowledged one,
+        # whole; any step that shows as complete is whole; the others are incomplete
+        ck = lines["checkpoint"]
+        acked_steps = [parts[1] for parts in ck if parts[0] == "K"]
+        steps_acked.update(acked_steps)
+        totals["steps"] += len(acked_steps)
+        if acked_steps:
+            step_floor = acked_steps[-1]
+        if step_floor is not None:
+            target = os.readlink(run / "latest")
+            assert target >= step_floor, f"cycle {cycle}: latest -> {target}, acknowledged {step_floor}"
+            assert xattr(run / target, "state") == "durable", (target, xattr(run / target, "state"))
+            check_checkpoint_step(run / target)
+        for step in sorted(os.listdir(run)):
+            if step == "latest":
+                continue
+            try:
+                state = xattr(run / step, "state")
+                if state == "durable":
+                    check_checkpoint_step(run / step)
+                else:
+                    assert state == "incomplete" and step not in steps_acked, f"cycle {cycle}: {step} {state}"
+                    totals["steps_cut"] += step.startswith(f"c{cycle:04d}-")  # cut short by this kill
+            except FileNotFoundError:
+                pass  # an interrupted or old step being removed in the background
         assert get_stats(buf)["entries"] == len(present)
         totals["cycles"] += 1
     m.umount()
     assert_verify_clean(m.store)
     assert totals["acked"] > 20 * CRASH_CYCLES, totals
+    assert totals["steps"] > 0, totals
     print(f"\ncrash harness: {totals['cycles']} kill -9 cycles, {totals['acked']} acknowledged operations "
-          f"checked, verify clean {totals['verify_runs'] + 1} times, {totals['forced']} forced unmounts")
+          f"checked ({totals['steps']} checkpoint steps, {totals['steps_cut']} cut short), verify clean {totals['verify_runs'] + 1} times, "
+          f"{totals['forced']} forced unmounts, recovery at mount {sum(recovery_s) / len(recovery_s):.3f} s "
+          f"on average (max {max(recovery_s):.3f} s)")
 
 
 def test_kill9_while_replaced_weights_are_still_read_leaks_nothing(fresh_mount):

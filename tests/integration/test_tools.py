@@ -91,7 +91,8 @@ def _check_exposition(text: str) -> None:
 
 
 def test_export_gc_and_verify(fresh_mount, tmp_path):
-    m = fresh_mount("segment_bytes=1048576", "sync_interval=60")  # only gc collects, not the sync loop
+    # No periodic sync during the test: its collection would free the segments before `gc` does.
+    m = fresh_mount("segment_bytes=1048576", "sync_interval=600")
     b = m.buffer("ex", {"compression": "none"})
     data = {f"e{i}": make_payload(f"e{i}", 700 << 10 if i % 3 == 0 else 5000 + i, seed=i) for i in range(6)}
     for k, v in data.items():
