@@ -473,6 +473,14 @@ class SegmentValues(ValueBackend):
                 for seg in [s for s in self._retired if s not in self._dirty]:
                     os.close(self._retired.pop(seg))
 
+    def end_stream(self, stream: int) -> None:
+        """No more puts to `stream` (its ring was dropped): its segment stops being current,
+        so the collector can unlink it once it holds nothing live."""
+        with self._lock:
+            st = self._streams.pop(stream, None)
+            if st is not None:
+                self._retired[st.seg] = st.fd
+
     def current_segments(self) -> set[int]:
         with self._lock:
             return {st.seg for st in self._streams.values()}

@@ -480,6 +480,8 @@ class DropNamespace(Change):
 
     def apply(self) -> None:
         del self.store.namespaces[self.ns.kind][self.ns.name]
+        if not isinstance(self.ns, Dataset):
+            self.store.nvme_values.end_stream(self.ns.ns_id)  # its last segment may go too
 
 
 class ConfigureNamespace(Change):

@@ -17,11 +17,11 @@ def run(fn):
 
 
 async def settle(p: Prefetcher) -> None:
-    """Wait until the prefetcher has loaded all it will (the machine may be slow)."""
+    """Wait until the prefetcher has loaded its whole plan (the machine may be slow)."""
     with trio.fail_after(10):
         while True:
             s = p.stats()
-            if s["in_flight"] == 0 and (s["position"] == s["planned"] or s["position"] > 0 and p._active == 0):
+            if s["in_flight"] == 0 and s["position"] == s["planned"]:
                 return
             await trio.sleep(0.01)
 

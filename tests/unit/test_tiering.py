@@ -211,3 +211,18 @@ def lmdb_env(tmp_path):
     env.db(b"segments")
     yield env
     env.close()
+
+
+def test_a_dropped_rings_last_segment_is_collected(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("gone", DIR)
+        await store.configure_buffer("gone", b'{"compression": "none"}')
+        await buf.insert(b"big", payload(1, 600 * KiB), OWNER)  # over segment_threshold: NVMe
+        segs = list((tmp_path / "s" / "segments").glob("seg-*.dat"))
+        assert len(segs) == 1
+        await buf.ring.delete(b"big")
+        await store.drop_buffer("gone")
+        await store.collect()
+        assert not segs[0].exists()
+
+    run(tmp_path / "s", body, config={"lmdb_bytes": 0})
