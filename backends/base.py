@@ -44,6 +44,12 @@ class ValueBackend(ABC):
     def get(self, loc: bytes) -> bytes:
         """The value at ``loc``; raises ``NotFound`` if absent."""
 
+    def get_checked(self, loc: bytes) -> tuple[bytes, int | None]:
+        """The value at ``loc`` and the CRC-32 the tier verified it against (None if the
+        tier keeps no checksum of its own): a caller holding the same checksum need not
+        compute it again."""
+        return self.get(loc), None
+
     @abstractmethod
     def delete(self, txn: lmdb.Transaction, loc: bytes) -> None:
         """Drop the value at ``loc``; a missing location is a no-op."""

@@ -356,6 +356,9 @@ class SegmentValues(ValueBackend):
     # -- reads ---------------------------------------------------------------
 
     def get(self, loc: bytes) -> bytes:
+        return self.get_checked(loc)[0]
+
+    def get_checked(self, loc: bytes) -> tuple[bytes, int | None]:
         try:
             seg, off, size = LOCATION.unpack(loc)
         except struct.error:
@@ -375,7 +378,7 @@ class SegmentValues(ValueBackend):
         data = buf[HEADER.size :]
         if zlib.crc32(data) != crc:
             raise CorruptValue(f"segment {seg} offset {off}: checksum mismatch")
-        return data
+        return data, crc
 
     def _acquire(self, seg: int) -> _Reader:
         with self._readers_lock:

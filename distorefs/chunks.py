@@ -56,8 +56,7 @@ def put_chunk(store: "Store", txn, vkey: bytes, raw, compression: str, level: in
 def load_chunk(store: "Store", chunk: Chunk, what: str) -> bytes:
     """Read and verify one chunk (worker thread); a failure is logged, counted and EIO."""
     try:
-        stored = store.backend(chunk.tier).get(chunk.loc)
-        return codec.decode(stored, chunk.codec, chunk.size, chunk.checksum, what)
+        return store.read_stored(chunk, what)
     except (CorruptValue, NotFound) as exc:
         raise store.report_corrupt(CorruptValue(f"{what}: {exc}")) from None
 

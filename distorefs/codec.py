@@ -83,10 +83,15 @@ def encode(raw: bytes | bytearray | memoryview, compression: str = "zstd", level
     return Encoded(plain, RAW, size, crc)
 
 
-def decode(stored: bytes | memoryview, codec: int, size: int, expected_crc: int, what: str = "value") -> bytes:
-    """Decode a stored value and verify its checksum; raise CorruptValue on any mismatch."""
+def decode(stored: bytes | memoryview, codec: int, size: int, expected_crc: int, what: str = "value",
+           stored_crc: int | None = None) -> bytes:
+    """Decode a stored value and verify its checksum; raise CorruptValue on any mismatch.
+    `stored_crc`: the CRC-32 of `stored` as its tier verified it, if it did (for a raw
+    value that is the content's checksum, so it is not computed twice)."""
     if codec == RAW:
         raw = bytes(stored)
+        if stored_crc is not None and stored_crc == expected_crc and len(raw) == size:
+            return raw
     elif codec == ZSTD:
         try:
             verified = zstandard.get_frame_parameters(stored).has_checksum

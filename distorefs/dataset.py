@@ -618,10 +618,8 @@ class Dataset:
             return False
         try:
             total = 0
-            for i, chunk in enumerate(item.chunks):
-                stored = self.store.backend(chunk.tier).get(chunk.loc)
-                total = zlib.crc32(codec.decode(stored, chunk.codec, chunk.size, chunk.checksum,
-                                                f"datasets/{self.name} item {item.id}"), total)
+            for chunk in item.chunks:
+                total = zlib.crc32(self.store.read_stored(chunk, f"datasets/{self.name} item {item.id}"), total)
             return total == crc == item.checksum
         except DistorefsError as exc:
             log.warning("datasets/%s: verifying item %d: %s", self.name, item.id, exc)

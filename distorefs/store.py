@@ -20,7 +20,7 @@ import os
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import trio
 
@@ -46,6 +46,9 @@ from .ring import Owner, Ring
 from .weights import DB_WNODES, WeightsTree
 from .checkpoints import DB_CKPT, Checkpoints
 from .tiering import TierMover
+
+if TYPE_CHECKING:
+    from .chunks import Chunk
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +259,14 @@ class Store:
         self._gen += 1
         return self._gen
 
+    def read_stored(self, v: "EntryMeta | Chunk", what: str) -> bytes:
+        """The decoded, verified content of one stored value (an entry's or a chunk's: the
+        same fields), read from its tier (worker thread). NotFound or CorruptValue."""
+        stored, tier_crc = self.backends[v.tier].get_checked(v.loc)
+        if len(stored) != v.stored_size:
+            raise CorruptValue(f"stored size {len(stored)}, expected {v.stored_size}")
+        return codec.decode(stored, v.codec, v.size, v.checksum, what, stored_crc=tier_crc)
+
     def load_value(self, meta: EntryMeta, what: str) -> bytes:
         """Read and verify one value from its disk tier (worker thread).
 
@@ -264,10 +275,7 @@ class Store:
         taken) rather than damage: the caller, who knows what is current, decides.
         """
         try:
-            stored = self.backends[meta.tier].get(meta.loc)
-            if len(stored) != meta.stored_size:
-                raise CorruptValue(f"stored size {len(stored)}, expected {meta.stored_size}")
-            value = codec.decode(stored, meta.codec, meta.size, meta.checksum, what)
+            value = self.read_stored(meta, what)
         except (CorruptValue, NotFound) as exc:
             # Backend errors name only a location: say which entry it is.
             message = str(exc) if str(exc).startswith(what) else f"{what}: {exc}"

@@ -22,15 +22,16 @@ log = logging.getLogger(__name__)
 
 
 def _return_freed_memory() -> None:
-    """Have glibc give large freed blocks back to the system at once. Its mmap threshold
+    """Have glibc give freed values back to the system at once. Its mmap threshold
     otherwise rises with every large block freed (up to 32 MiB), after which values of a
-    few hundred KB come from the heap arenas of our worker threads and stay resident
-    once freed: resident memory would grow past memory_bytes with what was merely read."""
+    few hundred KB come from the heap arenas of our worker threads, and values that come
+    and go there fragment the heap: resident memory would grow past memory_bytes with
+    what was merely read. Values of 32 KiB and more are mapped and unmapped instead."""
     import ctypes
     import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: fixed, not dynamic
+        libc.mallopt(-3, 32 << 10)  # M_MMAP_THRESHOLD: fixed, not dynamic
         libc.mallopt(-8, 4)  # M_ARENA_MAX: bounded arenas across threads
     except (OSError, AttributeError):
         log.debug("mallopt not available: resident memory may hold freed blocks")
