@@ -367,15 +367,17 @@ class SegmentValues(ValueBackend):
             raise CorruptValue(f"segment location {loc.hex()} points inside a header")
         reader = self._acquire(seg)
         try:
-            buf = _pread_all(reader.fd, HEADER.size + size, off - HEADER.size)
+            # Header and data in two reads: slicing one buffer would copy the whole value.
+            head = os.pread(reader.fd, HEADER.size, off - HEADER.size)
+            data = _pread_all(reader.fd, size, off)
         finally:
             self._release(reader)
-        if len(buf) != HEADER.size + size:
-            raise CorruptValue(f"segment {seg} offset {off}: short read ({len(buf)} of {HEADER.size + size})")
-        magic, _klen, dlen, crc = HEADER.unpack_from(buf)
+        if len(head) != HEADER.size or len(data) != size:
+            raise CorruptValue(f"segment {seg} offset {off}: short read ({len(head) + len(data)} of "
+                               f"{HEADER.size + size})")
+        magic, _klen, dlen, crc = HEADER.unpack(head)
         if magic != MAGIC or dlen != size:
             raise CorruptValue(f"segment {seg} offset {off}: bad record header")
-        data = buf[HEADER.size :]
         if zlib.crc32(data) != crc:
             raise CorruptValue(f"segment {seg} offset {off}: checksum mismatch")
         return data, crc

@@ -258,6 +258,7 @@ class StoreConfig(_Config):
     max_space_overhead: float = 1.5
     sync_interval: float = 1.0
     entry_timeout: float = 300.0
+    read_ahead_kb: int = 4096  # the mount's kernel read-ahead (root only; the kernel's default is 128)
     max_batch_entries: int = 65536
     max_batch_bytes: int = 1 << 30
     default_buffer: BufferConfig = field(default_factory=BufferConfig)
@@ -278,6 +279,7 @@ class StoreConfig(_Config):
                  f"max_space_overhead must be in 1.05..100 (on-disk bytes / live bytes), got {self.max_space_overhead}")
         _require(self.sync_interval > 0, f"sync_interval must be > 0 seconds, got {self.sync_interval}")
         _require(self.entry_timeout >= 0, f"entry_timeout must be >= 0 seconds, got {self.entry_timeout}")
+        _require(0 < self.read_ahead_kb <= 1 << 20, f"read_ahead_kb must be in 1..1048576, got {self.read_ahead_kb}")
         _require(self.max_batch_entries >= 1, f"max_batch_entries must be >= 1, got {self.max_batch_entries}")
         _require(self.max_batch_bytes >= 1 << 20, f"max_batch_bytes must be >= 1 MiB, got {self.max_batch_bytes}")
         paths = [d.path for d in self.nvme_dirs]
