@@ -1,9 +1,11 @@
-"""Kernel cache invalidation, sent from one thread of its own.
+"""Messages to the kernel, each kind sent from one thread of its own.
 
 The kernel must forget a name when the daemon itself removes an entry (eviction,
-max_times_sampled) and drop cached pages when an entry is rewritten. pyfuse3's
-invalidation calls can block until a related request finishes, so they never run on
-the event loop or inside a handler: they are queued here and sent in order.
+max_times_sampled) and drop cached pages when an entry is rewritten; prefetched values
+are pushed into its page cache. pyfuse3's invalidation and store calls can block until
+a related request finishes (a READ waiting for the very value being pushed, say), so
+they never run on the event loop or inside a handler: they are queued here, sent in
+order, and nothing a request waits for depends on them.
 """
 
 from __future__ import annotations
@@ -12,24 +14,27 @@ import errno
 import logging
 import queue
 import threading
+from typing import Callable
 
 import pyfuse3
 
 log = logging.getLogger(__name__)
 
+# The kernel no longer knows the inode or name, or the mount is going away: nothing to do.
+_GONE = (errno.ENOENT, errno.ENOTCONN, errno.EBADF)
 
-class Invalidator:
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="distorefs-invalidate", daemon=True)
+
+class _Sender:
+    """A queue of kernel calls and the thread that makes them, in order."""
+
+    def __init__(self, name: str) -> None:
         self.sent = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def entry(self, parent_ino: int, name: bytes, deleted_ino: int = 0) -> None:
-        self._queue.put((pyfuse3.invalidate_entry, (parent_ino, name, deleted_ino)))
-
-    def inode(self, ino: int) -> None:
-        self._queue.put((pyfuse3.invalidate_inode, (ino,)))
+    def _put(self, fn: Callable, *args, done: Callable[[], None] | None = None) -> None:
+        self._queue.put((fn, args, done))
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -40,60 +45,51 @@ class Invalidator:
             item = self._queue.get()
             if item is None:
                 return
-            fn, args = item
+            fn, args, done = item
+            what = f"{fn.__name__}{args[:2]!r}"
             try:
                 fn(*args)
                 self.sent += 1
             except OSError as exc:
-                if exc.errno not in (errno.ENOENT, errno.ENOTCONN, errno.EBADF):
-                    log.warning("kernel invalidation %s%r failed: %s", fn.__name__, args, exc)
+                if exc.errno not in _GONE:
+                    log.warning("kernel call %s failed: %s", what, exc)
             except Exception:
-                log.exception("kernel invalidation %s%r failed", fn.__name__, args)
+                log.exception("kernel call %s failed", what)
+            finally:
+                if done is not None:
+                    done()
 
 
-class PageCachePusher:
-    """Pushes prefetched values into the kernel page cache (`notify_store`) from a thread of
-    its own. notify_store waits for the page lock of a READ in progress on that inode, and
-    that READ may be waiting for the very value being pushed: so a push is only queued
-    where it happens, never awaited, and nothing a request waits for depends on it.
-    Values waiting here count against `max_bytes`; past it a push is refused (the caller
-    keeps the value in memory instead)."""
+class Invalidator(_Sender):
+    def __init__(self) -> None:
+        super().__init__("distorefs-invalidate")
+
+    def entry(self, parent_ino: int, name: bytes, deleted_ino: int = 0) -> None:
+        self._put(pyfuse3.invalidate_entry, parent_ino, name, deleted_ino)
+
+    def inode(self, ino: int) -> None:
+        self._put(pyfuse3.invalidate_inode, ino)
+
+
+class PageCachePusher(_Sender):
+    """Pushes prefetched values into the kernel page cache (`notify_store`). Values waiting
+    here count against `max_bytes`; past it a push is refused (the caller keeps the value
+    in memory instead)."""
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
+        super().__init__("distorefs-push")
         self.max_bytes = max_bytes
         self.queued_bytes = 0
-        self.pushed = 0
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="distorefs-push", daemon=True)
-        self._thread.start()
 
     def push(self, ino: int, data: bytes) -> bool:
         with self._lock:
             if self.queued_bytes + len(data) > self.max_bytes:
                 return False
             self.queued_bytes += len(data)
-        self._queue.put((ino, data))
+        self._put(pyfuse3.notify_store, ino, 0, data, done=lambda n=len(data): self._pushed(n))
         return True
 
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            ino, data = item
-            try:
-                pyfuse3.notify_store(ino, 0, data)
-                self.pushed += 1
-            except OSError as exc:
-                if exc.errno not in (errno.ENOENT, errno.ENOTCONN, errno.EBADF):
-                    log.debug("notify_store %d: %s", ino, exc)
-            except Exception:
-                log.exception("notify_store %d failed", ino)
-            finally:
-                with self._lock:
-                    self.queued_bytes -= len(data)
+    def _pushed(self, n: int) -> None:
+        with self._lock:
+            self.queued_bytes -= n

@@ -242,60 +242,40 @@ def bench() -> None:
     """Benchmarks: each prints a table, writes JSON and a PNG chart."""
 
 
-@bench.command("buffers")
-@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--quick", is_flag=True, help="Smaller counts (a smoke run).")
-@click.option("--workdir", default=None, type=click.Path(file_okay=False),
-              help="Where stores and baseline directories go (default: a temp dir under the current one).")
-def bench_buffers(out, quick, workdir) -> None:
-    """Replay-buffer insert/sample/read throughput vs plain files, bindfs and cpprb."""
-    from .bench_buffers import run
-    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+# name: (what it measures, what --quick does, what goes in --workdir)
+BENCHMARKS = {
+    "buffers": ("Replay-buffer insert/sample/read throughput vs plain files, bindfs and cpprb.",
+                "Smaller counts (a smoke run).", "stores and baseline directories"),
+    "weights": ("One writer republishing a file while many readers read it: distorefs vs tmpfs vs ext4.",
+                "Smaller file, fewer readers, shorter (a smoke run).", "the store and the ext4 baseline"),
+    "datasets": ("Staging vs cp -r, and one cold shuffled epoch: distorefs vs ext4 vs bindfs.",
+                 "5k small and 200 large items (a smoke run).", "the trees, the store and the copies"),
+    "checkpoints": ("A 2 GiB checkpoint (close() vs durable) and a checkpointing training loop: distorefs vs "
+                    "ext4 vs tmpfs.", "A 256 MiB checkpoint and a 30-step loop (a smoke run).",
+                    "the store and the ext4 baseline"),
+    "scale": ("A buffer of 20 GiB under 1 GiB of memory: insert, sample+read with compaction, RSS, space, mount "
+              "time, vs cpprb.", "1 GiB under 256 MiB of memory, 10 s phases (a smoke run).",
+              "the store and cpprb's memory-mapped file"),
+}
 
 
-@bench.command("weights")
-@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--quick", is_flag=True, help="Smaller file, fewer readers, shorter (a smoke run).")
-@click.option("--workdir", default=None, type=click.Path(file_okay=False),
-              help="Where the store and the ext4 baseline go (default: a temp dir under the current one).")
-def bench_weights(out, quick, workdir) -> None:
-    """One writer republishing a file while many readers read it: distorefs vs tmpfs vs ext4."""
-    from .bench_weights import run
-    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+def _bench_command(name: str, doc: str, quick_help: str, workdir_help: str) -> None:
+    def command(out, quick, workdir) -> None:
+        import importlib
+        module = importlib.import_module(f"{__package__}.bench_{name}")
+        module.run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+
+    command.__doc__ = doc
+    command = click.option("--workdir", default=None, type=click.Path(file_okay=False),
+                           help=f"Where {workdir_help} go (default: a temp dir under the current one).")(command)
+    command = click.option("--quick", is_flag=True, help=quick_help)(command)
+    command = click.option("--out", default="bench-results", show_default=True,
+                           type=click.Path(file_okay=False))(command)
+    bench.command(name)(command)
 
 
-
-@bench.command("datasets")
-@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--quick", is_flag=True, help="5k small and 200 large items (a smoke run).")
-@click.option("--workdir", default=None, type=click.Path(file_okay=False),
-              help="Where the trees, the store and the copies go (default: a temp dir under the current one).")
-def bench_datasets(out, quick, workdir) -> None:
-    """Staging vs cp -r, and one cold shuffled epoch: distorefs vs ext4 vs bindfs."""
-    from .bench_datasets import run
-    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
-
-
-@bench.command("checkpoints")
-@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--quick", is_flag=True, help="A 256 MiB checkpoint and a 30-step loop (a smoke run).")
-@click.option("--workdir", default=None, type=click.Path(file_okay=False),
-              help="Where the store and the ext4 baseline go (default: a temp dir under the current one).")
-def bench_checkpoints(out, quick, workdir) -> None:
-    """A 2 GiB checkpoint (close() vs durable) and a checkpointing training loop: distorefs vs ext4 vs tmpfs."""
-    from .bench_checkpoints import run
-    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
-
-
-@bench.command("scale")
-@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--quick", is_flag=True, help="1 GiB under 256 MiB of memory, 10 s phases (a smoke run).")
-@click.option("--workdir", default=None, type=click.Path(file_okay=False),
-              help="Where the store and cpprb's memory-mapped file go (default: a temp dir under the current one).")
-def bench_scale(out, quick, workdir) -> None:
-    """A buffer of 20 GiB under 1 GiB of memory: insert, sample+read with compaction, RSS, space, mount time, vs cpprb."""
-    from .bench_scale import run
-    run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+for _name, _texts in BENCHMARKS.items():
+    _bench_command(_name, *_texts)
 
 
 # verify, ls, inspect, export, gc, stats: tools/inspection.py
