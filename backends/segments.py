@@ -63,7 +63,7 @@ from typing import Iterator, Sequence
 
 import lmdb
 
-from .base import TierUsage, ValueBackend, capacity_of
+from .base import TierUsage, ValueBackend
 from .lmdbenv import LmdbEnv
 from distorefs.errors import CorruptValue, InvalidArgument, NoSpace, NotFound
 

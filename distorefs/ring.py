@@ -23,7 +23,7 @@ from sortedcontainers import SortedDict
 
 from . import codec
 from .catalog import (DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, TIER_LMDB, TIER_NAMES, entry_key,
-                      ns_prefix, pack_f64, split_entry_key)
+                      ns_prefix, pack_f64)
 from .committer import Change, Overlay
 from .config import RingConfig
 from .errors import CorruptValue, DistorefsError, NoSpace, NotFound, TooLarge

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -804,17 +805,34 @@ def _pick_workdir(workdir: Path | None, notes: list[str]) -> Path:
     return Path(tempfile.mkdtemp(prefix="distorefs-bench-", dir=base))
 
 
-def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
-    """Run the whole benchmark; write OUT/buffers.json and OUT/buffers.png; return the results."""
+@dataclass
+class BenchRun:
+    """What every benchmark starts from: its output directory, a scratch directory on a
+    disk, the notes its report ends with, the machine it ran on, and when it started."""
+
+    out: Path
+    root: Path
+    notes: list[str]
+    machine: dict
+    started: float
+
+
+def start_run(out: Path, workdir: Path | None) -> BenchRun:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     notes: list[str] = []
     root = _pick_workdir(workdir, notes)
+    return BenchRun(out, root, notes, machine_info(root, notes), started)
+
+
+def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
+    """Run the whole benchmark; write OUT/buffers.json and OUT/buffers.png; return the results."""
+    r = start_run(out, workdir)
+    out, root, notes, machine, started = r.out, r.root, r.notes, r.machine, r.started
     bench = Bench(root, quick)
     bench.notes = notes
     p = bench.p
-    machine = machine_info(root, notes)
     print(f"distorefs bench buffers{' --quick' if quick else ''}: workdir {root} "
           f"({machine['fs']['fstype']} on {machine['fs']['source']}), {machine['cpus']} CPUs, "
           f"other load {machine['other_load_cores_start']} cores", flush=True)

@@ -41,11 +41,10 @@ from typing import Any
 import numpy as np
 
 if __package__:
-    from .bench_buffers import DistorefsMount, _CpuMeter, _is_mounted, _other_load, _pick_workdir, machine_info
+    from .bench_buffers import DistorefsMount, _CpuMeter, _is_mounted, _other_load, start_run
     from .bench_weights import _RssSampler, _Tmpfs
 else:  # `python tools/bench_checkpoints.py`
-    from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _is_mounted, _other_load, _pick_workdir,
-                                               machine_info)
+    from distorefs.tools.bench_buffers import DistorefsMount, _CpuMeter, _is_mounted, _other_load, start_run
     from distorefs.tools.bench_weights import _RssSampler, _Tmpfs
 
 SYSTEMS = ("distorefs", "tmpfs", "ext4")
@@ -387,16 +386,12 @@ def _plot(res: dict, labels: dict[str, str], path: Path, title: str) -> None:
 
 def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     """Run the checkpoint benchmark; write OUT/checkpoints.json and .png; return the results."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    notes: list[str] = []
+    r = start_run(out, workdir)
+    out, root, notes, machine, started = r.out, r.root, r.notes, r.machine, r.started
     errors: list[str] = []
     p = _params(quick)
     total = _total_bytes(p)
-    root = _pick_workdir(workdir, notes)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    machine = machine_info(root, notes)
     labels = {"distorefs": "distorefs", "tmpfs": "tmpfs", "ext4": machine["fs"]["fstype"]}
     if machine["fs"]["fstype"] != "ext4":
         notes.append(f"the 'ext4' column is {machine['fs']['fstype']} (the work directory's file system)")

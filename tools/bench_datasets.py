@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_buffers import BindfsMount, DistorefsMount, _drop_caches, _is_mounted, _pick_workdir, machine_info
+from .bench_buffers import BindfsMount, DistorefsMount, _drop_caches, _is_mounted, start_run
 
 GOAL_EPOCH = 2.0  # distorefs cold items/s vs ext4
 GOAL_HITS = 0.95
@@ -331,12 +331,8 @@ def _plot(res: dict, path: Path, title: str) -> None:
 
 
 def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    notes: list[str] = []
-    root = _pick_workdir(workdir, notes)
-    machine = machine_info(root, notes)
+    r = start_run(out, workdir)
+    out, root, notes, machine, started = r.out, r.root, r.notes, r.machine, r.started
     print(f"distorefs bench datasets{' --quick' if quick else ''}: workdir {root} "
           f"({machine['fs']['fstype']} on {machine['fs']['source']}), {machine['cpus']} CPUs", flush=True)
     bench = Bench(root, quick, notes)

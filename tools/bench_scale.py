@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, _drop_caches, _pick_workdir, machine_info
+from .bench_buffers import DistorefsMount, _drop_caches, start_run
 
 SHAPE = (16, 84, 84)  # uint8: 112,896 bytes + a 128-byte .npy header
 ENTRY_BYTES = int(np.prod(SHAPE)) + 128
@@ -313,7 +313,7 @@ def _rows(res: dict) -> list[list[str]]:
                  + ", VmRSS " + ("met" if m["vm_rss_max"] <= limit else "MISSED")])
     sp = res["space"]
     c = sp["compaction"]
-    rows.append([f"space: on-disk / live after deleting 40% (max; end)", f"{sp['overhead_max']:.3f}; "
+    rows.append(["space: on-disk / live after deleting 40% (max; end)", f"{sp['overhead_max']:.3f}; "
                  f"{sp['overhead_end']:.3f}", f"compacted {c['compacted_segments']} segments, moved "
                  f"{c['compacted_bytes'] / 1e9:.1f} GB", "", f"<= {GOAL_OVERHEAD} once compacted: "
                  + ("met" if sp["overhead_end"] <= GOAL_OVERHEAD else "MISSED")])
@@ -375,14 +375,11 @@ def _chart(res: dict, path: Path) -> None:
 
 def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     """Run the scale benchmark; write OUT/scale.json and OUT/scale.png; return the results."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    notes: list[str] = []
-    root = _pick_workdir(workdir, notes)
+    r = start_run(out, workdir)
+    out, root, notes, started = r.out, r.root, r.notes, r.started
     p = _params(quick)
     n = p["total_bytes"] // ENTRY_BYTES
-    res: dict = {"params": p, "notes": notes, "machine": machine_info(root, notes)}
+    res: dict = {"params": p, "notes": notes, "machine": r.machine}
     options = [f"memory_bytes={p['memory_bytes']}", f"lmdb_bytes={p['lmdb_bytes']}",
                f"segment_bytes={p['segment_bytes']}"]
     print(f"distorefs bench scale{' --quick' if quick else ''}: {n:,} entries of {ENTRY_BYTES:,} B "

@@ -50,10 +50,10 @@ import numpy as np
 
 if __package__:
     from .bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted, _other_load,
-                                _pick_workdir, _proc_cpu, machine_info)
+                                _proc_cpu, start_run)
 else:  # `python tools/bench_weights.py`
     from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted,
-                                               _other_load, _pick_workdir, _proc_cpu, machine_info)
+                                               _other_load, _proc_cpu, start_run)
 
 SYSTEMS = ("distorefs", "tmpfs", "ext4")
 HEADER = 4096
@@ -673,16 +673,12 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, distorefs_t
     MNT/weights/bench on a fresh mount (for testing the harness; nothing is mounted then).
     Without it, a mount whose weights/ directory is missing falls back to a plain
     directory in the work directory, and the column is labelled as such."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    notes: list[str] = []
+    r = start_run(out, workdir)
+    out, root, notes, machine, started = r.out, r.root, r.notes, r.machine, r.started
     errors: list[str] = []
     p = _params(quick)
     size = p["size_mib"] << 20
-    root = _pick_workdir(workdir, notes)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    machine = machine_info(root, notes)
     log(f"distorefs bench weights{' --quick' if quick else ''}: {p['size_mib']} MiB published every "
         f"{p['period']:g} s, {p['readers']} readers, {p['seconds']:g} s per system; workdir {root} "
         f"({machine['fs']['fstype']} on {machine['fs']['source']}), {machine['cpus']} CPUs, "

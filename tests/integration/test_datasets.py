@@ -6,7 +6,6 @@ file with metadata, and the MountedDataset/EpochSampler helper."""
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import shutil

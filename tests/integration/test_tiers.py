@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from distorefs_it import entry_names, get_stats, make_payload, read_entry, verify_payload, write_entry, xattr
+from distorefs_it import entry_names, make_payload, read_entry, verify_payload, write_entry, xattr
 
 MiB = 1 << 20
 ENTRY = 250 << 10

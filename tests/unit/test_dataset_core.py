@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import trio
 
-from distorefs.dataset import DIR, FILE, ROOT_DIR
+from distorefs.dataset import FILE, ROOT_DIR
 from distorefs.errors import InvalidArgument, NotEmpty, ReadOnly
 from distorefs.ring import Owner
 from store_runner import run

@@ -3,7 +3,6 @@ compaction of sparse ring segments (space overhead back under its bound, every v
 intact, sampling going on), a full NVMe tier (evict the oldest, or ENOSPC and nothing
 lost), segments striped over directories with capacities, and the memory plan."""
 
-import os
 import random
 
 import pytest
