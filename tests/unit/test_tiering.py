@@ -225,3 +225,33 @@ def test_a_dropped_rings_last_segment_is_collected(tmp_path):
         assert not segs[0].exists()
 
     run(tmp_path / "s", body, config={"lmdb_bytes": 0})
+
+
+def test_a_directory_added_later_is_used_and_a_missing_one_refused(tmp_path):
+    store_dir, extra = tmp_path / "s", tmp_path / "nvme1"
+
+    async def fill(store, start: int):
+        buf = store.buffer("b") if "b" in store.buffers else await store.create_buffer("b", DIR)
+        await store.configure_buffer("b", b'{"compression": "none"}')
+        for i in range(start, start + 6):
+            await buf.insert(b"e%d" % i, payload(i, 600 * KiB), OWNER)  # over segment_threshold: NVMe
+
+    run(store_dir, lambda store: fill(store, 0), config={"segment_bytes": MiB})
+    assert list((store_dir / "segments").glob("seg-*.dat"))
+
+    async def more(store):
+        paths = [d.path for d in store.config.nvme_dirs]
+        assert paths == [str(store_dir / "segments"), str(extra)]  # the default one stays listed
+        await fill(store, 6)
+        assert list(extra.glob("seg-*.dat"))  # the new directory, with the most room, takes segments
+        for i in range(12):
+            assert await store.buffer("b").ring.read(store.buffer("b").ring.get(b"e%d" % i)) == payload(i, 600 * KiB)
+
+    # the default directory capped near what it holds: the new one has the most room
+    run(store_dir, more, nvme_dirs=[{"path": str(store_dir / "segments"), "capacity_bytes": 6 * MiB},
+                                    {"path": str(extra), "capacity_bytes": 1 << 30}])
+    for seg in extra.glob("seg-*.dat"):  # a drive that is not there: the mount is refused
+        seg.unlink()
+    extra.rmdir()
+    with pytest.raises(InvalidConfig, match="missing"):
+        run(store_dir, lambda store: trio.sleep(0))
