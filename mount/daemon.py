@@ -21,20 +21,31 @@ from .operations import Filesystem
 log = logging.getLogger(__name__)
 
 
-def _return_freed_memory() -> None:
-    """Have glibc give freed values back to the system at once. Its mmap threshold
-    otherwise rises with every large block freed (up to 32 MiB), after which values of a
-    few hundred KB come from the heap arenas of our worker threads, and values that come
-    and go there fragment the heap: resident memory would grow past memory_bytes with
-    what was merely read. Values of 32 KiB and more are mapped and unmapped instead."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 32 << 10)  # M_MMAP_THRESHOLD: fixed, not dynamic
-        libc.mallopt(-8, 4)  # M_ARENA_MAX: bounded arenas across threads
-    except (OSError, AttributeError):
-        log.debug("mallopt not available: resident memory may hold freed blocks")
+class _Glibc:
+    """Keeps the daemon's resident memory to what it holds. glibc's mmap threshold rises
+    with every large block freed (up to 32 MiB), after which values of a few hundred KB
+    come from the heap arenas of our worker threads; values that come and go there leave
+    freed pages resident, and resident memory would grow past memory_bytes with what was
+    merely read. So: a fixed threshold (128 KiB, so such values stay cheap to allocate),
+    few arenas, and the freed pages of every arena given back each few seconds
+    (malloc_trim). Elsewhere than glibc this does nothing."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import ctypes.util
+        try:
+            self.libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            self.libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: fixed, not dynamic
+            self.libc.mallopt(-8, 4)  # M_ARENA_MAX
+            self.libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            log.debug("not glibc: resident memory may hold freed blocks")
+            self.libc = None
+
+    async def trim_every(self, seconds: float) -> None:
+        while self.libc is not None:
+            await trio.sleep(seconds)
+            await trio.to_thread.run_sync(self.libc.malloc_trim, 0)
 
 
 async def _read_ahead_after_init(mountpoint: str, kb: int) -> None:
@@ -66,7 +77,7 @@ def _set_read_ahead(mountpoint: str, kb: int) -> None:
 def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, allow_other: bool = False,
           config: dict | None = None, ready_fd: int | None = None, debug_fuse: bool = False) -> None:
     """Mount `store_path` at `mountpoint` and serve until unmounted (blocking)."""
-    _return_freed_memory()
+    glibc = _Glibc()
     try:
         store = Store(store_path, nvme_dirs=nvme_dirs, config=config)
     except Exception as exc:
@@ -90,14 +101,14 @@ def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, al
     unmounted = False
     try:
         # By signal, pyfuse3 stops serving but the kernel mount is still there.
-        unmounted = not trio.run(_run, store, fs, ready_fd, mountpoint)
+        unmounted = not trio.run(_run, store, fs, ready_fd, mountpoint, glibc)
     finally:
         pyfuse3.close(unmount=not unmounted)
         store.close()
         log.info("unmounted %s", mountpoint)
 
 
-async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: str) -> bool:
+async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: str, glibc: _Glibc) -> bool:
     """Serve until the mount ends; True if it ended by a signal rather than an unmount."""
     signalled: list[int] = []
     async with store.running():
@@ -106,6 +117,7 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_stop_on_signal, signalled)
                 nursery.start_soon(_read_ahead_after_init, mountpoint, store.config.read_ahead_kb)
+                nursery.start_soon(glibc.trim_every, 2.0)
                 _report(ready_fd, "ready")
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 nursery.cancel_scope.cancel()
