@@ -233,6 +233,30 @@ class Check:
     def read(self, fn):
         return self.env.read(fn)
 
+    def scan(self, db, batch: int = 4096):
+        """Every (key, value) of `db` in key order, copied out; one read transaction per
+        batch of rows, so memory stays flat on big stores."""
+        after = b""
+        while True:
+            def rows_after(txn, after=after):
+                cur = txn.cursor(db=db)
+                out = []
+                if not cur.set_range(after):
+                    return out
+                for k, v in cur:
+                    k = bytes(k)
+                    if k == after:
+                        continue
+                    out.append((k, bytes(v)))
+                    if len(out) >= batch:
+                        break
+                return out
+            rows = self.read(rows_after)
+            if not rows:
+                return
+            yield from rows
+            after = rows[-1][0]
+
     def write(self, fn) -> None:
         self.env.write(fn)
 
@@ -447,60 +471,40 @@ def check_ring_entries(check: Check) -> str:
     seen_keys: dict[tuple[int, bytes], int] = {}
     dangling: dict[int, list[bytes]] = {}
     n = 0
-    # One read transaction per batch of rows keeps memory flat on big stores.
-    after = b""
-    while True:
-        def batch(txn, after=after):
-            cur = txn.cursor(db=db)
-            out = []
-            if not cur.set_range(after):
-                return out
-            for k, v in cur:
-                k = bytes(k)
-                if k == after:
-                    continue
-                out.append((k, bytes(v)))
-                if len(out) >= 4096:
-                    break
-            return out
-        rows = check.read(batch)
-        if not rows:
-            break
-        after = rows[-1][0]
-        for key, value in rows:
-            n += 1
-            if len(key) != 12:
-                check.error(f"entries row with a malformed key {key.hex()}")
-                check.incomplete("malformed entries row")
-                continue
-            ns_id, seq = split_entry_key(key)
-            try:
-                meta = EntryMeta.unpack(seq, value)
-            except struct.error:
-                check.error(f"entries row ns {ns_id} seq {seq} does not parse")
-                check.incomplete("an entries row does not parse")
-                continue
-            ring = rings.get(ns_id)
-            where = f"{ring[0]}/{ring[1]}" if ring else f"namespace {ns_id}"
-            what = f"{where}/entries/{meta.key.decode('utf-8', 'replace')} (seq {seq})"
-            if ring is None:
-                dangling.setdefault(ns_id, []).append(key)
-                if check.repair:
-                    continue  # the row goes below; its value is then unreferenced and freed
-            else:
-                check.entry_keys[key] = ring[0]
-            try:
-                check_name(meta.key)
-            except InvalidName as exc:
-                check.error(f"{what}: invalid key ({exc})")
-            dup = seen_keys.get((ns_id, meta.key))
-            if dup is not None:
-                check.error(f"{what}: key also used by seq {dup} (only one is visible)")
-            seen_keys[(ns_id, meta.key)] = seq
-            if meta.codec not in codec.CODEC_NAMES:
-                check.error(f"{what}: unknown codec {meta.codec}")
-                continue
-            check.ref(what, meta.tier, meta.loc, meta.stored_size, meta.size, meta.codec, meta.checksum)
+    for key, value in check.scan(db):
+        n += 1
+        if len(key) != 12:
+            check.error(f"entries row with a malformed key {key.hex()}")
+            check.incomplete("malformed entries row")
+            continue
+        ns_id, seq = split_entry_key(key)
+        try:
+            meta = EntryMeta.unpack(seq, value)
+        except struct.error:
+            check.error(f"entries row ns {ns_id} seq {seq} does not parse")
+            check.incomplete("an entries row does not parse")
+            continue
+        ring = rings.get(ns_id)
+        where = f"{ring[0]}/{ring[1]}" if ring else f"namespace {ns_id}"
+        what = f"{where}/entries/{meta.key.decode('utf-8', 'replace')} (seq {seq})"
+        if ring is None:
+            dangling.setdefault(ns_id, []).append(key)
+            if check.repair:
+                continue  # the row goes below; its value is then unreferenced and freed
+        else:
+            check.entry_keys[key] = ring[0]
+        try:
+            check_name(meta.key)
+        except InvalidName as exc:
+            check.error(f"{what}: invalid key ({exc})")
+        dup = seen_keys.get((ns_id, meta.key))
+        if dup is not None:
+            check.error(f"{what}: key also used by seq {dup} (only one is visible)")
+        seen_keys[(ns_id, meta.key)] = seq
+        if meta.codec not in codec.CODEC_NAMES:
+            check.error(f"{what}: unknown codec {meta.codec}")
+            continue
+        check.ref(what, meta.tier, meta.loc, meta.stored_size, meta.size, meta.codec, meta.checksum)
     for ns_id, keys in sorted(dangling.items()):
         def fix(txn, keys=keys):
             for k in keys:
@@ -700,57 +704,38 @@ def check_datasets(check: Check) -> str:
     items = 0
     found: dict[int, dict] = {}
     dangling: dict[int, list[bytes]] = {}
-    after = b""
-    while True:
-        def batch(txn, after=after):
-            cur = txn.cursor(db=db)
-            out = []
-            if not cur.set_range(after):
-                return out
-            for k, v in cur:
-                k = bytes(k)
-                if k == after:
-                    continue
-                out.append((k, bytes(v)))
-                if len(out) >= 4096:
-                    break
-            return out
-        rows = check.read(batch)
-        if not rows:
-            break
-        after = rows[-1][0]
-        for key, value in rows:
-            if len(key) < 5:
-                check.error(f"dsnodes row with a malformed key {key.hex()}")
+    for key, value in check.scan(db):
+        if len(key) < 5:
+            check.error(f"dsnodes row with a malformed key {key.hex()}")
+            continue
+        ds_id = struct.unpack(">I", key[:4])[0]
+        tag = key[4:5]
+        if ds_id not in datasets:
+            dangling.setdefault(ds_id, []).append(key)
+            if check.repair:
                 continue
-            ds_id = struct.unpack(">I", key[:4])[0]
-            tag = key[4:5]
-            if ds_id not in datasets:
-                dangling.setdefault(ds_id, []).append(key)
-                if check.repair:
-                    continue
-            name = datasets.get(ds_id, f"id {ds_id}")
-            info = found.setdefault(ds_id, {"counters": None, STAGING: [0, 0], SEALED: [0, 0]})
-            if tag == b"c" and len(key) == 5:
-                try:
-                    info["counters"] = Counters.unpack(value)
-                except struct.error:
-                    check.error(f"datasets/{name}: counters do not parse")
-            elif tag in (STAGING, SEALED) and len(key) == 13:
-                item_id = struct.unpack(">Q", key[5:])[0]
-                try:
-                    item = Item.unpack(item_id, value, tag)
-                except (struct.error, ValueError) as exc:
-                    check.error(f"datasets/{name}: item {item_id} does not parse ({exc})")
-                    check.incomplete("a dataset item does not parse")
-                    continue
-                items += 1
-                info[tag][0] += 1
-                info[tag][1] += item.size
-                what = f"datasets/{name}/items/{item.name.decode('utf-8', 'replace')} (item {item_id})"
-                if sum(c.size for c in item.chunks) != item.size:
-                    check.error(f"{what}: chunks hold {sum(c.size for c in item.chunks)} bytes, the item {item.size}")
-                check.ref_chunks(what, item.chunks, Whole(what, item.size, item.checksum))
+        name = datasets.get(ds_id, f"id {ds_id}")
+        info = found.setdefault(ds_id, {"counters": None, STAGING: [0, 0], SEALED: [0, 0]})
+        if tag == b"c" and len(key) == 5:
+            try:
+                info["counters"] = Counters.unpack(value)
+            except struct.error:
+                check.error(f"datasets/{name}: counters do not parse")
+        elif tag in (STAGING, SEALED) and len(key) == 13:
+            item_id = struct.unpack(">Q", key[5:])[0]
+            try:
+                item = Item.unpack(item_id, value, tag)
+            except (struct.error, ValueError) as exc:
+                check.error(f"datasets/{name}: item {item_id} does not parse ({exc})")
+                check.incomplete("a dataset item does not parse")
+                continue
+            items += 1
+            info[tag][0] += 1
+            info[tag][1] += item.size
+            what = f"datasets/{name}/items/{item.name.decode('utf-8', 'replace')} (item {item_id})"
+            if sum(c.size for c in item.chunks) != item.size:
+                check.error(f"{what}: chunks hold {sum(c.size for c in item.chunks)} bytes, the item {item.size}")
+            check.ref_chunks(what, item.chunks, Whole(what, item.size, item.checksum))
     for ds_id, info in found.items():
         c = info["counters"]
         if c is None or ds_id not in datasets:
