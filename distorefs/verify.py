@@ -527,9 +527,10 @@ def check_ring_indexes(check: Check) -> str:
         db = check.db(name)
         if db is None:
             continue
-        rows = check.read(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)])
         dangling, bad = [], []
-        for key, value in rows:
+        n = 0
+        for key, value in check.scan(db):  # a row per entry: scanned in batches, not held
+            n += 1
             kind = check.entry_keys.get(key)
             if kind != "buffers":
                 dangling.append(key)
@@ -554,7 +555,7 @@ def check_ring_indexes(check: Check) -> str:
             what = "a negative, infinite or NaN priority" if name == DB_PRIO else "a malformed count"
             check.error(f"{len(bad)} {label} rows hold {what}", drop(bad),
                         f"deleted {len(bad)} rows (the entries get the default at the next mount)")
-        out.append(f"{len(rows)} {label} rows")
+        out.append(f"{n} {label} rows")
     return ", ".join(out) or "none"
 
 
@@ -567,9 +568,8 @@ def check_weights(check: Check) -> str:
     db = check.db(b"wnodes")
     if db is None:
         return "none"
-    rows = check.read(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)])
     nodes: dict[int, WNode] = {}
-    for key, value in rows:
+    for key, value in check.scan(db):
         try:
             node_id = struct.unpack(">Q", key)[0]
             nodes[node_id] = WNode.from_record(node_id, value)
@@ -764,10 +764,9 @@ def check_checkpoints(check: Check) -> str:
     db = check.db(b"cknodes")
     if db is None:
         return "none"
-    rows = check.read(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)])
     nodes: dict[int, dict] = {}
     chunks: list[tuple[bytes, int, int, Chunk]] = []
-    for key, value in rows:
+    for key, value in check.scan(db):
         tag = key[:1]
         try:
             if tag == b"n" and len(key) == 9:

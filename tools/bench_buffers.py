@@ -826,6 +826,24 @@ def start_run(out: Path, workdir: Path | None) -> BenchRun:
     return BenchRun(out, root, notes, machine_info(root, notes), started)
 
 
+def print_report(table: str, goals: list[dict], notes: list[str], errors: list[str],
+                 explanations: tuple[str, ...] = ()) -> None:
+    """The end of a benchmark's output: its table, each goal met or missed, then what
+    explains the numbers, notes and errors."""
+    print()
+    print(table)
+    print()
+    for g in goals:
+        status = "met " if g["met"] else ("MISS" if g["met"] is False else " -  ")
+        print(f"goal {status} {g['goal']}: {g['value']}")
+    for line in explanations:
+        print(line)
+    for n in notes:
+        print(f"note: {n}")
+    for e in errors:
+        print(f"error: {e}")
+
+
 def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     """Run the whole benchmark; write OUT/buffers.json and OUT/buffers.png; return the results."""
     r = start_run(out, workdir)

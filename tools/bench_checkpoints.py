@@ -41,10 +41,11 @@ from typing import Any
 import numpy as np
 
 if __package__:
-    from .bench_buffers import DistorefsMount, _CpuMeter, _is_mounted, _other_load, start_run
+    from .bench_buffers import DistorefsMount, _CpuMeter, _is_mounted, _other_load, print_report, start_run
     from .bench_weights import _RssSampler, _Tmpfs
 else:  # `python tools/bench_checkpoints.py`
-    from distorefs.tools.bench_buffers import DistorefsMount, _CpuMeter, _is_mounted, _other_load, start_run
+    from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _is_mounted, _other_load, print_report,
+                                               start_run)
     from distorefs.tools.bench_weights import _RssSampler, _Tmpfs
 
 SYSTEMS = ("distorefs", "tmpfs", "ext4")
@@ -466,16 +467,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     except Exception as exc:
         errors.append(f"plot: {type(exc).__name__}: {exc}")
     json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print()
-    print(table)
-    print()
-    for g in goals:
-        status = "met " if g["met"] else ("MISS" if g["met"] is False else " -  ")
-        print(f"goal {status} {g['goal']}: {g['value']}")
-    for n in notes:
-        print(f"note: {n}")
-    for e in errors:
-        print(f"error: {e}")
+    print_report(table, goals, notes, errors)
     print(f"wrote {json_path} and {png_path} in {result['elapsed_s']:.0f}s")
     return result
 

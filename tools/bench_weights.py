@@ -50,10 +50,10 @@ import numpy as np
 
 if __package__:
     from .bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted, _other_load,
-                                _proc_cpu, start_run)
+                                _proc_cpu, print_report, start_run)
 else:  # `python tools/bench_weights.py`
     from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted,
-                                               _other_load, _proc_cpu, start_run)
+                                               _other_load, _proc_cpu, print_report, start_run)
 
 SYSTEMS = ("distorefs", "tmpfs", "ext4")
 HEADER = 4096
@@ -804,19 +804,10 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, distorefs_t
     except Exception as exc:
         errors.append(f"plot: {type(exc).__name__}: {exc}")
         json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print()
-    print(table)
-    print()
-    for g in goals:
-        status = "met " if g["met"] else ("MISS" if g["met"] is False else " -  ")
-        print(f"goal {status} {g['goal']}: {g['value']}")
-    print(f"payload: {p['size_mib']} MiB = {HEADER} B header + uint64 words (version << 40) + i, every word of every "
-          f"read checked; distorefs writes in place (open 'wb', write, close), tmpfs/{labels['ext4']} write a temp "
-          f"file and os.replace it; publish = the writer's open..close (+ rename).")
-    for n in notes:
-        print(f"note: {n}")
-    for e in errors:
-        print(f"error: {e}")
+    print_report(table, goals, notes, errors, (
+        f"payload: {p['size_mib']} MiB = {HEADER} B header + uint64 words (version << 40) + i, every word of every "
+        f"read checked; distorefs writes in place (open 'wb', write, close), tmpfs/{labels['ext4']} write a temp "
+        f"file and os.replace it; publish = the writer's open..close (+ rename).",))
     print(f"wrote {json_path} and {png_path} in {result['elapsed_s']:.0f}s")
     return result
 
