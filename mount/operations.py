@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import time
+from collections import Counter
 
 import pyfuse3
 import trio
@@ -31,8 +32,11 @@ log = logging.getLogger(__name__)
 
 
 def _translate(fn):
+    name = fn.__name__
+
     @functools.wraps(fn)
     async def wrapper(self, *args):
+        self.requests[name] += 1
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError:
@@ -59,6 +63,7 @@ class Filesystem(pyfuse3.Operations):
         self.store = store
         self.inodes = InodeTable()
         self.handles: dict[int, Handle] = {}
+        self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
         self._fh = itertools.count(1)
         self.uid = os.getuid()
         self.gid = os.getgid()
@@ -87,7 +92,8 @@ class Filesystem(pyfuse3.Operations):
     def stats(self) -> dict:
         s = self.store.stats()
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
-                      "invalidations": self.invalidator.sent if self.invalidator else 0}
+                      "invalidations": self.invalidator.sent if self.invalidator else 0,
+                      "requests": dict(self.requests)}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes
             s["memory"]["held_bytes"] += self.pusher.queued_bytes
@@ -150,6 +156,7 @@ class Filesystem(pyfuse3.Operations):
         return attrs
 
     async def forget(self, inode_list):
+        self.requests["forget"] += 1
         for ino, n in inode_list:
             try:
                 self.inodes.forget(ino, n)
@@ -198,7 +205,7 @@ class Filesystem(pyfuse3.Operations):
             self.inodes.looked_up(child.ino)
 
     async def releasedir(self, fh):
-        pass
+        self.requests["releasedir"] += 1
 
     @_translate
     async def fsyncdir(self, fh, datasync):
@@ -279,6 +286,7 @@ class Filesystem(pyfuse3.Operations):
         await handle.fsync()
 
     async def release(self, fh):
+        self.requests["release"] += 1
         handle = self.handles.pop(fh, None)
         if handle is None:
             return

@@ -244,6 +244,8 @@ def bench() -> None:
 
 # name: (what it measures, what --quick does, what goes in --workdir)
 BENCHMARKS = {
+    "ops": ("FUSE requests and daemon CPU per operation, every path, vs a minimal pyfuse3 filesystem and bindfs.",
+            "Fewer operations and smaller files (a smoke run).", "the store, the floor and bindfs directories"),
     "buffers": ("Replay-buffer insert/sample/read throughput vs plain files, bindfs and cpprb.",
                 "Smaller counts (a smoke run).", "stores and baseline directories"),
     "weights": ("One writer republishing a file while many readers read it: distorefs vs tmpfs vs ext4.",
