@@ -1,9 +1,14 @@
-"""The one small interface every value tier implements (LMDB values, NVMe segments).
+"""The engine interfaces: a transaction over named key spaces, and the value tier.
 
-A tier stores opaque value bytes and hands back an opaque location. Metadata
-changes a tier makes (accounting, indexes) happen in the caller's LMDB write
-transaction, so they commit or roll back together with the references to the
-location. Reading never needs a transaction.
+`Txn` is what the metadata engine hands to everything that writes in one atomic step
+(the core's commit groups): named key spaces ("databases") of byte keys. The LMDB engine
+implements it (backends/lmdbenv.py); a shared engine can implement it later. Nothing
+above the backends holds an engine's own transaction object.
+
+A value tier stores opaque value bytes and hands back an opaque location. Metadata
+changes a tier makes (accounting, indexes) happen in the caller's transaction, so they
+commit or roll back together with the references to the location. Reading never needs a
+transaction.
 """
 
 from __future__ import annotations
@@ -11,9 +16,24 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 
-import lmdb
+
+class Txn(Protocol):
+    """One transaction of the metadata engine. Values read are views valid until the next
+    write in the transaction (or its end): copy what is kept. A write transaction may be
+    run again from the start (map growth), so what runs in it must be safe to rerun."""
+
+    def get(self, key: bytes, db: bytes) -> Any: ...
+
+    def put(self, key: bytes, value: Any, db: bytes, overwrite: bool = True) -> bool: ...
+
+    def replace(self, key: bytes, value: Any, db: bytes) -> Any: ...
+
+    def delete(self, key: bytes, db: bytes) -> bool: ...
+
+    def cursor(self, db: bytes) -> Any:
+        """An ordered cursor over `db` (set_range, first, next, key, value, delete, iteration)."""
 
 
 @dataclass(frozen=True)
@@ -30,19 +50,19 @@ def capacity_of(directory: str | os.PathLike[str], used_bytes: int) -> int:
 
 
 class ValueBackend(ABC):
-    """A value tier. ``put``/``delete`` run inside ``LmdbEnv.write()``; the
-    transaction may be retried, so both must be safe to rerun."""
+    """A value tier. ``put``/``delete`` run inside the engine's write transaction
+    (a ``Txn``); it may be retried, so both must be safe to rerun."""
 
     name: str  # "lmdb" or "nvme"
 
     @abstractmethod
-    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
+    def put(self, txn: Txn, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
         """Store ``data``; return an opaque location (bytes). ``stream`` groups values that
         age together (a ring's); a tier may keep each stream's values apart."""
 
     @abstractmethod
     def get(self, loc: bytes) -> bytes:
-        """The value at ``loc``; raises ``NotFound`` if absent."""
+        """The value at ``loc``; raises ``Missing`` if absent, ``Damaged`` if it does not verify."""
 
     def get_checked(self, loc: bytes) -> tuple[bytes, int | None]:
         """The value at ``loc`` and the CRC-32 the tier verified it against (None if the
@@ -51,7 +71,7 @@ class ValueBackend(ABC):
         return self.get(loc), None
 
     @abstractmethod
-    def delete(self, txn: lmdb.Transaction, loc: bytes) -> None:
+    def delete(self, txn: Txn, loc: bytes) -> None:
         """Drop the value at ``loc``; a missing location is a no-op."""
 
     @abstractmethod

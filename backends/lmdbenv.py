@@ -15,6 +15,9 @@ Thread rules (all calls come from worker threads, never an event loop):
 * ``fn`` passed to :meth:`read` must not call :meth:`write` (it would wait for
   its own shared lock during a resize); ``fn`` passed to :meth:`write` must not
   call :meth:`write` again. Both mistakes raise ``RuntimeError`` at once.
+
+``fn`` receives an :class:`LmdbTxn`: the engine-neutral ``Txn`` of backends/base.py,
+whose key spaces are named (``db=b"entries"``) rather than LMDB handles.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from distorefs.errors import NoSpace
+from .errors import Full
 
 T = TypeVar("T")
 
@@ -108,6 +111,38 @@ class _SharedExclusiveLock:
                 self._cond.notify_all()
 
 
+class LmdbTxn:
+    """An LMDB transaction as a `Txn`: key spaces by name, resolved to the environment's
+    database handles (opened beforehand with `LmdbEnv.db`)."""
+
+    __slots__ = ("_txn", "_dbs")
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[bytes, "lmdb._Database"]) -> None:
+        self._txn = txn
+        self._dbs = dbs
+
+    def _db(self, name: bytes) -> "lmdb._Database":
+        handle = self._dbs.get(name)
+        if handle is None:
+            raise RuntimeError(f"database {name!r} was not opened before the transaction")
+        return handle
+
+    def get(self, key: bytes, db: bytes):
+        return self._txn.get(key, db=self._db(db))
+
+    def put(self, key: bytes, value, db: bytes, overwrite: bool = True) -> bool:
+        return self._txn.put(key, value, db=self._db(db), overwrite=overwrite)
+
+    def replace(self, key: bytes, value, db: bytes):
+        return self._txn.replace(key, value, db=self._db(db))
+
+    def delete(self, key: bytes, db: bytes) -> bool:
+        return self._txn.delete(key, db=self._db(db))
+
+    def cursor(self, db: bytes) -> lmdb.Cursor:
+        return self._txn.cursor(db=self._db(db))
+
+
 class LmdbEnv:
     """Owns one ``lmdb.Environment`` in directory ``path`` (created 0700)."""
 
@@ -135,25 +170,23 @@ class LmdbEnv:
 
     # -- databases -----------------------------------------------------------
 
-    def db(self, name: bytes) -> lmdb._Database:
-        """Handle of the named database, created on first use and cached.
+    def db(self, name: bytes) -> bytes:
+        """Open the named database (created on first use) and return its name, by which
+        transactions address it.
 
-        Open every database before using it in write(): creating one needs its
-        own write transaction, so a first call inside ``fn`` raises RuntimeError.
+        Open every database before using it in write(): creating one needs its own write
+        transaction, so a first call inside ``fn`` raises RuntimeError.
         """
-        handle = self._dbs.get(name)
-        if handle is not None:
-            return handle
+        if name in self._dbs:
+            return name
         with self._dbs_lock:
-            handle = self._dbs.get(name)
-            if handle is None:
+            if name not in self._dbs:
                 # open_db with create=True runs its own write txn: take the
                 # writer lock so it cannot interleave with write().
                 self._check_not_nested()
                 with self._write_lock:
-                    handle = self._env.open_db(name, create=True)
-                self._dbs[name] = handle
-            return handle
+                    self._dbs[name] = self._env.open_db(name, create=True)
+            return name
 
     def db_names(self) -> list[bytes]:
         """Names of the named databases in the environment (keys of LMDB's main db)."""
@@ -163,7 +196,7 @@ class LmdbEnv:
 
     # -- transactions --------------------------------------------------------
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, fn: Callable[[LmdbTxn], T]) -> T:
         """Run ``fn(txn)`` in one write transaction, commit, return its result.
 
         On ``MapFullError`` the transaction is aborted, the map doubled and
@@ -171,7 +204,7 @@ class LmdbEnv:
         read inside are views valid until the next write in the transaction:
         ``fn`` copies what it keeps or returns. Any
         other exception aborts the transaction and propagates.
-        Raises ``NoSpace`` when the disk cannot hold a larger map.
+        Raises ``Full`` when the disk cannot hold a larger map.
         """
         self._check_not_nested()
         with self._write_lock:
@@ -182,7 +215,7 @@ class LmdbEnv:
                     # learn a value's length without copying it); fn copies what it keeps.
                     txn = self._env.begin(write=True, buffers=True)
                     try:
-                        result = fn(txn)
+                        result = fn(LmdbTxn(txn, self._dbs))
                         txn.commit()
                         return result
                     except lmdb.MapFullError:
@@ -190,7 +223,7 @@ class LmdbEnv:
                     except lmdb.Error as exc:
                         txn.abort()
                         if _is_disk_full(exc, self.path):
-                            raise NoSpace(f"{self.path}: disk full") from exc
+                            raise Full(f"{self.path}: disk full") from exc
                         raise
                     except BaseException:
                         txn.abort()
@@ -199,7 +232,7 @@ class LmdbEnv:
             finally:
                 self._local.writing = False
 
-    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def read(self, fn: Callable[[LmdbTxn], T]) -> T:
         """Run ``fn(txn)`` in a read-only ``buffers=True`` transaction.
 
         Values read inside are memoryviews into the map and die with the
@@ -207,7 +240,7 @@ class LmdbEnv:
         """
         with self._rw.shared():
             with self._env.begin(write=False, buffers=True) as txn:
-                return fn(txn)
+                return fn(LmdbTxn(txn, self._dbs))
 
     def _check_not_nested(self) -> None:
         if getattr(self._local, "writing", False):
@@ -225,13 +258,13 @@ class LmdbEnv:
         cap = data_file.stat().st_size + st.f_bavail * st.f_frsize
         new = min(current * 2, cap) // self._page * self._page
         if new <= current:
-            raise NoSpace(f"{self.path}: LMDB map full ({current} bytes) and the disk has no room to grow")
+            raise Full(f"{self.path}: LMDB map full ({current} bytes) and the disk has no room to grow")
         with self._rw.exclusive():
             try:
                 self._env.set_mapsize(new)
             except lmdb.Error as exc:
                 if _is_disk_full(exc):
-                    raise NoSpace(f"{self.path}: cannot grow LMDB map") from exc
+                    raise Full(f"{self.path}: cannot grow LMDB map") from exc
                 raise
 
     # -- maintenance ---------------------------------------------------------

@@ -11,12 +11,12 @@ from __future__ import annotations
 import struct
 from typing import Iterator
 
-import lmdb
-
-from .base import TierUsage, ValueBackend, capacity_of
+from .base import TierUsage, Txn, ValueBackend, capacity_of
+from .errors import BadRequest, Missing
 from .lmdbenv import LmdbEnv
-from distorefs.errors import InvalidArgument, NotFound
 
+DB_VALUES = b"values"
+DB_TIERMETA = b"tiermeta"
 _LIVE_KEY = b"lmdb.live_bytes"
 _U64 = struct.Struct("<Q")
 _MAX_KEY = 511  # LMDB's default maximum key size
@@ -28,55 +28,55 @@ class LmdbValues(ValueBackend):
 
     def __init__(self, env: LmdbEnv) -> None:
         self.env = env
-        # Open the handles now: opening a db inside a caller's write txn is not allowed.
-        self._values = env.db(b"values")
-        self._meta = env.db(b"tiermeta")
+        # Open the databases now: opening one inside a caller's write txn is not allowed.
+        env.db(DB_VALUES)
+        env.db(DB_TIERMETA)
         self.recent_live = 0
 
-    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
+    def put(self, txn: Txn, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
         if not 0 < len(vkey) <= _MAX_KEY:
-            raise InvalidArgument(f"vkey must be 1..{_MAX_KEY} bytes, got {len(vkey)}")
+            raise BadRequest(f"vkey must be 1..{_MAX_KEY} bytes, got {len(vkey)}")
         size = memoryview(data).nbytes
-        if txn.put(vkey, data, db=self._values, overwrite=False):
+        if txn.put(vkey, data, db=DB_VALUES, overwrite=False):
             delta = size
         else:
             # Rare (same vkey stored twice): replace and count only the difference.
-            old = txn.replace(vkey, data, db=self._values)
+            old = txn.replace(vkey, data, db=DB_VALUES)
             delta = size - len(old)
         self._add_live(txn, delta)
         return bytes(vkey)
 
     def get(self, loc: bytes) -> bytes:
         if not 0 < len(loc) <= _MAX_KEY:
-            raise NotFound(f"no value at location {loc!r}")
+            raise Missing(f"no value at location {loc!r}")
 
-        def fn(txn: lmdb.Transaction) -> bytes | None:
-            view = txn.get(loc, db=self._values)
+        def fn(txn: Txn) -> bytes | None:
+            view = txn.get(loc, db=DB_VALUES)
             return None if view is None else bytes(view)  # copy out of the map
 
         value = self.env.read(fn)
         if value is None:
-            raise NotFound(f"no value at location {loc.hex()}")
+            raise Missing(f"no value at location {loc.hex()}")
         return value
 
-    def delete(self, txn: lmdb.Transaction, loc: bytes) -> None:
+    def delete(self, txn: Txn, loc: bytes) -> None:
         if not 0 < len(loc) <= _MAX_KEY:
             return
         # Write transactions use buffers=True: the view gives the length without a copy.
-        old = txn.get(loc, db=self._values)
+        old = txn.get(loc, db=DB_VALUES)
         if old is not None:
             size = len(old)
-            txn.delete(loc, db=self._values)
+            txn.delete(loc, db=DB_VALUES)
             self._add_live(txn, -size)
 
-    def _add_live(self, txn: lmdb.Transaction, delta: int) -> None:
-        raw = txn.get(_LIVE_KEY, db=self._meta)
+    def _add_live(self, txn: Txn, delta: int) -> None:
+        raw = txn.get(_LIVE_KEY, db=DB_TIERMETA)
         live = max(0, (_U64.unpack(raw)[0] if raw is not None else 0) + delta)
-        txn.put(_LIVE_KEY, _U64.pack(live), db=self._meta)
+        txn.put(_LIVE_KEY, _U64.pack(live), db=DB_TIERMETA)
         self.recent_live = live  # as of the last write (its txn may still abort): for triggers only
 
-    def live_bytes_in(self, txn: lmdb.Transaction) -> int:
-        raw = txn.get(_LIVE_KEY, db=self._meta)
+    def live_bytes_in(self, txn: Txn) -> int:
+        raw = txn.get(_LIVE_KEY, db=DB_TIERMETA)
         return _U64.unpack(raw)[0] if raw is not None else 0
 
     def live_bytes(self) -> int:
@@ -97,9 +97,9 @@ class LmdbValues(ValueBackend):
         after: bytes | None = None
         while True:
 
-            def batch(txn: lmdb.Transaction) -> list[tuple[bytes, int]]:
+            def batch(txn: Txn) -> list[tuple[bytes, int]]:
                 out: list[tuple[bytes, int]] = []
-                cur = txn.cursor(db=self._values)
+                cur = txn.cursor(DB_VALUES)
                 found = cur.set_range(after) if after is not None else cur.first()
                 if found and after is not None and bytes(cur.key()) == after:
                     found = cur.next()

@@ -61,12 +61,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import lmdb
-
-from .base import TierUsage, ValueBackend
+from .base import TierUsage, Txn, ValueBackend
+from .errors import BadRequest, Damaged, Full, Missing
 from .lmdbenv import LmdbEnv
-from distorefs.errors import CorruptValue, InvalidArgument, NoSpace, NotFound
 
+DB_SEGMENTS = b"segments"
 MAGIC = b"DSEG"
 HEADER = struct.Struct("<4sHQI")  # magic, vkey length, data length, crc32 of data
 LOCATION = struct.Struct("<IQQ")  # segment id, offset of the data, data length
@@ -181,11 +180,11 @@ class SegmentValues(ValueBackend):
         """`create`: make directories that do not exist (a checker opening a store passes
         False, so that it never stands in an empty directory for a drive not mounted)."""
         if segment_bytes <= 0:
-            raise InvalidArgument("segment_bytes must be positive")
+            raise BadRequest("segment_bytes must be positive")
         if isinstance(directories, (str, os.PathLike)):
             directories = [SegmentDir(Path(directories))]
         if not directories:
-            raise InvalidArgument("the NVMe tier needs at least one directory")
+            raise BadRequest("the NVMe tier needs at least one directory")
         self.env = env
         self.dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in directories]
         if create:
@@ -193,7 +192,7 @@ class SegmentValues(ValueBackend):
                 d.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory = self.dirs[0].path
         self.segment_bytes = segment_bytes
-        self._segdb = env.db(b"segments")
+        env.db(DB_SEGMENTS)
         self._max_readers = max_open_readers
 
         # Lock order: env write lock -> _sync_lock -> _lock; _readers_lock is a leaf.
@@ -203,13 +202,13 @@ class SegmentValues(ValueBackend):
         self._readers: OrderedDict[int, _Reader] = OrderedDict()
 
         rows = env.read(lambda txn: {_SEG_KEY.unpack(bytes(k))[0]: _SEG_VAL.unpack(bytes(v))
-                                     for k, v in txn.cursor(db=self._segdb)})
+                                     for k, v in txn.cursor(DB_SEGMENTS)})
         self._dir_of: dict[int, int] = {}  # segment -> index in self.dirs
         self._dir_used = [0] * len(self.dirs)  # bytes of segment files in each directory
         for i, d in enumerate(self.dirs):
             for seg, size in self._scan_dir(d.path):
                 if seg in self._dir_of:
-                    raise InvalidArgument(f"segment {seg} is in both {self.dirs[self._dir_of[seg]].path} "
+                    raise BadRequest(f"segment {seg} is in both {self.dirs[self._dir_of[seg]].path} "
                                           f"and {d.path}")
                 self._dir_of[seg] = i
                 self._dir_used[i] += size
@@ -277,9 +276,9 @@ class SegmentValues(ValueBackend):
 
     # -- writes --------------------------------------------------------------
 
-    def put(self, txn: lmdb.Transaction, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
+    def put(self, txn: Txn, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
         if len(vkey) > _MAX_VKEY:
-            raise InvalidArgument(f"vkey longer than {_MAX_VKEY} bytes")
+            raise BadRequest(f"vkey longer than {_MAX_VKEY} bytes")
         view = memoryview(data).cast("B")
         size = view.nbytes
         header = HEADER.pack(MAGIC, len(vkey), size, zlib.crc32(view))
@@ -302,7 +301,7 @@ class SegmentValues(ValueBackend):
                 except OSError:
                     pass
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise NoSpace(f"{self._path(seg).parent}: no space for a {size}-byte value") from exc
+                    raise Full(f"{self._path(seg).parent}: no space for a {size}-byte value") from exc
                 raise
             st.offset = start + record
             self._dir_used[self._dir_of[seg]] += record
@@ -319,7 +318,7 @@ class SegmentValues(ValueBackend):
         rooms = [(self._room(i), i) for i in range(len(self.dirs))]
         room, i = max(rooms)
         if room < record:
-            raise NoSpace(f"NVMe tier full: no directory has room for a {record}-byte record "
+            raise Full(f"NVMe tier full: no directory has room for a {record}-byte record "
                           f"({', '.join(f'{self.dirs[j].path}: {r} bytes' for r, j in rooms)})")
         old = self._streams.pop(stream, None)
         if old is not None:
@@ -332,17 +331,17 @@ class SegmentValues(ValueBackend):
         st = self._streams[stream] = _Stream(seg, fd, os.fstat(fd).st_size)
         return st
 
-    def delete(self, txn: lmdb.Transaction, loc: bytes) -> None:
+    def delete(self, txn: Txn, loc: bytes) -> None:
         try:
             seg, _off, size = LOCATION.unpack(loc)
         except struct.error:
             return
         self._account(txn, seg, -size, -1, grow_total=False)
 
-    def _account(self, txn: lmdb.Transaction, seg: int, dbytes: int, drecords: int, grow_total: bool,
+    def _account(self, txn: Txn, seg: int, dbytes: int, drecords: int, grow_total: bool,
                  stream: int = 0) -> None:
         key = _SEG_KEY.pack(seg)
-        raw = txn.get(key, db=self._segdb)
+        raw = txn.get(key, db=DB_SEGMENTS)
         if raw is None:
             if not grow_total:
                 return  # delete of an unknown (already collected) segment: no-op
@@ -351,7 +350,7 @@ class SegmentValues(ValueBackend):
             live, total, records, stream = _SEG_VAL.unpack(raw)
         total += dbytes if grow_total else 0
         txn.put(key, _SEG_VAL.pack(max(0, live + dbytes), total, max(0, records + drecords), stream),
-                db=self._segdb)
+                db=DB_SEGMENTS)
 
     # -- reads ---------------------------------------------------------------
 
@@ -362,9 +361,9 @@ class SegmentValues(ValueBackend):
         try:
             seg, off, size = LOCATION.unpack(loc)
         except struct.error:
-            raise CorruptValue(f"malformed segment location {loc.hex()}") from None
+            raise Damaged(f"malformed segment location {loc.hex()}") from None
         if off < HEADER.size:
-            raise CorruptValue(f"segment location {loc.hex()} points inside a header")
+            raise Damaged(f"segment location {loc.hex()} points inside a header")
         reader = self._acquire(seg)
         try:
             # Header and data in two reads: slicing one buffer would copy the whole value.
@@ -373,13 +372,13 @@ class SegmentValues(ValueBackend):
         finally:
             self._release(reader)
         if len(head) != HEADER.size or len(data) != size:
-            raise CorruptValue(f"segment {seg} offset {off}: short read ({len(head) + len(data)} of "
+            raise Damaged(f"segment {seg} offset {off}: short read ({len(head) + len(data)} of "
                                f"{HEADER.size + size})")
         magic, _klen, dlen, crc = HEADER.unpack(head)
         if magic != MAGIC or dlen != size:
-            raise CorruptValue(f"segment {seg} offset {off}: bad record header")
+            raise Damaged(f"segment {seg} offset {off}: bad record header")
         if zlib.crc32(data) != crc:
-            raise CorruptValue(f"segment {seg} offset {off}: checksum mismatch")
+            raise Damaged(f"segment {seg} offset {off}: checksum mismatch")
         return data, crc
 
     def _acquire(self, seg: int) -> _Reader:
@@ -387,11 +386,11 @@ class SegmentValues(ValueBackend):
             reader = self._readers.get(seg)
             if reader is None:
                 if seg not in self._dir_of:
-                    raise NotFound(f"segment {seg} does not exist")
+                    raise Missing(f"segment {seg} does not exist")
                 try:
                     fd = os.open(self._path(seg), os.O_RDONLY)
                 except FileNotFoundError:
-                    raise NotFound(f"segment {seg} does not exist") from None
+                    raise Missing(f"segment {seg} does not exist") from None
                 reader = self._readers[seg] = _Reader(fd)
             else:
                 self._readers.move_to_end(seg)
@@ -500,18 +499,18 @@ class SegmentValues(ValueBackend):
         """
         freed = 0
 
-        def fn(txn: lmdb.Transaction) -> list[int]:
+        def fn(txn: Txn) -> list[int]:
             nonlocal freed
             current = self.current_segments()
             dead = set(self._orphans)
-            for key, value in txn.cursor(db=self._segdb):
+            for key, value in txn.cursor(DB_SEGMENTS):
                 seg = _SEG_KEY.unpack(key)[0]
                 if _SEG_VAL.unpack(value)[2] == 0:
                     dead.add(seg)
             dead -= current
             for seg in sorted(dead):
                 freed += self._unlink(seg)
-                txn.delete(_SEG_KEY.pack(seg), db=self._segdb)
+                txn.delete(_SEG_KEY.pack(seg), db=DB_SEGMENTS)
             return sorted(dead)
 
         removed = self.env.write(fn)
@@ -540,9 +539,9 @@ class SegmentValues(ValueBackend):
 
     def segments(self) -> list[SegmentInfo]:
         """Every accounted segment (one read transaction)."""
-        def fn(txn: lmdb.Transaction) -> list[SegmentInfo]:
+        def fn(txn: Txn) -> list[SegmentInfo]:
             return [SegmentInfo(_SEG_KEY.unpack(bytes(k))[0], *_SEG_VAL.unpack(bytes(v)))
-                    for k, v in txn.cursor(db=self._segdb)]
+                    for k, v in txn.cursor(DB_SEGMENTS)]
         return self.env.read(fn)
 
     def usage(self) -> TierUsage:
@@ -550,8 +549,8 @@ class SegmentValues(ValueBackend):
             used = sum(self._dir_used)
             rooms = [self._room(i) for i in range(len(self.dirs))]
 
-        def live(txn: lmdb.Transaction) -> int:
-            return sum(_SEG_VAL.unpack(v)[0] for v in txn.cursor(db=self._segdb).iternext(keys=False))
+        def live(txn: Txn) -> int:
+            return sum(_SEG_VAL.unpack(v)[0] for v in txn.cursor(DB_SEGMENTS).iternext(keys=False))
 
         # Directories sharing an uncapped file system share its free space: count it once.
         seen: set[int] = set()

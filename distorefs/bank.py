@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .catalog import EntryMeta
 from .config import BankConfig
-from .ring import Owner, RingNamespace
+from .owner import Owner
+from .ring import RingNamespace
 
 
 class Bank(RingNamespace):

@@ -21,21 +21,27 @@ from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u
 from .committer import Change, Overlay
 from .config import BufferConfig
 from .errors import InvalidArgument, NotFound, TooLarge, WouldBlock
-from .ring import Owner, RemoveEntry, RingNamespace
+from .owner import Owner
+from .ring import RemoveEntry, RingNamespace
 from .prefetcher import Prefetcher
 from .sampler import Sampler
+from .services import Services
 
 
 class Buffer(RingNamespace):
     kind = "buffers"
     config_type = BufferConfig
 
-    def __init__(self, store, ns_id: int, name: str, config: BufferConfig, owner: Owner, ctime_ns: int) -> None:
+    def __init__(self, services: Services, ns_id: int, name: str, config: BufferConfig, owner: Owner,
+                 ctime_ns: int) -> None:
         self.sampler = Sampler(config)
-        super().__init__(store, ns_id, name, config, owner, ctime_ns, observer=self)
+        super().__init__(services, ns_id, name, config, owner, ctime_ns, observer=self)
+        self.committer = services.committer
+        self.limits = services.config  # max_batch_entries, max_batch_bytes
+        self.spawn = services.spawn
         # Pre-sampled batches are the order this buffer's prefetcher reads ahead along.
-        self.prefetcher = self.ring.prefetcher = Prefetcher(store.prefetch_budget, self.ring.prefetch_loader,
-                                                            spawn=store.spawn, lag=4096)
+        self.prefetcher = self.ring.prefetcher = Prefetcher(services.prefetch_budget, self.ring.prefetch_loader,
+                                                            spawn=services.spawn, lag=4096)
         self._presampled: dict[int, deque] = {}
         self._refilling: set[int] = set()
         self._changed = trio.Event()
@@ -78,8 +84,8 @@ class Buffer(RingNamespace):
     # ----- sampling ------------------------------------------------------------------
 
     def check_batch_size(self, n: int) -> None:
-        if not 1 <= n <= self.store.config.max_batch_entries:
-            raise InvalidArgument(f"batch size must be in 1..{self.store.config.max_batch_entries}, got {n}")
+        if not 1 <= n <= self.limits.max_batch_entries:
+            raise InvalidArgument(f"batch size must be in 1..{self.limits.max_batch_entries}, got {n}")
 
     async def sample(self, n: int, nonblocking: bool = False) -> Batch:
         """Draw a batch of n entries (waiting for `min_size_to_sample` entries unless nonblocking)."""
@@ -110,7 +116,7 @@ class Buffer(RingNamespace):
         batch = Batch(metas, probs, weights, [ring.slot_meta[s] for s in spent.tolist()])  # type: ignore[misc]
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(metas)
-        self.store.committer.submit_nowait(RecordSampled(self, metas))
+        self.committer.submit_nowait(RecordSampled(self, metas))
         self._schedule_presample(n)
         return batch
 
@@ -121,9 +127,9 @@ class Buffer(RingNamespace):
             batch = await self.sample(n, nonblocking)
             try:
                 size = sum(m.size for m in batch.metas)
-                if size > self.store.config.max_batch_bytes:  # the npz is built in memory
+                if size > self.limits.max_batch_bytes:  # the npz is built in memory
                     raise TooLarge(f"buffers/{self.name}: a batch of {n} is {size} bytes, over "
-                                   f"max_batch_bytes ({self.store.config.max_batch_bytes})")
+                                   f"max_batch_bytes ({self.limits.max_batch_bytes})")
                 values = await self.ring.read_many(batch.metas)
                 data = await trio.to_thread.run_sync(build_npz, batch, values)
             except NotFound:
@@ -145,7 +151,7 @@ class Buffer(RingNamespace):
         """Remove entries sampled max_times_sampled times (in the background)."""
         for meta in metas:
             self.counters["exhausted"] += 1
-            self.store.committer.submit_nowait(RemoveEntry(self.ring, meta.key, meta.seq, "exhausted"))
+            self.committer.submit_nowait(RemoveEntry(self.ring, meta.key, meta.seq, "exhausted"))
 
     def _order(self, kind: str):
         return self.ring.oldest() if kind == "fifo" else self.ring.newest()
@@ -154,7 +160,7 @@ class Buffer(RingNamespace):
         if (self.config.presample_batches and self.config.sampler in ("uniform", "prioritized")
                 and n not in self._refilling):
             self._refilling.add(n)
-            self.store.spawn(self._presample, n)
+            self.spawn(self._presample, n)
 
     async def _presample(self, n: int) -> None:
         try:
@@ -188,7 +194,7 @@ class Buffer(RingNamespace):
             metas.append(meta)
             values.append(value)
         if metas:
-            await self.store.committer.submit(SetPriorities(self, metas, values))
+            await self.committer.submit(SetPriorities(self, metas, values))
         return len(metas)
 
     def priorities_text(self) -> bytes:
@@ -232,10 +238,9 @@ class RecordSampled(Change):
                      if ring.by_seq.get(m.seq) is not None and m.seq not in removed and ring.slot_meta[m.slot] is not None]
 
     def txn(self, txn) -> None:
-        db = self.buffer.store.env.db(DB_SAMPLED)
         ns = self.buffer.ns_id
         for seq, count in self.rows:
-            txn.put(entry_key(ns, seq), pack_u32(count), db=db)
+            txn.put(entry_key(ns, seq), pack_u32(count), db=DB_SAMPLED)
 
 
 class SetPriorities(Change):
@@ -252,10 +257,9 @@ class SetPriorities(Change):
         self.rows = [(m.seq, m.slot, v) for m, v in keep]
 
     def txn(self, txn) -> None:
-        db = self.buffer.store.env.db(DB_PRIO)
         ns = self.buffer.ns_id
         for seq, _, value in self.rows:
-            txn.put(entry_key(ns, seq), pack_f64(value), db=db)
+            txn.put(entry_key(ns, seq), pack_f64(value), db=DB_PRIO)
 
     def apply(self) -> None:
         ring = self.buffer.ring

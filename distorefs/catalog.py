@@ -15,6 +15,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from .values import StoredValue
+
 DB_META = b"meta"
 DB_NS = b"ns"
 DB_ENTRIES = b"entries"
@@ -22,10 +24,6 @@ DB_PRIO = b"prio"
 DB_SAMPLED = b"sampled"
 
 FORMAT_VERSION = 1
-
-TIER_LMDB = 0
-TIER_NVME = 1
-TIER_NAMES = {TIER_LMDB: "lmdb", TIER_NVME: "nvme"}
 
 _KEY = struct.Struct(">IQ")
 _NS = struct.Struct(">I")
@@ -72,12 +70,7 @@ class EntryMeta:
 
     seq: int
     key: bytes
-    size: int
-    stored_size: int
-    checksum: int
-    codec: int
-    tier: int
-    loc: bytes
+    value: StoredValue
     mode: int
     uid: int
     gid: int
@@ -85,9 +78,26 @@ class EntryMeta:
     slot: int = -1
     gen: int = 0
 
+    @property
+    def size(self) -> int:
+        return self.value.size
+
+    @property
+    def stored_size(self) -> int:
+        return self.value.stored_size
+
+    @property
+    def checksum(self) -> int:
+        return self.value.checksum
+
+    @property
+    def tier(self) -> int:
+        return self.value.tier
+
     def pack(self) -> bytes:
-        return _REC.pack(self.size, self.stored_size, self.checksum, self.codec, self.tier,
-                         self.mode, self.uid, self.gid, self.mtime_ns, len(self.loc)) + self.loc + self.key
+        v = self.value
+        return _REC.pack(v.size, v.stored_size, v.checksum, v.codec, v.tier,
+                         self.mode, self.uid, self.gid, self.mtime_ns, len(v.loc)) + v.loc + self.key
 
     @classmethod
     def unpack(cls, seq: int, data: bytes | memoryview) -> "EntryMeta":
@@ -95,4 +105,4 @@ class EntryMeta:
         start = _REC.size
         loc = bytes(data[start:start + loc_len])
         key = bytes(data[start + loc_len:])
-        return cls(seq, key, size, stored, crc, codec, tier, loc, mode, uid, gid, mtime)
+        return cls(seq, key, StoredValue(size, stored, crc, codec, tier, loc), mode, uid, gid, mtime)

@@ -12,7 +12,7 @@ persister has freed enough (backpressure): memory never grows past the budget.
 Tree (LMDB db `cknodes`, keys big-endian):
   n + id                node record (JSON): kind root/run/step/dir/file, parent, name, owner,
                         mtime; steps: complete, pinned; files: size, chunk_bytes
-  c + file id + index   one stored chunk of a file (`chunks.Chunk`, CRC-32 of its content)
+  c + file id + index   one stored chunk of a file (a `StoredValue`, CRC-32 of its content)
   g                     counter making every stored chunk's value key unique
   meta/b"checkpoints"   the configuration (CheckpointsConfig)
 
@@ -53,7 +53,6 @@ took it for, or gives the bytes back and tries again.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import struct
@@ -61,23 +60,23 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import trio
 
 from . import codec
-from .catalog import DB_META, TIER_NAMES
-from .chunks import Chunk, load_chunk, put_encoded
+from .catalog import DB_META
+from .codec import crc32_combine
 from .committer import Change, Overlay
 from .config import CheckpointsConfig
 from .memory import MemoryPlan
 from .errors import (AlreadyExists, CorruptValue, CrossDevice, DistorefsError, InvalidArgument, IsADirectory,
                      NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
 from .names import check_name
-from .ring import Owner
-
-if TYPE_CHECKING:
-    from .store import Store
+from .owner import Owner
+from .placement import TIER_NAMES
+from .services import Services
+from .values import StoredValue
 
 log = logging.getLogger(__name__)
 
@@ -91,46 +90,6 @@ _ID = struct.Struct(">Q")
 _IDX = struct.Struct(">I")
 _GEN_KEY = b"g"
 SEAL_TICK = 0.05
-
-
-# ----- CRC-32 of a file from its chunks' CRCs ----------------------------------------------
-
-def _gf2_times(mat, vec: int) -> int:
-    total, i = 0, 0
-    while vec:
-        if vec & 1:
-            total ^= mat[i]
-        vec >>= 1
-        i += 1
-    return total
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-@functools.lru_cache(maxsize=64)
-def _zeros_operator(nbytes: int) -> tuple[int, ...]:
-    """The GF(2) matrix that carries a CRC-32 register over `nbytes` zero bytes (cached:
-    a file's chunks are mostly one size)."""
-    op = [0xEDB88320] + [1 << n for n in range(31)]  # over one zero bit
-    for _ in range(3):
-        op = _gf2_square(op)  # one zero byte
-    result: list[int] | None = None
-    while nbytes:
-        if nbytes & 1:
-            result = op if result is None else [_gf2_times(op, column) for column in result]
-        nbytes >>= 1
-        if nbytes:
-            op = _gf2_square(op)
-    return tuple(result or ())
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python lacks)."""
-    if len2 <= 0:
-        return crc1
-    return (_gf2_times(_zeros_operator(len2), crc1) ^ crc2) & 0xFFFFFFFF
 
 
 # ----- memory: the write-back budget and the chunks it pays for ----------------------------
@@ -295,9 +254,9 @@ class CFile(CNode):
     size: int = 0
     chunk_bytes: int = 8 << 20
     # memory only:
-    stored: dict[int, Chunk] = field(default_factory=dict)  # chunk index -> stored chunk
+    stored: dict[int, StoredValue] = field(default_factory=dict)  # chunk index -> stored chunk
     mem: dict[int, Buf] = field(default_factory=dict)  # chunk index -> newer content in memory
-    garbage: list[tuple[int, Chunk]] = field(default_factory=list)  # truncated away; freed at the next commit
+    garbage: list[tuple[int, StoredValue]] = field(default_factory=list)  # truncated away; freed at the next commit
     writers: int = 0
     handles: int = 0
     dirty: bool = False  # changed since its last commit was queued
@@ -340,8 +299,13 @@ def _may_hold(parent_kind: str, kind: str) -> bool:
 class Checkpoints:
     kind = "checkpoints"
 
-    def __init__(self, store: "Store") -> None:
-        self.store = store
+    def __init__(self, services: Services) -> None:
+        self.values = services.values
+        self.committer = services.committer
+        self.store_config = services.config
+        self._store_sync = services.sync
+        self._spawn = services.spawn
+        self._memory_changed = services.memory_changed
         self.config = CheckpointsConfig()
         now = time.time_ns()
         self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now)}
@@ -370,11 +334,11 @@ class Checkpoints:
 
     def load(self, txn) -> None:
         """Rebuild the tree at store open. Steps not complete were interrupted by a crash."""
-        raw = txn.get(b"checkpoints", db=self.store.env.db(DB_META))
+        raw = txn.get(b"checkpoints", db=DB_META)
         if raw is not None:
             self.config = CheckpointsConfig.from_json(bytes(raw))
         chunks = []
-        for k, v in txn.cursor(db=self.store.env.db(DB_CKPT)):
+        for k, v in txn.cursor(DB_CKPT):
             key = bytes(k)
             if key[:1] == b"n":
                 node = _from_record(_ID.unpack_from(key, 1)[0], bytes(v))
@@ -382,7 +346,7 @@ class Checkpoints:
                 self.next_id = max(self.next_id, node.id + 1)
             elif key[:1] == b"c":
                 chunks.append((_ID.unpack_from(key, 1)[0], _IDX.unpack_from(key, 9)[0],
-                               Chunk.unpack_from(bytes(v), 0)[0]))
+                               StoredValue.unpack_from(bytes(v), 0)[0]))
         for file_id, index, chunk in chunks:
             f = self.nodes.get(file_id)
             if isinstance(f, CFile):
@@ -636,7 +600,7 @@ class Checkpoints:
         if kind == DIR:
             await self._reopen(self.step_of(parent))
         change = MakeNode(self, parent_id, name, kind, owner)
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         return change.node  # type: ignore[return-value]
 
     async def create(self, parent_id: int, name: bytes, owner: Owner) -> CFile:
@@ -732,7 +696,7 @@ class Checkpoints:
             self._sealed.discard(step)
             self._unsealed.add(step)
         if step.complete:
-            await self.store.committer.submit(SetStepFlags(self, step, complete=False))
+            await self.committer.submit(SetStepFlags(self, step, complete=False))
             self.counters["steps_reopened"] += 1
             log.info("%s is written again: no longer complete", self.path_of(step))
 
@@ -745,7 +709,7 @@ class Checkpoints:
         step = self.step_of(self.node(parent_id))
         if step is not None and not step.interrupted:
             await self._reopen(step)
-        await self.store.committer.submit(RemoveTree(self, node, background=False))
+        await self.committer.submit(RemoveTree(self, node, background=False))
         return node
 
     async def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, noreplace: bool) -> CNode:
@@ -762,23 +726,23 @@ class Checkpoints:
         step = self.step_of(src) if src.kind not in (ROOT, RUN) else None
         await self._reopen(step)
         change = Rename(self, node, new_parent, new, noreplace)
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         return node
 
     async def set_attrs(self, node: CNode, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
         if node.id == ROOT_ID:
             return
-        await self.store.committer.submit(SetAttrs(self, node, mode, uid, gid, mtime_ns))
+        await self.committer.submit(SetAttrs(self, node, mode, uid, gid, mtime_ns))
 
     async def set_pinned(self, step: CStep, pinned: bool) -> None:
-        await self.store.committer.submit(SetStepFlags(self, step, pinned=pinned))
+        await self.committer.submit(SetStepFlags(self, step, pinned=pinned))
         if not pinned:
             self._collect(self.nodes.get(step.parent))
 
     async def configure(self, text: bytes) -> CheckpointsConfig:
         config = CheckpointsConfig.from_json(text, self.config)
-        MemoryPlan.of(self.store.config, config.writeback_bytes)  # fits in memory_bytes, or InvalidConfig
-        await self.store.committer.submit(Configure(self, config))
+        MemoryPlan.of(self.store_config, config.writeback_bytes)  # fits in memory_bytes, or InvalidConfig
+        await self.committer.submit(Configure(self, config))
         for node in list(self.nodes.values()):
             if node.kind == RUN:
                 self._collect(node)
@@ -866,7 +830,7 @@ class Checkpoints:
                 buf = f.mem[index] = Buf(bytearray())
                 self._held[f] = None
                 return buf
-            data = await trio.to_thread.run_sync(load_chunk, self.store, chunk, self._what(f, index))
+            data = await self.values.fetch_one(None, chunk, self._what(f, index))
             size = self._capacity(f, index, max(len(data), 1))
             await self._take(size)
             if f.mem.get(index) is not None or f.stored.get(index) is not chunk or not f.attached:
@@ -994,7 +958,7 @@ class Checkpoints:
         buf.busy = done = trio.Event()
         change = PersistChunk(self, f, index, memoryview(buf.data)[:buf.length])
         try:
-            await self.store.committer.submit(change)
+            await self.committer.submit(change)
             self.counters["chunks_persisted"] += 1
             self.counters["bytes_persisted"] += buf.length
         except DistorefsError as exc:
@@ -1010,7 +974,7 @@ class Checkpoints:
     async def _commit_file(self, f: CFile, ticket: int) -> None:
         try:
             if f.attached:
-                await self.store.committer.submit(CommitFile(self, f))
+                await self.committer.submit(CommitFile(self, f))
                 self.counters["file_commits"] += 1
         except DistorefsError as exc:
             if f.attached:
@@ -1026,7 +990,7 @@ class Checkpoints:
     async def _sync(self) -> None:
         upto = self.committed
         try:
-            await self.store.sync()
+            await self._store_sync()
         except Exception:
             log.exception("checkpoint sync failed")
             await trio.sleep(0.5)
@@ -1048,14 +1012,14 @@ class Checkpoints:
             elif verdict:
                 self._sealed.discard(step)
                 try:
-                    await self.store.committer.submit(SetStepFlags(self, step, complete=True))
+                    await self.committer.submit(SetStepFlags(self, step, complete=True))
                 except DistorefsError as exc:
                     log.debug("completing %s: %s", self.path_of(step), exc)
                     continue
                 completed.append(step)
         try:
             if completed:
-                await self.store.sync()
+                await self._store_sync()
         except Exception:
             log.exception("checkpoint sync failed")
         for step in completed:
@@ -1081,7 +1045,7 @@ class Checkpoints:
             return
         for step in self._victims(run):
             self._removing.add(step.id)
-            self.store.committer.submit_nowait(RemoveTree(self, step, background=True))
+            self.committer.submit_nowait(RemoveTree(self, step, background=True))
 
 
 class FileReader:
@@ -1093,7 +1057,7 @@ class FileReader:
 
     def __init__(self, tree: "Checkpoints", f: CFile) -> None:
         self.tree, self.f = tree, f
-        self.cache: dict[int, tuple[Chunk, bytes]] = {}
+        self.cache: dict[int, tuple[StoredValue, bytes]] = {}
         self.loading: dict[int, trio.Event] = {}
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
@@ -1125,14 +1089,14 @@ class FileReader:
             parts.append(piece if len(piece) == hi - lo else bytes(piece) + bytes(hi - lo - len(piece)))
         return parts[0] if len(parts) == 1 else b"".join(parts)  # pyfuse3 replies from any buffer
 
-    async def _chunk(self, i: int, chunk: Chunk) -> bytes:
+    async def _chunk(self, i: int, chunk: StoredValue) -> bytes:
         while True:
             held = self.cache.get(i)
             if held is not None and held[0] is chunk:
                 return held[1]
             await self._fetch(i, chunk)
 
-    async def _fetch(self, i: int, chunk: Chunk) -> None:
+    async def _fetch(self, i: int, chunk: StoredValue) -> None:
         """Load chunk i into the cache, or wait for the load already under way."""
         event = self.loading.get(i)
         if event is not None:
@@ -1140,7 +1104,7 @@ class FileReader:
             return
         event = self.loading[i] = trio.Event()
         try:
-            data = await trio.to_thread.run_sync(load_chunk, self.tree.store, chunk, self.tree._what(self.f, i))
+            data = await self.tree.values.fetch_one(None, chunk, self.tree._what(self.f, i))
         finally:
             del self.loading[i]
             event.set()
@@ -1161,7 +1125,7 @@ class FileReader:
                 except Exception as exc:  # the read itself will report it
                     log.debug("read-ahead of %s: %s", self.tree._what(self.f, j), exc)
 
-            self.tree.store.spawn(load)
+            self.tree._spawn(load)
 
     def close(self) -> None:
         self.cache.clear()
@@ -1174,9 +1138,7 @@ class _CkptChange(Change):
         self.tree = tree
         self.conflict_key = ("checkpoints",)  # one at a time, in submission order
 
-    @property
-    def db(self):
-        return self.tree.store.env.db(DB_CKPT)
+    db = DB_CKPT
 
     def _put(self, txn, node: CNode, **changes) -> None:
         record = {**node.record(), **changes}
@@ -1244,16 +1206,16 @@ class PersistChunk(_CkptChange):
             self.enc = codec.encode(view, config.compression)
 
     def txn(self, txn) -> None:
-        store = self.tree.store
+        values = self.tree.values
         raw = txn.get(_GEN_KEY, db=self.db)
         gen = (_ID.unpack(bytes(raw))[0] if raw is not None else 0) + 1
         txn.put(_GEN_KEY, _ID.pack(gen), db=self.db)
         # every stored chunk has its own value key: the LMDB tier's location *is* the key
         vkey = b"k" + _ID.pack(self.f.id) + _IDX.pack(self.index) + _ID.pack(gen)
-        self.chunk = put_encoded(store, txn, vkey, self.enc)
+        self.chunk = values.put(txn, vkey, self.enc)
         txn.put(_ckey(self.f.id, self.index), self.chunk.pack(), db=self.db)
         if self.old is not None:
-            store.backend(self.old.tier).delete(txn, self.old.loc)
+            values.delete(txn, self.old)
         if self.record is not None:
             txn.put(_nkey(self.f.id), json.dumps(self.record).encode(), db=self.db)
 
@@ -1290,7 +1252,7 @@ class CommitFile(_CkptChange):
         for index, chunk in self.garbage:
             if index not in self.reused:
                 txn.delete(_ckey(self.f.id, index), db=self.db)
-            self.tree.store.backend(chunk.tier).delete(txn, chunk.loc)
+            self.tree.values.delete(txn, chunk)
 
     def apply(self) -> None:
         done = {id(c) for _, c in self.garbage}
@@ -1343,11 +1305,11 @@ class Configure(_CkptChange):
         self.config = config
 
     def txn(self, txn) -> None:
-        txn.put(b"checkpoints", self.config.to_json(), db=self.tree.store.env.db(DB_META))
+        txn.put(b"checkpoints", self.config.to_json(), db=DB_META)
 
     def apply(self) -> None:
         self.tree.config = self.config
-        self.tree.store.apply_memory_plan()
+        self.tree._memory_changed()
 
 
 def _subtree(tree: Checkpoints, node: CNode) -> list[CNode]:
@@ -1359,13 +1321,13 @@ def _subtree(tree: Checkpoints, node: CNode) -> list[CNode]:
 
 
 def _remove_txn(change: _CkptChange, txn, nodes: list[CNode]) -> None:
-    store = change.tree.store
+    values = change.tree.values
     for n in nodes:
         txn.delete(_nkey(n.id), db=change.db)
         if isinstance(n, CFile):
             for index, chunk in list(n.stored.items()) + n.garbage:
                 txn.delete(_ckey(n.id, index), db=change.db)
-                store.backend(chunk.tier).delete(txn, chunk.loc)
+                values.delete(txn, chunk)
 
 
 def _remove_apply(tree: Checkpoints, nodes: list[CNode]) -> None:
@@ -1466,4 +1428,4 @@ class Rename(_CkptChange):
 
 
 __all__ = ["Checkpoints", "CNode", "CDir", "CStep", "CFile", "DB_CKPT", "ROOT_ID", "RUN", "STEP", "DIR", "FILE",
-           "FileReader", "LATEST", "CONTROL", "WRITING", "PERSISTING", "DURABLE", "INCOMPLETE", "crc32_combine", "WritebackBudget"]
+           "FileReader", "LATEST", "CONTROL", "WRITING", "PERSISTING", "DURABLE", "INCOMPLETE", "WritebackBudget"]

@@ -10,6 +10,9 @@ Compression is skipped when it does not save at least `MIN_SAVING` of the size.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import threading
 import zlib
 from dataclasses import dataclass
@@ -63,6 +66,70 @@ class Encoded:
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+# ----- CRC-32 of a concatenation from the CRCs of its parts ------------------------------
+# A file's checksum from its chunks' checksums, and a batch member's from its entries':
+# no byte is read again. zlib has crc32_combine but Python's zlib module does not export
+# it: it is called through ctypes (0.6 us), with a pure-Python fallback.
+
+def _gf2_times(mat, vec: int) -> int:
+    total, i = 0, 0
+    while vec:
+        if vec & 1:
+            total ^= mat[i]
+        vec >>= 1
+        i += 1
+    return total
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) matrix that carries a CRC-32 register over `nbytes` zero bytes."""
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # over one zero bit
+    for _ in range(3):
+        op = _gf2_square(op)  # one zero byte
+    result: list[int] | None = None
+    while nbytes:
+        if nbytes & 1:
+            result = op if result is None else [_gf2_times(op, column) for column in result]
+        nbytes >>= 1
+        if nbytes:
+            op = _gf2_square(op)
+    return tuple(result or ())
+
+
+def _crc32_combine_python(crc1: int, crc2: int, len2: int) -> int:
+    if len2 <= 0:
+        return crc1
+    return (_gf2_times(_zeros_operator(len2), crc1) ^ crc2) & 0xFFFFFFFF
+
+
+def _zlib_combine():
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")
+        fn = lib.crc32_combine64
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_ulong
+    fn.argtypes = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_int64]
+    return fn
+
+
+_combine = _zlib_combine()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A+B from crc(A), crc(B) and len(B)."""
+    if len2 <= 0:
+        return crc1
+    if _combine is not None:
+        return _combine(crc1, crc2, len2) & 0xFFFFFFFF
+    return _crc32_combine_python(crc1, crc2, len2)
 
 
 def encode(raw: bytes | bytearray | memoryview, compression: str = "zstd", level: int = 1) -> Encoded:

@@ -31,7 +31,7 @@ from typing import Any, Hashable
 
 import trio
 
-from .errors import DistorefsError
+from .errors import DistorefsError, from_backend
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +92,16 @@ class _Pending:
 
 class Committer:
     def __init__(self, write_txn) -> None:
-        """`write_txn(fn)` runs fn(txn) in one write transaction (LmdbEnv.write), blocking."""
+        """`write_txn(fn)` runs fn(txn) in one write transaction of the engine (a `Txn`,
+        backends/base.py), blocking."""
         self._write_txn = write_txn
         self._pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="distorefs-prepare")
         self._send, self._recv = trio.open_memory_channel[_Pending](math.inf)
         self._held: list[_Pending] = []
         self.groups = 0
         self.changes = 0
-        self.failures = 0
+        self.failures = 0  # changes whose transaction failed (disk full, engine errors)
+        self.rejected = 0  # changes refused when planned (no such entry, exists, not empty...)
         self._idle = trio.Event()
         self._idle.set()
         self._queued = 0
@@ -188,8 +190,9 @@ class Committer:
         for pending in group:
             try:
                 pending.change.plan(overlay)
-            except DistorefsError as exc:
-                self._finish(pending, exc)
+            except DistorefsError as exc:  # the request's answer (ENOENT, EEXIST...), not a failure
+                self.rejected += 1
+                self._finish(pending, exc, rejected=True)
             except Exception as exc:  # a bug must fail the request, never the daemon
                 log.exception("planning %r failed", pending.change)
                 self._finish(pending, DistorefsError(f"internal error: {exc}"))
@@ -214,14 +217,15 @@ class Committer:
 
         try:
             await trio.to_thread.run_sync(work)
-        except Exception as exc:
+        except Exception as raised:
+            exc = from_backend(raised)  # a full disk, say: ENOSPC
             if len(planned) > 1:
                 for pending in planned:
                     await self._commit([pending])
                 return
             error = exc if isinstance(exc, DistorefsError) else DistorefsError(f"commit failed: {exc}")
             if not isinstance(exc, DistorefsError):
-                log.exception("commit of %r failed", planned[0].change)
+                log.error("commit of %r failed", planned[0].change, exc_info=raised)
             self._finish(planned[0], error)
             return
         self.groups += 1
@@ -233,10 +237,11 @@ class Committer:
             self.changes += 1
             self._finish(pending, None)
 
-    def _finish(self, pending: _Pending, error: BaseException | None) -> None:
-        if error is not None:
+    def _finish(self, pending: _Pending, error: BaseException | None, rejected: bool = False) -> None:
+        if error is not None and not pending.waited:
+            # a background change refused at planning lost a race (already removed, say)
+            (log.debug if rejected else log.warning)("background change %r failed: %s", pending.change, error)
+        if error is not None and not rejected:
             self.failures += 1
-            if not pending.waited:
-                log.warning("background change %r failed: %s", pending.change, error)
         pending.error = error
         pending.done.set()

@@ -172,6 +172,11 @@ class DatasetConfig(_Config):
         _require(self.max_item_bytes >= 1, f"max_item_bytes must be >= 1, got {self.max_item_bytes}")
 
 
+# The configuration of each kind of namespace that has a config.json of its own.
+NAMESPACE_CONFIGS: dict[str, type[_Config]] = {"buffers": BufferConfig, "banks": BankConfig,
+                                               "datasets": DatasetConfig}
+
+
 def physical_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -32,24 +32,22 @@ import tempfile
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import numpy as np
 import trio
 
 from . import codec
-from .chunks import Chunk, delete_chunks, load_chunk, put_chunk, put_encoded
 from .committer import Change, Overlay
 from .config import DatasetConfig
 from .catalog import DB_NS
 from .errors import (AlreadyExists, DistorefsError, InvalidArgument, IsADirectory, NotADirectory, NotEmpty,
                      NotFound, ReadOnly, TooLarge)
 from .names import check_name
+from .owner import Owner
 from .prefetcher import Prefetcher
-from .ring import Owner
-
-if TYPE_CHECKING:
-    from .store import Store
+from .services import Services
+from .values import StoredValue
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +113,7 @@ class Item:
     mtime_ns: int
     src_mtime_ns: int
     parent: int
-    chunks: list[Chunk]
+    chunks: list[StoredValue]
     name: bytes
     meta: bytes = b""
     tag: bytes = STAGING
@@ -135,7 +133,7 @@ class Item:
         off = _ITEM.size
         chunks = []
         for _ in range(nchunks):
-            chunk, off = Chunk.unpack_from(data, off)
+            chunk, off = StoredValue.unpack_from(data, off)
             chunks.append(chunk)
         name = bytes(data[off:off + name_len])
         meta = bytes(data[off + name_len:off + name_len + meta_len])
@@ -169,9 +167,13 @@ class Dataset:
     kind = "datasets"
     config_type = DatasetConfig
 
-    def __init__(self, store: "Store", ds_id: int, name: str, config: DatasetConfig, owner: Owner,
+    def __init__(self, services: Services, ds_id: int, name: str, config: DatasetConfig, owner: Owner,
                  ctime_ns: int, record: dict | None = None) -> None:
-        self.store = store
+        self.values = services.values
+        self.committer = services.committer
+        self.env = services.env
+        self.spool_dir = services.spool_dir
+        self.prefetch_budget = services.prefetch_budget
         self.ds_id = ds_id
         self.name = name
         self.config = config
@@ -179,16 +181,16 @@ class Dataset:
         self.ctime_ns = ctime_ns
         record = record or {}
         self.sealed_ns: int = record.get("sealed_ns", 0)
-        self.index_chunks = [Chunk(**{**c, "loc": bytes.fromhex(c["loc"])}) for c in record.get("index", [])]
+        self.index_chunks = [StoredValue.from_json(c) for c in record.get("index", [])]
         self.index_size: int = record.get("index_size", 0)
         self.fields: list = record.get("fields", [])
         self.counters = Counters()
         self.order = np.zeros(0, dtype=np.int64)
         self.stats_counters = {"reads": 0, "read_bytes": 0, "staged": 0, "staged_bytes": 0, "skipped": 0,
                                "stage_errors": 0, "verify_failures": 0, "orders": 0}
-        self.prefetcher: Prefetcher[int] = Prefetcher(store.prefetch_budget, self._fetch_blocking, spawn=store.spawn)
+        self.prefetcher: Prefetcher[int] = Prefetcher(services.prefetch_budget, self._fetch_blocking,
+                                                      spawn=services.spawn)
         self._prefix = _DS.pack(ds_id)
-        self._db = store.env.db(DB_DSNODES)
 
     @property
     def ns_id(self) -> int:
@@ -203,16 +205,16 @@ class Dataset:
         return SEALED if self.sealed else STAGING
 
     def load(self, txn) -> None:
-        data = txn.get(self._key(b"c"), db=self._db)
+        data = txn.get(self._key(b"c"), db=DB_DSNODES)
         self.counters = Counters.unpack(data) if data is not None else Counters()
 
     def record(self) -> dict:
         return {"sealed_ns": self.sealed_ns, "index_size": self.index_size, "fields": self.fields,
-                "index": [{**c.__dict__, "loc": c.loc.hex()} for c in self.index_chunks]}
+                "index": [c.to_json() for c in self.index_chunks]}
 
     def drop_txn(self, txn) -> None:
         """Remove the dataset's records (it is empty: only counters and the root remain)."""
-        cursor = txn.cursor(db=self._db)
+        cursor = txn.cursor(db=DB_DSNODES)
         while cursor.set_range(self._prefix) and bytes(cursor.key()[:len(self._prefix)]) == self._prefix:
             cursor.delete()
 
@@ -239,7 +241,7 @@ class Dataset:
     # ----- metadata reads (LMDB, metadata pages only) ------------------------------------
 
     def _read(self, fn):
-        return self.store.env.read(fn)
+        return self.env.read(fn)
 
     def dir(self, dir_id: int) -> DirRec:
         rec = self._read(lambda txn: self._dir_txn(txn, dir_id))
@@ -249,12 +251,12 @@ class Dataset:
 
     def _dir_txn(self, txn, dir_id: int) -> DirRec | None:
         if dir_id == ROOT_DIR:
-            data = txn.get(self._dkey(dir_id), db=self._db)
+            data = txn.get(self._dkey(dir_id), db=DB_DSNODES)
             if data is None:  # the root exists from creation; its record only once changed
                 o = self.owner
                 return DirRec(ROOT_DIR, 0, 0o40755, o.uid, o.gid, self.ctime_ns, 0, b"")
             return DirRec.unpack(dir_id, data)
-        data = txn.get(self._dkey(dir_id), db=self._db)
+        data = txn.get(self._dkey(dir_id), db=DB_DSNODES)
         return None if data is None else DirRec.unpack(dir_id, data)
 
     def child(self, dir_id: int, name: bytes) -> tuple[int, int] | None:
@@ -262,7 +264,7 @@ class Dataset:
         return self._read(lambda txn: self._child_txn(txn, dir_id, name))
 
     def _child_txn(self, txn, dir_id: int, name: bytes) -> tuple[int, int] | None:
-        data = txn.get(self._nkey(dir_id, name), db=self._db)
+        data = txn.get(self._nkey(dir_id, name), db=DB_DSNODES)
         if data is None:
             return None
         kind, child_id, _ = _CHILD.unpack(data)
@@ -276,7 +278,7 @@ class Dataset:
         return item
 
     def _item_txn(self, txn, tag: bytes, item_id: int) -> Item | None:
-        data = txn.get(self._ikey(tag, item_id), db=self._db)
+        data = txn.get(self._ikey(tag, item_id), db=DB_DSNODES)
         return None if data is None else Item.unpack(item_id, data, tag)
 
     def lookup(self, dir_id: int, name: bytes) -> tuple[int, int, "Item | DirRec"] | None:
@@ -299,7 +301,7 @@ class Dataset:
 
         def fn(txn):
             out = []
-            cursor = txn.cursor(db=self._db)
+            cursor = txn.cursor(db=DB_DSNODES)
             prefix = self._key(b"o", _U64.pack(dir_id))
             if not cursor.set_range(self._okey(dir_id, start)):
                 return out
@@ -343,12 +345,13 @@ class Dataset:
         return ("ds", self.ds_id, item.tag, item.id, item.mtime_ns, index)
 
     def _what(self, item: Item, index: int) -> str:
-        return f"datasets/{self.name}/items/{self.path_of(item.parent, item.name)} chunk {index}"
+        # Cheap (it is made for every read): the item's name, not its path (a walk up the tree).
+        name = item.name.decode("utf-8", "replace")
+        return f"datasets/{self.name} item {item.id} ({name}) chunk {index}"
 
     def load_blocking(self, item: Item) -> bytes:
         """The whole content of `item`, verified (worker thread)."""
-        parts = [load_chunk(self.store, c, f"datasets/{self.name} item {item.id} chunk {i}")
-                 for i, c in enumerate(item.chunks)]
+        parts = [self.values.read_or_fail(c, self._what(item, i)) for i, c in enumerate(item.chunks)]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def whole_in_memory(self, item: Item) -> bool:
@@ -361,10 +364,10 @@ class Dataset:
             if value is not None:
                 self._count_read(len(value))
                 return value
-        value = self.store.cache.get(self._cache_key(item, 0))
-        if value is None:
-            value = await trio.to_thread.run_sync(self.load_blocking, item)
-            self.store.cache.put(self._cache_key(item, 0), value)
+        if not item.chunks:
+            value = b""
+        else:
+            value = await self.values.fetch_one(self._cache_key(item, 0), item.chunks[0], self._what(item, 0))
         self._count_read(len(value))
         return value
 
@@ -376,11 +379,7 @@ class Dataset:
         step = item.chunks[0].size  # every chunk but the last is this big
         parts = []
         for i in range(off // step, (end - 1) // step + 1):
-            key = self._cache_key(item, i)
-            data = self.store.cache.get(key)
-            if data is None:
-                data = await trio.to_thread.run_sync(load_chunk, self.store, item.chunks[i], self._what(item, i))
-                self.store.cache.put(key, data)
+            data = await self.values.fetch_one(self._cache_key(item, i), item.chunks[i], self._what(item, i))
             parts.append(memoryview(data)[max(off - i * step, 0):min(end - i * step, len(data))])
         out = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
         self._count_read(len(out))
@@ -392,7 +391,7 @@ class Dataset:
 
     def _fetch_blocking(self, ids: list[int]) -> list[bytes | None]:
         """The prefetcher's loader: whole items (worker thread); big ones are left to the reader."""
-        limit = max(self.config.chunk_bytes, self.store.prefetch_budget.capacity // 8)
+        limit = max(self.config.chunk_bytes, self.prefetch_budget.capacity // 8)
         items = self._read(lambda txn: [self._item_txn(txn, SEALED, i) for i in ids])
         out: list[bytes | None] = []
         for item in items:
@@ -462,12 +461,8 @@ class Dataset:
         step = self.index_chunks[0].size
         parts = []
         for i in range(off // step, (end - 1) // step + 1):
-            key = ("dsindex", self.ds_id, i)
-            data = self.store.cache.get(key)
-            if data is None:
-                data = await trio.to_thread.run_sync(load_chunk, self.store, self.index_chunks[i],
-                                                     f"datasets/{self.name}/index.npy chunk {i}")
-                self.store.cache.put(key, data)
+            data = await self.values.fetch_one(("dsindex", self.ds_id, i), self.index_chunks[i],
+                                               f"datasets/{self.name}/index.npy chunk {i}")
             parts.append(memoryview(data)[max(off - i * step, 0):min(end - i * step, len(data))])
         return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
 
@@ -485,34 +480,34 @@ class Dataset:
             raise TooLarge(f"datasets/{self.name}: {len(data)} bytes exceed max_item_bytes "
                            f"{self.config.max_item_bytes}; stage big files with `distorefs stage`")
         change = PutItem(self, dir_id, [name], owner, data=data)
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         assert change.item is not None
         return change.item
 
     async def mkdir(self, dir_id: int, name: bytes, owner: Owner) -> DirRec:
         self._writable()
         change = MakeDir(self, dir_id, check_name(name), owner)
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         return change.rec
 
     async def remove(self, dir_id: int, name: bytes, want_dir: bool) -> None:
         self._writable()
-        await self.store.committer.submit(RemoveNode(self, dir_id, name, want_dir))
+        await self.committer.submit(RemoveNode(self, dir_id, name, want_dir))
 
     async def rename(self, old_dir: int, old: bytes, new_dir: int, new: bytes) -> None:
         self._writable()
         check_name(new)
-        await self.store.committer.submit(RenameNode(self, old_dir, old, new_dir, new))
+        await self.committer.submit(RenameNode(self, old_dir, old, new_dir, new))
 
     async def set_attrs(self, kind: int, node_id: int, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
         self._writable()
-        await self.store.committer.submit(SetNodeAttrs(self, kind, node_id, mode, uid, gid, mtime_ns))
+        await self.committer.submit(SetNodeAttrs(self, kind, node_id, mode, uid, gid, mtime_ns))
 
     async def seal(self) -> None:
         """Number the files in path order, build index.npy, make the tree read-only."""
         if self.sealed:
             return
-        await self.store.committer.submit(Seal(self))
+        await self.committer.submit(Seal(self))
 
     # ----- staging from a source tree ---------------------------------------------------
 
@@ -556,7 +551,7 @@ class Dataset:
                 results.append(StageResult(s.path, "error", s.error))
                 continue
             changes.append(PutItem(self, ROOT_DIR, s.parts, owner, source=s))
-        errors = await self.store.committer.submit_all(changes)
+        errors = await self.committer.submit_all(changes)
         verified = await trio.to_thread.run_sync(
             self._verify_all, [(c.item, c.source.crc) for c, e in zip(changes, errors) if e is None])
         ok_iter = iter(verified)
@@ -619,7 +614,7 @@ class Dataset:
         try:
             total = 0
             for chunk in item.chunks:
-                total = zlib.crc32(self.store.read_stored(chunk, f"datasets/{self.name} item {item.id}"), total)
+                total = zlib.crc32(self.values.read(chunk, f"datasets/{self.name} item {item.id}"), total)
             return total == crc == item.checksum
         except DistorefsError as exc:
             log.warning("datasets/%s: verifying item %d: %s", self.name, item.id, exc)
@@ -663,7 +658,7 @@ class _DsChange(Change):
 
     def __init__(self, ds: Dataset) -> None:
         self.ds = ds
-        self.db = ds._db
+        self.db = DB_DSNODES
         self.after: Counters | None = None
 
     def plan(self, overlay: Overlay) -> None:
@@ -762,7 +757,7 @@ class PutItem(_DsChange):
             old = ds._item_txn(txn, STAGING, found[1])
         if old is not None:
             item_id = old.id
-            delete_chunks(ds.store, txn, old.chunks)
+            ds.values.delete_all(txn, old.chunks)
             c.items -= 1
             c.bytes -= old.size
             c.stored_bytes -= old.stored_size
@@ -772,7 +767,7 @@ class PutItem(_DsChange):
             self.add_child(txn, parent, name, FILE, item_id)
         base = b"D" + ds._prefix + _U64.pack(item_id)
         if self.encoded is not None:
-            chunks = [put_encoded(ds.store, txn, base + _DS.pack(i), enc) for i, enc in enumerate(self.encoded)]
+            chunks = [ds.values.put(txn, base + _DS.pack(i), enc) for i, enc in enumerate(self.encoded)]
             size = sum(e.size for e in self.encoded)
             crc = self.source.crc if self.source else codec.checksum(self.data or b"")
         else:
@@ -788,7 +783,7 @@ class PutItem(_DsChange):
         c.stored_bytes += self.item.stored_size
         self.save(txn, c)
 
-    def _stream(self, txn, base: bytes) -> tuple[list[Chunk], int, int]:
+    def _stream(self, txn, base: bytes) -> tuple[list[StoredValue], int, int]:
         """A big source file, read and stored one chunk at a time (memory stays bounded)."""
         s = self.source
         assert s is not None
@@ -801,8 +796,8 @@ class PutItem(_DsChange):
                     if not raw:
                         break
                     crc = zlib.crc32(raw, crc)
-                    chunks.append(put_chunk(self.ds.store, txn, base + _DS.pack(len(chunks)), raw,
-                                            cfg.compression, cfg.compression_level))
+                    chunks.append(self.ds.values.put_raw(txn, base + _DS.pack(len(chunks)), raw,
+                                                         cfg.compression, cfg.compression_level))
                     size += len(raw)
         except OSError as exc:
             raise InvalidArgument(f"cannot read {s.src}: {exc.strerror or exc}") from None
@@ -856,7 +851,7 @@ def remove_node_txn(change: _DsChange, txn, c: Counters, kind: int, node_id: int
         return
     item = ds._item_txn(txn, STAGING, node_id)
     if item is not None:
-        delete_chunks(ds.store, txn, item.chunks)
+        ds.values.delete_all(txn, item.chunks)
         txn.delete(ds._ikey(STAGING, node_id), db=change.db)
         c.items -= 1
         c.bytes -= item.size
@@ -956,7 +951,7 @@ class Seal(_DsChange):
         prefix = ds._key(b"o")
         while cursor.set_range(prefix) and bytes(cursor.key()[:len(prefix)]) == prefix:
             cursor.delete()
-        fd, spool = tempfile.mkstemp(dir=ds.store.path / "spool", prefix="index-")
+        fd, spool = tempfile.mkstemp(dir=ds.spool_dir, prefix="index-")
         try:
             with os.fdopen(fd, "wb") as out:
                 np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
@@ -1012,17 +1007,16 @@ class Seal(_DsChange):
                 if not raw:
                     break
                 vkey = b"X" + ds._prefix + _U64.pack(len(chunks))
-                chunks.append(put_chunk(ds.store, txn, vkey, raw, "zstd", 3))
+                chunks.append(ds.values.put_raw(txn, vkey, raw, "zstd", 3))
         self.index_chunks = chunks
         self.index_size = os.path.getsize(spool)
         self.fields = [[name, dt] for name, dt, _, _ in fields]
         self.sealed_ns = time.time_ns()
         key = f"datasets/{ds.name}".encode()
-        db = ds.store.env.db(DB_NS)
-        record = json.loads(bytes(txn.get(key, db=db)))
+        record = json.loads(bytes(txn.get(key, db=DB_NS)))
         record.update({"sealed_ns": self.sealed_ns, "index_size": self.index_size, "fields": self.fields,
-                       "index": [{**c.__dict__, "loc": c.loc.hex()} for c in chunks]})
-        txn.put(key, json.dumps(record).encode(), db=db)
+                       "index": [c.to_json() for c in chunks]})
+        txn.put(key, json.dumps(record).encode(), db=DB_NS)
 
     def _walk(self, txn) -> Iterator[tuple[int, int, bytes, int, bytes]]:
         """(kind, parent, name, id, path) of every node, depth first, names in byte order."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno as _errno
 
+from distorefs.backends import errors as _backend
+
 
 class DistorefsError(Exception):
     """Base of every error the core raises on purpose."""
@@ -94,3 +96,13 @@ class RecoveryFailed(DistorefsError):
     opened (EUCLEAN, "structure needs cleaning", as a filesystem that needs fsck)."""
 
     errno = _errno.EUCLEAN
+
+
+def from_backend(exc: BaseException) -> BaseException:
+    """The core error for an error a backend raised (backends/errors.py); anything else
+    is returned as it is."""
+    for kind, mapped in ((_backend.Missing, NotFound), (_backend.Damaged, CorruptValue), (_backend.Full, NoSpace),
+                         (_backend.BadRequest, InvalidArgument)):
+        if isinstance(exc, kind):
+            return mapped(str(exc))
+    return exc

@@ -19,13 +19,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from .config import StoreConfig
 
-from .catalog import TIER_LMDB, TIER_NVME
-
-if TYPE_CHECKING:
-    from .config import StoreConfig
-    from .store import Store
+# The tiers a stored value can be in (`StoredValue.tier`).
+TIER_LMDB = 0
+TIER_NVME = 1
+TIER_NAMES = {TIER_LMDB: "lmdb", TIER_NVME: "nvme"}
 
 # Demotion starts once the hot tier is this full and empties it down to DEMOTE_TO, so
 # that new values keep landing in it (placement sends them to NVMe only past the budget).
@@ -33,25 +32,24 @@ DEMOTE_AT = 0.9
 DEMOTE_TO = 0.75
 
 
-def choose_tier(store: "Store", txn, stored_size: int, cold: bool = False) -> int:
-    """The tier of a new value of `stored_size` bytes (inside the write txn); `cold`: the
-    value belongs behind its ring's demotion front."""
-    config = store.config
+def choose_tier(config: StoreConfig, lmdb_live: int, stored_size: int, cold: bool = False) -> int:
+    """The tier of a new value of `stored_size` bytes, the hot tier holding `lmdb_live`
+    bytes now; `cold`: the value belongs behind its ring's demotion front."""
     if cold or (config.segment_threshold and stored_size >= config.segment_threshold):
         return TIER_NVME
-    if store.lmdb_values.live_bytes_in(txn) + stored_size > config.lmdb_bytes:
-        return TIER_NVME
+    if not config.lmdb_bytes or lmdb_live + stored_size > config.lmdb_bytes:
+        return TIER_NVME  # lmdb_bytes 0: no hot tier at all, empty values included
     return TIER_LMDB
 
 
-def demotion_target(config: "StoreConfig", lmdb_live: int) -> int:
+def demotion_target(config: StoreConfig, lmdb_live: int) -> int:
     """Bytes to move out of the hot tier now (0: within budget)."""
     if lmdb_live <= config.lmdb_bytes * DEMOTE_AT:
         return 0
     return lmdb_live - int(config.lmdb_bytes * DEMOTE_TO)
 
 
-def compaction_threshold(config: "StoreConfig") -> float:
+def compaction_threshold(config: StoreConfig) -> float:
     """Segments whose live fraction is below this are compacted. A segment at the
     threshold costs 1/threshold of its live bytes on disk; the margin leaves room for the
     segments being filled and the dead records compaction has not reached yet."""

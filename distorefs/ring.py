@@ -15,33 +15,25 @@ import dataclasses
 import logging
 import struct
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 import trio
 from sortedcontainers import SortedDict
 
 from . import codec
-from .catalog import (DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, TIER_LMDB, TIER_NAMES, entry_key,
-                      ns_prefix, pack_f64)
+from .catalog import DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, ns_prefix, pack_f64
 from .committer import Change, Overlay
 from .config import RingConfig
 from .errors import CorruptValue, DistorefsError, NoSpace, NotFound, TooLarge
 from .names import check_name
-from .placement import choose_tier
+from .owner import Owner
+from .placement import TIER_LMDB, TIER_NAMES
+from .services import Services
 
 if TYPE_CHECKING:
     from .prefetcher import Prefetcher
-    from .store import Store
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Owner:
-    mode: int
-    uid: int
-    gid: int
 
 
 class RingObserver(Protocol):
@@ -52,9 +44,13 @@ class RingObserver(Protocol):
 
 
 class Ring:
-    def __init__(self, store: "Store", ns_id: int, kind: str, name: str, config: RingConfig,
+    def __init__(self, services: Services, ns_id: int, kind: str, name: str, config: RingConfig,
                  observer: RingObserver | None = None) -> None:
-        self.store = store
+        self.values = services.values
+        self.committer = services.committer
+        self._collect = services.collect
+        self._entry_changed = services.entry_changed
+        self._hot_value_added = services.hot_value_added
         self.ns_id = ns_id
         self.kind = kind
         self.name = name
@@ -125,7 +121,7 @@ class Ring:
         return (self.ns_id, meta.seq, meta.gen)
 
     def cached(self, meta: EntryMeta) -> bytes | None:
-        return self.store.cache.get(self._cache_key(meta))
+        return self.values.cache.get(self._cache_key(meta))
 
     async def read(self, meta: EntryMeta) -> bytes:
         """The whole decoded value of `meta` (memory tier first, then its disk tier).
@@ -141,34 +137,30 @@ class Ring:
 
     async def _load(self, meta: EntryMeta) -> bytes:
         for _ in range(8):
-            value = self.store.cache.get(self._cache_key(meta))
-            if value is not None:
-                break
-            try:
-                value = await trio.to_thread.run_sync(self.store.load_value, meta, self._what(meta))
-            except (NotFound, CorruptValue) as exc:
-                if self.by_key.get(meta.key) is meta:
-                    # A group that removes or rewrites it may have committed without being
-                    # applied yet: let the committer catch up before calling it damage.
-                    await self.store.committer.settle()
-                current = self.by_key.get(meta.key)
-                if current is meta:
-                    raise self.store.report_corrupt(exc) from None
-                if current is None or current.seq != meta.seq:
-                    raise NotFound(f"{self._what(meta)} was removed while being read") from None
-                meta = current  # rewritten meanwhile: read the new version
-                continue
-            if self.by_seq.get(meta.seq) is meta:
-                self.store.cache.put(self._cache_key(meta), value)
-            break
-        else:
-            raise NotFound(f"{self._what(meta)} keeps changing; try again")
-        return value
+            key = self._cache_key(meta)
+            result = (await self.values.fetch([(key, meta.value, self._what(meta))], cache=False))[0]
+            if isinstance(result, bytes):
+                if self.by_seq.get(meta.seq) is meta:
+                    self.values.cache.put(key, result)
+                return result
+            if not isinstance(result, (NotFound, CorruptValue)):
+                raise result
+            if self.by_key.get(meta.key) is meta:
+                # A group that removes or rewrites it may have committed without being
+                # applied yet: let the committer catch up before calling it damage.
+                await self.committer.settle()
+            current = self.by_key.get(meta.key)
+            if current is meta:
+                raise self.values.report_corrupt(result) from None
+            if current is None or current.seq != meta.seq:
+                raise NotFound(f"{self._what(meta)} was removed while being read") from None
+            meta = current  # rewritten meanwhile: read the new version
+        raise NotFound(f"{self._what(meta)} keeps changing; try again")
 
     async def read_many(self, metas: list[EntryMeta]) -> list[bytes]:
-        """Values of many entries (memory tier, then prefetched values, then one worker-thread
-        call for all the rest)."""
-        cache = self.store.cache
+        """Values of many entries: the memory tier, then prefetched values, then one read
+        hand-off for all the rest (races and damage then one at a time)."""
+        cache = self.values.cache
         values: list[bytes | None] = [cache.get(self._cache_key(m)) for m in metas]
         if self.prefetcher is not None:
             for i, m in enumerate(metas):
@@ -178,13 +170,10 @@ class Ring:
                         cache.put(self._cache_key(m), values[i])  # drawn again soon, maybe
         missing = [i for i, v in enumerate(values) if v is None]
         if missing:
-            loaded = await trio.to_thread.run_sync(
-                self.store.load_values, [(metas[i], self._what(metas[i])) for i in missing])
+            loaded = await self.values.fetch([(self._cache_key(metas[i]), metas[i].value, self._what(metas[i]))
+                                              for i in missing])
             for i, value in zip(missing, loaded):
-                if value is None:
-                    value = await self._load(metas[i])  # races and corruption, one at a time
-                values[i] = value
-                cache.put(self._cache_key(metas[i]), value)
+                values[i] = value if isinstance(value, bytes) else await self._load(metas[i])
         self.counters["reads"] += len(metas)
         self.counters["read_bytes"] += sum(len(v) for v in values)  # type: ignore[arg-type]
         return values  # type: ignore[return-value]
@@ -194,11 +183,11 @@ class Ring:
         out: list[bytes | None] = []
         for seq, gen in keys:
             meta = self.by_seq.get(seq)
-            if meta is None or meta.gen != gen or self.store.cache.peek(self._cache_key(meta)) is not None:
+            if meta is None or meta.gen != gen or self.values.cache.peek(self._cache_key(meta)) is not None:
                 out.append(None)
                 continue
             try:
-                out.append(self.store.load_value(meta, self._what(meta)))
+                out.append(self.values.read(meta.value, self._what(meta)))
             except DistorefsError:
                 out.append(None)  # the read itself reports it
         return out
@@ -224,7 +213,7 @@ class Ring:
             change = InsertEntry(self, key, data, owner, priority)
             epoch = self._room_epoch
             try:
-                await self.store.committer.submit(change)
+                await self.committer.submit(change)
             except NoSpace:
                 if not self.config.evict_when_full or attempt == 3 or not await self._make_room(len(data), epoch):
                     raise
@@ -238,7 +227,7 @@ class Ring:
         async with self._room_lock:
             if self._room_epoch != epoch:
                 return True  # another insert made room since our attempt: try again first
-            goal = max(2 * need, self.store.config.segment_bytes)
+            goal = max(2 * need, self.values.config.segment_bytes)
             victims, total = [], 0
             for meta in self.by_seq.values():
                 if total >= goal or len(victims) >= len(self.by_seq) - 1:
@@ -247,25 +236,25 @@ class Ring:
                 total += meta.stored_size
             if not victims:
                 return False
-            errors = await self.store.committer.submit_all(
+            errors = await self.committer.submit_all(
                 [RemoveEntry(self, m.key, m.seq, "evictions_for_space") for m in victims])
-            await self.store.collect()
+            await self._collect()
             self._room_epoch += 1
             log.warning("%s/%s: disk full, evicted the %d oldest entries (%d bytes)", self.kind, self.name,
                         sum(e is None for e in errors), total)
             return True
 
     async def delete(self, key: bytes, expect_seq: int | None = None, reason: str = "deletes") -> None:
-        await self.store.committer.submit(RemoveEntry(self, key, expect_seq, reason))
+        await self.committer.submit(RemoveEntry(self, key, expect_seq, reason))
 
     async def rename(self, old: bytes, new: bytes) -> None:
         check_name(new)
-        await self.store.committer.submit(RenameEntry(self, old, new))
+        await self.committer.submit(RenameEntry(self, old, new))
 
     async def set_attrs(self, key: bytes, *, mode: int | None = None, uid: int | None = None,
                         gid: int | None = None, mtime_ns: int | None = None) -> EntryMeta:
         change = SetEntryAttrs(self, key, mode, uid, gid, mtime_ns)
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         return change.meta  # type: ignore[return-value]
 
     def plan_evictions(self, ro, protect: int = -1, config: RingConfig | None = None) -> list[EntryMeta]:
@@ -287,16 +276,15 @@ class Ring:
     # ----- transaction and apply steps shared by the changes -------------------------
 
     def txn_remove(self, txn, meta: EntryMeta) -> None:
-        env = self.store.env
         k = entry_key(self.ns_id, meta.seq)
-        txn.delete(k, db=env.db(DB_ENTRIES))
-        txn.delete(k, db=env.db(DB_PRIO))
-        txn.delete(k, db=env.db(DB_SAMPLED))
-        self.store.backend(meta.tier).delete(txn, meta.loc)
+        txn.delete(k, db=DB_ENTRIES)
+        txn.delete(k, db=DB_PRIO)
+        txn.delete(k, db=DB_SAMPLED)
+        self.values.delete(txn, meta.value)
 
     def apply_add(self, meta: EntryMeta, priority: float | None = None, times_sampled: int = 0,
                   indexed: bool = False) -> None:
-        meta.gen = self.store.next_gen()
+        meta.gen = self.values.next_gen()
         meta.slot = self._take_slot()
         self.slot_meta[meta.slot] = meta
         if not indexed:
@@ -308,7 +296,7 @@ class Ring:
             self.observer.entry_added(meta, priority, times_sampled)
 
     def apply_replace(self, old: EntryMeta, new: EntryMeta) -> None:
-        new.gen = self.store.next_gen()
+        new.gen = self.values.next_gen()
         new.slot = old.slot
         self.slot_meta[new.slot] = new
         self.by_seq[new.seq] = new
@@ -317,15 +305,16 @@ class Ring:
         self.by_key[new.key] = new
         self._account(old, -1)
         self._account(new, +1)
-        cached = self.store.cache.peek(self._cache_key(old))
-        self.store.cache.discard(self._cache_key(old))
+        cache = self.values.cache
+        cached = cache.peek(self._cache_key(old))
+        cache.discard(self._cache_key(old))
         if self.prefetcher is not None:
             self.prefetcher.forget((old.seq, old.gen))
-        if cached is not None and new.loc == old.loc and new.checksum == old.checksum:
-            self.store.cache.put(self._cache_key(new), cached)  # same value, new name or attrs
+        if cached is not None and new.value == old.value:
+            cache.put(self._cache_key(new), cached)  # same value, new name or attrs
         if self.observer is not None:
             self.observer.entry_replaced(old, new)
-        self.store.entry_changed(self, old, new)
+        self._entry_changed(self, old, new)
 
     def apply_relocate(self, old: EntryMeta, new: EntryMeta) -> None:
         """The same value moved to another tier or location (demotion, compaction): the
@@ -345,12 +334,12 @@ class Ring:
         self._free_slots.append(meta.slot)
         self._account(meta, -1)
         self.counters[reason] = self.counters.get(reason, 0) + 1
-        self.store.cache.discard(self._cache_key(meta))
+        self.values.cache.discard(self._cache_key(meta))
         if self.prefetcher is not None:
             self.prefetcher.forget((meta.seq, meta.gen))
         if self.observer is not None:
             self.observer.entry_removed(meta)
-        self.store.entry_changed(self, meta, None)
+        self._entry_changed(self, meta, None)
 
     def _account(self, meta: EntryMeta, sign: int) -> None:
         self.bytes += sign * meta.size
@@ -372,11 +361,10 @@ class Ring:
 
     def load(self, txn) -> None:
         """Rebuild the in-memory ring from the catalog (at store open, in a worker thread)."""
-        env = self.store.env
         prefix = ns_prefix(self.ns_id)
-        prio = _scan(txn, env.db(DB_PRIO), prefix, lambda v: float(memoryview(v).cast("d")[0]))
-        sampled = _scan(txn, env.db(DB_SAMPLED), prefix, lambda v: int(memoryview(v).cast("I")[0]))
-        cursor = txn.cursor(db=env.db(DB_ENTRIES))
+        prio = _scan(txn, DB_PRIO, prefix, lambda v: float(memoryview(v).cast("d")[0]))
+        sampled = _scan(txn, DB_SAMPLED, prefix, lambda v: int(memoryview(v).cast("I")[0]))
+        cursor = txn.cursor(DB_ENTRIES)
         metas = []
         if cursor.set_range(prefix):
             for k, v in cursor:
@@ -395,13 +383,12 @@ class RingNamespace:
     kind = ""
     config_type: type = RingConfig
 
-    def __init__(self, store: "Store", ns_id: int, name: str, config: RingConfig, owner: Owner, ctime_ns: int,
-                 observer: RingObserver | None = None) -> None:
-        self.store = store
+    def __init__(self, services: Services, ns_id: int, name: str, config: RingConfig, owner: Owner,
+                 ctime_ns: int, observer: RingObserver | None = None) -> None:
         self.name = name
         self.owner = owner
         self.ctime_ns = ctime_ns
-        self.ring = Ring(store, ns_id, self.kind, name, config, observer=observer)
+        self.ring = Ring(services, ns_id, self.kind, name, config, observer=observer)
 
     @property
     def config(self):
@@ -415,9 +402,9 @@ class RingNamespace:
 _SEQ = struct.Struct(">Q")
 
 
-def _scan(txn, db, prefix: bytes, decode) -> dict[int, object]:
+def _scan(txn, db: bytes, prefix: bytes, decode) -> dict[int, object]:
     out = {}
-    cursor = txn.cursor(db=db)
+    cursor = txn.cursor(db)
     if cursor.set_range(prefix):
         for k, v in cursor:
             if bytes(k[:4]) != prefix:
@@ -468,22 +455,21 @@ class InsertEntry(Change):
             self.enc = codec.encode(self.raw, config.compression, config.compression_level)
 
     def txn(self, txn) -> None:
-        ring, store = self.ring, self.ring.store
+        ring, values = self.ring, self.ring.values
         self.prepare()
         enc = self.enc
         assert enc is not None
         for victim in self.victims:
             ring.txn_remove(txn, victim)
         if self.old is not None:
-            store.backend(self.old.tier).delete(txn, self.old.loc)
-        self.tier = choose_tier(store, txn, len(enc.stored), cold=self.seq < ring.demote_front)
+            values.delete(txn, self.old.value)
         k = entry_key(ring.ns_id, self.seq)
-        loc = store.backend(self.tier).put(txn, k, enc.stored, stream=ring.ns_id)
-        self.meta = EntryMeta(self.seq, self.key, enc.size, len(enc.stored), enc.checksum, enc.codec,
-                              self.tier, loc, self.owner.mode, self.owner.uid, self.owner.gid, self.mtime_ns)
-        txn.put(k, self.meta.pack(), db=store.env.db(DB_ENTRIES))
+        value = values.put(txn, k, enc, stream=ring.ns_id, cold=self.seq < ring.demote_front)
+        self.meta = EntryMeta(self.seq, self.key, value, self.owner.mode, self.owner.uid, self.owner.gid,
+                              self.mtime_ns)
+        txn.put(k, self.meta.pack(), db=DB_ENTRIES)
         if self.old is None and self.priority is not None:
-            txn.put(k, pack_f64(self.priority), db=store.env.db(DB_PRIO))
+            txn.put(k, pack_f64(self.priority), db=DB_PRIO)
 
     def apply(self) -> None:
         ring = self.ring
@@ -497,9 +483,9 @@ class InsertEntry(Change):
             ring.apply_add(self.meta, self.priority)
             ring.counters["inserts"] += 1
         ring.counters["inserted_bytes"] += len(self.raw)
-        ring.store.cache.put(ring._cache_key(self.meta), bytes(self.raw))
-        if self.tier == TIER_LMDB:
-            ring.store.mover.value_added()
+        ring.values.cache.put(ring._cache_key(self.meta), bytes(self.raw))
+        if self.meta.tier == TIER_LMDB:
+            ring._hot_value_added()
 
 
 class RemoveEntry(Change):
@@ -552,7 +538,7 @@ class RenameEntry(Change):
         if self.target is not None:
             self.ring.txn_remove(txn, self.target)
         self.new = dataclasses.replace(self.meta, key=self.new_key)
-        txn.put(entry_key(self.ring.ns_id, self.new.seq), self.new.pack(), db=self.ring.store.env.db(DB_ENTRIES))
+        txn.put(entry_key(self.ring.ns_id, self.new.seq), self.new.pack(), db=DB_ENTRIES)
 
     def apply(self) -> None:
         if self.target is not None:
@@ -573,8 +559,7 @@ class SetEntryAttrs(Change):
         self.meta = dataclasses.replace(self.old, **{k: v for k, v in changes.items() if v is not None})
 
     def txn(self, txn) -> None:
-        txn.put(entry_key(self.ring.ns_id, self.meta.seq), self.meta.pack(),
-                db=self.ring.store.env.db(DB_ENTRIES))
+        txn.put(entry_key(self.ring.ns_id, self.meta.seq), self.meta.pack(), db=DB_ENTRIES)
 
     def apply(self) -> None:
         self.ring.apply_replace(self.old, self.meta)

@@ -20,41 +20,39 @@ import os
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
-from . import __version__, codec
-from distorefs.backends.base import ValueBackend
-from distorefs.backends.lmdbenv import LmdbEnv
-from distorefs.backends.lmdbvalues import LmdbValues
-from distorefs.backends.segments import SegmentDir, SegmentValues
+from . import __version__
+from .backends.lmdbenv import LmdbEnv
+from .backends.segments import SegmentDir
 from .bank import Bank
 from .buffer import Buffer
-from .cache import ValueCache
-from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, TIER_LMDB, TIER_NAMES, TIER_NVME, EntryMeta, pack_u32, unpack_u32
-from .committer import Change, Committer, Overlay
-from .dataset import DB_DSNODES, Dataset
-from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
-from .errors import AlreadyExists, CorruptValue, DistorefsError, InvalidConfig, NoSpace, NotEmpty, NotFound
-from .lockfile import take_lock
-from .recovery import Recovery, recover
-from .names import check_name
-from .memory import MemoryPlan
-from .prefetcher import PrefetchBudget, hit_rate
-from .ring import Owner, Ring
-from .weights import DB_WNODES, WeightsTree
+from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, EntryMeta, pack_u32, unpack_u32
 from .checkpoints import DB_CKPT, Checkpoints
+from .committer import Change, Committer, Overlay
+from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
+from .dataset import DB_DSNODES, Dataset
+from .errors import AlreadyExists, InvalidConfig, NoSpace, NotEmpty, NotFound
+from .lockfile import take_lock
+from .memory import MemoryPlan
+from .names import check_name
+from .owner import Owner
+from .prefetcher import PrefetchBudget, hit_rate
+from .recovery import Recovery, recover
+from .ring import Ring
+from .services import Services
 from .tiering import TierMover
-
-if TYPE_CHECKING:
-    from .chunks import Chunk
+from .values import ValueLayer
+from .weights import DB_WNODES, WeightsTree
 
 log = logging.getLogger(__name__)
 
 EntryListener = Callable[[Ring, EntryMeta, "EntryMeta | None"], None]
 Namespace = Buffer | Bank | Dataset
 KINDS: dict[str, type] = {"buffers": Buffer, "banks": Bank, "datasets": Dataset}
+CATALOG_DBS = (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DSNODES, DB_CKPT)
 
 
 class Store:
@@ -80,9 +78,9 @@ class Store:
 
     def _open(self, nvme_dirs: list | None, overrides: dict | None) -> None:
         self.env = LmdbEnv(self.path / "meta")
-        for name in (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DSNODES, DB_CKPT):
+        for name in CATALOG_DBS:
             self.env.db(name)  # opening a db writes: do it once, before any transaction
-        stored = self.env.read(lambda txn: _copy(txn.get(b"config", db=self.env.db(DB_META))))
+        stored = self.env.read(lambda txn: _copy(txn.get(b"config", db=DB_META)))
         base = StoreConfig.from_json(stored) if stored else StoreConfig()
         overrides = dict(overrides or {})
         if nvme_dirs or "nvme_dirs" in overrides:
@@ -99,27 +97,27 @@ class Store:
         dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in self.config.nvme_dirs] \
             or [SegmentDir(self.path / "segments")]
         self.nvme_path = dirs[0].path
-        self.lmdb_values = LmdbValues(self.env)
-        self.nvme_values = SegmentValues(self.env, dirs, self.config.segment_bytes)
-        self.backends: dict[int, ValueBackend] = {TIER_LMDB: self.lmdb_values, TIER_NVME: self.nvme_values}
-        self.cache = ValueCache(0)  # sized by the memory plan, below
+        self.values = ValueLayer(self.env, self.config, dirs)
         self.prefetch_budget = PrefetchBudget(0)
         self.committer = Committer(self.env.write)
-        self.mover = TierMover(self)
+        self.services = Services(values=self.values, committer=self.committer, env=self.env, config=self.config,
+                                 prefetch_budget=self.prefetch_budget, spool_dir=self.path / "spool",
+                                 spawn=self.spawn, sync=self.sync, collect=self.collect,
+                                 entry_changed=self._entry_changed, hot_value_added=self._hot_value_added,
+                                 memory_changed=self.apply_memory_plan)
+        self.mover = TierMover(self.values, self.committer, self.rings, lambda: self.memory.transfer)
         self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
         self.buffers: dict[str, Buffer] = self.namespaces["buffers"]  # type: ignore[assignment]
         self.banks: dict[str, Bank] = self.namespaces["banks"]  # type: ignore[assignment]
         self.datasets: dict[str, Dataset] = self.namespaces["datasets"]  # type: ignore[assignment]
         self.listeners: list[EntryListener] = []
-        self.counters = {"corrupt_reads": 0, "disk_reads": 0, "disk_read_bytes": 0, "syncs": 0,
-                         "segment_bytes_freed": 0}
+        self.counters = {"syncs": 0}
         self.started = time.time()
-        self._gen = 0
         self._nursery: trio.Nursery | None = None
         self._synced_groups = 0
-        stored = self.env.read(lambda txn: _copy(txn.get(b"weights", db=self.env.db(DB_META))))
-        self.weights = WeightsTree(self, WeightsConfig.from_json(stored) if stored else WeightsConfig())
-        self.checkpoints = Checkpoints(self)
+        stored = self.env.read(lambda txn: _copy(txn.get(b"weights", db=DB_META)))
+        self.weights = WeightsTree(self.services, WeightsConfig.from_json(stored) if stored else WeightsConfig())
+        self.checkpoints = Checkpoints(self.services)
         self.env.read(self._load_namespaces)
         self.apply_memory_plan()
 
@@ -140,7 +138,7 @@ class Store:
         the memory tier, the read-ahead budget and the write-back budget to it."""
         plan = MemoryPlan.of(self.config, self.checkpoints.config.writeback_bytes)
         self.memory = plan
-        self.cache.resize(plan.cache)
+        self.values.cache.resize(plan.cache)
         self.prefetch_budget.capacity = plan.prefetch
         self.checkpoints.budget.resize(plan.writeback)
         return plan
@@ -148,28 +146,33 @@ class Store:
     def rings(self) -> list[Ring]:
         return [ns.ring for kind in ("buffers", "banks") for ns in self.namespaces[kind].values()]
 
-    def rings_by_id(self) -> dict[int, Ring]:
-        return {r.ns_id: r for r in self.rings()}
+    def _entry_changed(self, ring: Ring, old: EntryMeta, new: EntryMeta | None) -> None:
+        for listener in self.listeners:
+            try:
+                listener(ring, old, new)
+            except Exception:
+                log.exception("entry listener failed")
+
+    def _hot_value_added(self) -> None:
+        self.mover.value_added()
 
     def _init_meta(self, txn) -> None:
-        db = self.env.db(DB_META)
-        txn.put(b"config", self.config.to_json(), db=db)
-        if txn.get(b"format", db=db) is None:
-            txn.put(b"format", pack_u32(FORMAT_VERSION), db=db)
-            txn.put(b"next_ns", pack_u32(1), db=db)
+        txn.put(b"config", self.config.to_json(), db=DB_META)
+        if txn.get(b"format", db=DB_META) is None:
+            txn.put(b"format", pack_u32(FORMAT_VERSION), db=DB_META)
+            txn.put(b"next_ns", pack_u32(1), db=DB_META)
 
     def _load_namespaces(self, txn) -> None:
         self.weights.load(txn)
         self.checkpoints.load(txn)
-        cursor = txn.cursor(db=self.env.db(DB_NS))
-        for k, v in cursor:
+        for k, v in txn.cursor(DB_NS):
             kind, _, name = bytes(k).decode().partition("/")
             record = json.loads(bytes(v))
             cls = KINDS.get(kind)
             if cls is None:
                 log.error("namespace %s/%s of unknown kind: left alone", kind, name)
                 continue
-            args = (self, record["id"], name, cls.config_type.from_dict(record["config"]),
+            args = (self.services, record["id"], name, cls.config_type.from_dict(record["config"]),
                     Owner(record["mode"], record["uid"], record["gid"]), record["ctime_ns"])
             if cls is Dataset:
                 ns = Dataset(*args, record=record)
@@ -220,10 +223,9 @@ class Store:
         """Sync, then unlink segment files whose every value was evicted or deleted (the sync
         loop does this each `sync_interval` after commits; `distorefs gc` asks for it now)."""
         await self.sync()
-        freed = await trio.to_thread.run_sync(self.backends[TIER_NVME].collect)
-        self.counters["segment_bytes_freed"] += freed
+        freed = await trio.to_thread.run_sync(self.values.collect)
         return {"segment_bytes_freed": freed,
-                "nvme_used_bytes": (await trio.to_thread.run_sync(self.backends[TIER_NVME].usage)).used_bytes}
+                "nvme_used_bytes": (await trio.to_thread.run_sync(self.values.nvme.usage)).used_bytes}
 
     async def sync(self) -> None:
         """Make everything committed so far durable (fsync)."""
@@ -233,8 +235,7 @@ class Store:
         self._synced_groups = groups
 
     def sync_blocking(self) -> None:
-        self.backends[TIER_NVME].sync()
-        self.env.sync()
+        self.values.sync()
         self.counters["syncs"] += 1
 
     def close(self) -> None:
@@ -242,70 +243,12 @@ class Store:
         succeeded marks the store clean; after a failure it is recovered at the next open."""
         try:
             self.sync_blocking()
-            for backend in self.backends.values():
-                backend.close()
+            self.values.close()
             self.env.close()
         except BaseException:
             self._lock.keep_unclean(f"pid {os.getpid()}: close failed")
             raise
         self._lock.release()
-
-    # ----- values --------------------------------------------------------------------
-
-    def backend(self, tier: int) -> ValueBackend:
-        return self.backends[tier]
-
-    def next_gen(self) -> int:
-        self._gen += 1
-        return self._gen
-
-    def read_stored(self, v: "EntryMeta | Chunk", what: str) -> bytes:
-        """The decoded, verified content of one stored value (an entry's or a chunk's: the
-        same fields), read from its tier (worker thread). NotFound or CorruptValue."""
-        stored, tier_crc = self.backends[v.tier].get_checked(v.loc)
-        if len(stored) != v.stored_size:
-            raise CorruptValue(f"stored size {len(stored)}, expected {v.stored_size}")
-        return codec.decode(stored, v.codec, v.size, v.checksum, what, stored_crc=tier_crc)
-
-    def load_value(self, meta: EntryMeta, what: str) -> bytes:
-        """Read and verify one value from its disk tier (worker thread).
-
-        Raises NotFound when the value is not there and CorruptValue when its bytes do not
-        verify. Either can be a race (the entry was evicted or rewritten after `meta` was
-        taken) rather than damage: the caller, who knows what is current, decides.
-        """
-        try:
-            value = self.read_stored(meta, what)
-        except (CorruptValue, NotFound) as exc:
-            # Backend errors name only a location: say which entry it is.
-            message = str(exc) if str(exc).startswith(what) else f"{what}: {exc}"
-            raise type(exc)(message) from None
-        self.counters["disk_reads"] += 1
-        self.counters["disk_read_bytes"] += meta.stored_size
-        return value
-
-    def report_corrupt(self, exc: DistorefsError) -> CorruptValue:
-        """Count and log a value that failed to verify; the read fails with EIO."""
-        self.counters["corrupt_reads"] += 1
-        log.error("corrupt value: %s", exc)
-        return CorruptValue(str(exc))
-
-    def load_values(self, items: list[tuple[EntryMeta, str]]) -> list[bytes | None]:
-        """Values of many entries in one worker-thread call; None where a read failed."""
-        out: list[bytes | None] = []
-        for meta, what in items:
-            try:
-                out.append(self.load_value(meta, what))
-            except DistorefsError:
-                out.append(None)
-        return out
-
-    def entry_changed(self, ring: Ring, old: EntryMeta, new: EntryMeta | None) -> None:
-        for listener in self.listeners:
-            try:
-                listener(ring, old, new)
-            except Exception:
-                log.exception("entry listener failed")
 
     # ----- namespaces ----------------------------------------------------------------
 
@@ -369,10 +312,10 @@ class Store:
         """For df: bytes the store's files take, and the room left for data: in the NVMe
         directories (within their capacities), plus what the hot tier may still take of
         `lmdb_bytes` when it is on another file system than they are."""
-        nvme = self.nvme_values.usage()
-        lmdb = self.lmdb_values.usage()
+        nvme = self.values.nvme.usage()
+        lmdb = self.values.lmdb.usage()
         room = nvme.capacity_bytes - nvme.used_bytes
-        if os.stat(self.path).st_dev not in self.nvme_values.shared_devices():
+        if os.stat(self.path).st_dev not in self.values.nvme.shared_devices():
             st = os.statvfs(self.path)
             room += min(st.f_bavail * st.f_frsize, max(0, self.config.lmdb_bytes - lmdb.live_bytes))
         used = nvme.used_bytes + lmdb.used_bytes
@@ -383,18 +326,13 @@ class Store:
     def memory_held(self) -> int:
         """Bytes held against memory_bytes now (the mount adds what waits for the page cache)."""
         wb = self.checkpoints.budget.used + self.checkpoints.pool.free_bytes
-        return self.cache.used_bytes + self.prefetch_budget.used + wb
+        return self.values.cache.used_bytes + self.prefetch_budget.used + wb
 
     def stats(self) -> dict[str, Any]:
-        tiers = {}
-        for tier, backend in self.backends.items():
-            u = backend.usage()
-            tiers[TIER_NAMES[tier]] = {"used_bytes": u.used_bytes, "live_bytes": u.live_bytes,
-                                       "capacity_bytes": u.capacity_bytes}
-        tiers["lmdb"]["budget_bytes"] = self.config.lmdb_bytes
-        tiers["nvme"]["directories"] = self.nvme_values.dir_usage()
+        tiers = self.values.tier_stats()
         on_disk = sum(t["used_bytes"] for t in tiers.values())
         live = sum(t["live_bytes"] for t in tiers.values())
+        counters = {k: v for k, v in self.values.counters.items() if k != "read_batches"}
         buffers = {name: b.stats() for name, b in sorted(self.buffers.items())}
         totals = {k: sum(b.get(k, 0) for b in buffers.values())
                   for k in ("entries", "bytes", "stored_bytes", "inserts", "rewrites", "deletes", "evictions",
@@ -409,9 +347,11 @@ class Store:
                       "overhead": round(on_disk / live, 3) if live else None,
                       "max_overhead": self.config.max_space_overhead},
             "tiering": self.mover.stats(),
-            "memory": {**self.memory.as_dict(), "held_bytes": self.memory_held(), "cache": self.cache.stats()},
+            "memory": {**self.memory.as_dict(), "held_bytes": self.memory_held(), "cache": self.values.cache.stats()},
             "commits": {"groups": self.committer.groups, "changes": self.committer.changes,
-                        "failures": self.committer.failures},
+                        "failures": self.committer.failures, "rejected": self.committer.rejected},
+            "reads": {"batches": self.values.counters["read_batches"]},
+            **counters,
             **self.counters,
             "buffers": buffers,
             "banks": {name: b.stats() for name, b in sorted(self.banks.items())},
@@ -451,17 +391,16 @@ class CreateNamespace(Change):
         self.ctime_ns = time.time_ns()
 
     def txn(self, txn) -> None:
-        meta_db = self.store.env.db(DB_META)
-        self.ns_id = unpack_u32(bytes(txn.get(b"next_ns", db=meta_db)))
-        txn.put(b"next_ns", pack_u32(self.ns_id + 1), db=meta_db)
+        self.ns_id = unpack_u32(bytes(txn.get(b"next_ns", db=DB_META)))
+        txn.put(b"next_ns", pack_u32(self.ns_id + 1), db=DB_META)
         record = {"id": self.ns_id, "kind": self.kind, "config": self.config.to_dict(),
                   "mode": self.owner.mode, "uid": self.owner.uid, "gid": self.owner.gid,
                   "ctime_ns": self.ctime_ns}
-        txn.put(f"{self.kind}/{self.name}".encode(), json.dumps(record).encode(), db=self.store.env.db(DB_NS))
+        txn.put(f"{self.kind}/{self.name}".encode(), json.dumps(record).encode(), db=DB_NS)
 
     def apply(self) -> None:
         cls = KINDS[self.kind]
-        self.store.namespaces[self.kind][self.name] = cls(self.store, self.ns_id, self.name, self.config,
+        self.store.namespaces[self.kind][self.name] = cls(self.store.services, self.ns_id, self.name, self.config,
                                                           self.owner, self.ctime_ns)
 
 
@@ -482,14 +421,14 @@ class DropNamespace(Change):
             raise NotEmpty(f"{ns.kind}/{ns.name} still has {len(ns.ring)} entries")
 
     def txn(self, txn) -> None:
-        txn.delete(f"{self.ns.kind}/{self.ns.name}".encode(), db=self.store.env.db(DB_NS))
+        txn.delete(f"{self.ns.kind}/{self.ns.name}".encode(), db=DB_NS)
         if isinstance(self.ns, Dataset):
             self.ns.drop_txn(txn)
 
     def apply(self) -> None:
         del self.store.namespaces[self.ns.kind][self.ns.name]
         if not isinstance(self.ns, Dataset):
-            self.store.nvme_values.end_stream(self.ns.ns_id)  # its last segment may go too
+            self.store.values.nvme.end_stream(self.ns.ns_id)  # its last segment may go too
 
 
 class ConfigureNamespace(Change):
@@ -509,10 +448,9 @@ class ConfigureNamespace(Change):
         for victim in self.victims:
             self.ns.ring.txn_remove(txn, victim)
         key = f"{self.ns.kind}/{self.ns.name}".encode()
-        db = self.store.env.db(DB_NS)
-        record = json.loads(bytes(txn.get(key, db=db)))
+        record = json.loads(bytes(txn.get(key, db=DB_NS)))
         record["config"] = self.config.to_dict()
-        txn.put(key, json.dumps(record).encode(), db=db)
+        txn.put(key, json.dumps(record).encode(), db=DB_NS)
 
     def apply(self) -> None:
         for victim in self.victims:
@@ -529,13 +467,12 @@ class SetNamespaceOwner(Change):
 
     def txn(self, txn) -> None:
         key = f"{self.ns.kind}/{self.ns.name}".encode()
-        db = self.store.env.db(DB_NS)
-        raw = txn.get(key, db=db)
+        raw = txn.get(key, db=DB_NS)
         if raw is None:
             raise NotFound(f"no {self.ns.kind}/{self.ns.name}")
         record = json.loads(bytes(raw))
         record.update(mode=self.owner.mode, uid=self.owner.uid, gid=self.owner.gid)
-        txn.put(key, json.dumps(record).encode(), db=db)
+        txn.put(key, json.dumps(record).encode(), db=DB_NS)
 
     def apply(self) -> None:
         self.ns.owner = self.owner
@@ -548,7 +485,7 @@ class ConfigureWeights(Change):
         self.conflict_key = ("weights",)
 
     def txn(self, txn) -> None:
-        txn.put(b"weights", self.config.to_json(), db=self.store.env.db(DB_META))
+        txn.put(b"weights", self.config.to_json(), db=DB_META)
 
     def apply(self) -> None:
         self.store.weights.config = self.config

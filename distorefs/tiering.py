@@ -27,18 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import trio
 
-from .catalog import DB_ENTRIES, TIER_LMDB, TIER_NVME, EntryMeta, entry_key, split_entry_key
-from .committer import Change, Overlay
+from .catalog import DB_ENTRIES, EntryMeta, entry_key, split_entry_key
+from .committer import Change, Committer, Overlay
 from .errors import DistorefsError, NoSpace
-from .placement import DEMOTE_AT, compaction_threshold, demotion_target
-
-if TYPE_CHECKING:
-    from .ring import Ring
-    from .store import Store
+from .placement import DEMOTE_AT, TIER_LMDB, TIER_NVME, compaction_threshold, demotion_target
+from .ring import Ring
+from .values import ValueLayer
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,7 @@ class RelocateEntries(Change):
 
     exclusive = True
 
-    def __init__(self, ring: "Ring", moves: list[tuple[EntryMeta, bytes]]) -> None:
+    def __init__(self, ring: Ring, moves: list[tuple[EntryMeta, bytes]]) -> None:
         self.ring = ring
         self.moves = moves
         self.new: list[EntryMeta] = []
@@ -61,16 +59,12 @@ class RelocateEntries(Change):
         self.moves = [(m, stored) for m, stored in self.moves if self.ring.by_seq.get(m.seq) is m]
 
     def txn(self, txn) -> None:
-        ring, store = self.ring, self.ring.store
-        nvme = store.backend(TIER_NVME)
-        entries = store.env.db(DB_ENTRIES)
+        ring = self.ring
         self.new = []
         for meta, stored in self.moves:
             k = entry_key(ring.ns_id, meta.seq)
-            loc = nvme.put(txn, k, stored, stream=ring.ns_id)
-            store.backend(meta.tier).delete(txn, meta.loc)
-            new = dataclasses.replace(meta, tier=TIER_NVME, loc=loc)
-            txn.put(k, new.pack(), db=entries)
+            new = dataclasses.replace(meta, value=ring.values.relocate(txn, k, meta.value, stored, ring.ns_id))
+            txn.put(k, new.pack(), db=DB_ENTRIES)
             self.new.append(new)
 
     def apply(self) -> None:
@@ -81,8 +75,15 @@ class RelocateEntries(Change):
 class TierMover:
     """The background task that demotes and compacts (started by `Store.running`)."""
 
-    def __init__(self, store: "Store") -> None:
-        self.store = store
+    def __init__(self, values: ValueLayer, committer: Committer, rings: Callable[[], list[Ring]],
+                 transfer_bytes: Callable[[], int]) -> None:
+        """`rings()`: the rings of the store now; `transfer_bytes()`: the memory plan's share
+        for values on the move."""
+        self.values = values
+        self.config = values.config
+        self.committer = committer
+        self.rings = rings
+        self.transfer_bytes = transfer_bytes
         self.counters = {"demoted_entries": 0, "demoted_bytes": 0, "compacted_segments": 0,
                          "compacted_entries": 0, "compacted_bytes": 0, "move_failures": 0}
         self._wake = trio.Event()
@@ -92,14 +93,13 @@ class TierMover:
 
     def value_added(self) -> None:
         """A commit put values in the hot tier: start demoting as soon as it nears its budget."""
-        store = self.store
-        if store.lmdb_values.recent_live > DEMOTE_AT * store.config.lmdb_bytes:
+        if self.values.lmdb.recent_live > DEMOTE_AT * self.config.lmdb_bytes:
             self._wake.set()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            with trio.move_on_after(self.store.config.sync_interval):
+            with trio.move_on_after(self.config.sync_interval):
                 await self._wake.wait()
             self._wake = trio.Event()
             try:
@@ -115,13 +115,12 @@ class TierMover:
     # ----- demotion -----------------------------------------------------------------
 
     async def demote(self) -> None:
-        store = self.store
-        lmdb = store.lmdb_values
+        lmdb = self.values.lmdb
         while True:
-            excess = demotion_target(store.config, await trio.to_thread.run_sync(lmdb.live_bytes))
+            excess = demotion_target(self.config, await trio.to_thread.run_sync(lmdb.live_bytes))
             if excess <= 0:
                 return
-            rings = [r for r in store.rings() if r.tier_bytes[TIER_LMDB] > 0]
+            rings = [r for r in self.rings() if r.tier_bytes[TIER_LMDB] > 0]
             if not rings:
                 return  # what is over the budget is not ring values: placement holds the line
             ring = max(rings, key=lambda r: r.tier_bytes[TIER_LMDB])
@@ -133,7 +132,7 @@ class TierMover:
             self.counters["demoted_bytes"] += sum(m.stored_size for m in moved)
 
     @staticmethod
-    def _oldest_hot(ring: "Ring", limit: int) -> list[EntryMeta]:
+    def _oldest_hot(ring: Ring, limit: int) -> list[EntryMeta]:
         """The oldest entries of `ring` still in LMDB, up to `limit` stored bytes; advances
         the ring's demotion front past them."""
         out: list[EntryMeta] = []
@@ -152,10 +151,9 @@ class TierMover:
     # ----- compaction ---------------------------------------------------------------
 
     async def compact(self) -> None:
-        store = self.store
-        nvme = store.nvme_values
-        bound = store.config.max_space_overhead
-        threshold = compaction_threshold(store.config)
+        nvme = self.values.nvme
+        bound = self.config.max_space_overhead
+        threshold = compaction_threshold(self.config)
         infos = await trio.to_thread.run_sync(nvme.segments)
         current = nvme.current_segments()
         candidates = sorted((i for i in infos if i.stream and i.seg not in current and i.live_records
@@ -169,10 +167,12 @@ class TierMover:
             await self._compact_segment(info.seg)
             self.counters["compacted_segments"] += 1
 
+    def _rings_by_id(self) -> dict[int, Ring]:
+        return {r.ns_id: r for r in self.rings()}
+
     async def _compact_segment(self, seg: int) -> None:
-        store = self.store
-        records = await trio.to_thread.run_sync(store.nvme_values.records, seg)
-        rings = store.rings_by_id()
+        records = await trio.to_thread.run_sync(self.values.nvme.records, seg)
+        rings = self._rings_by_id()
         by_ring: dict[int, list[EntryMeta]] = {}
         for vkey, loc in records:
             if len(vkey) != 12:
@@ -180,10 +180,10 @@ class TierMover:
             ns_id, seq = split_entry_key(vkey)
             ring = rings.get(ns_id)
             meta = ring.by_seq.get(seq) if ring is not None else None
-            if meta is not None and meta.tier == TIER_NVME and meta.loc == loc:
+            if meta is not None and meta.tier == TIER_NVME and meta.value.loc == loc:
                 by_ring.setdefault(ns_id, []).append(meta)
         for ns_id, metas in by_ring.items():
-            ring = store.rings_by_id().get(ns_id)  # still there after the moves before
+            ring = self._rings_by_id().get(ns_id)  # still there after the moves before
             start = 0
             while ring is not None and start < len(metas):
                 batch, total = [], 0
@@ -198,18 +198,18 @@ class TierMover:
     # ----- the move -----------------------------------------------------------------
 
     def _move_bytes(self) -> int:
-        return max(1 << 20, min(MOVE_BYTES, self.store.memory.transfer))
+        return max(1 << 20, min(MOVE_BYTES, self.transfer_bytes()))
 
-    async def _move(self, ring: "Ring", metas: list[EntryMeta]) -> list[EntryMeta]:
+    async def _move(self, ring: Ring, metas: list[EntryMeta]) -> list[EntryMeta]:
         """Read the stored values of `metas` (worker thread) and move them in one change;
         values that vanished or fail to verify meanwhile are left where they are."""
-        store = self.store
+        values = self.values
 
         def read() -> list[tuple[EntryMeta, bytes]]:
             out = []
             for meta in metas:
                 try:
-                    stored = store.backend(meta.tier).get(meta.loc)
+                    stored = values.read_stored(meta.value)
                 except DistorefsError:
                     continue  # removed since (NotFound) or damaged (reads report it)
                 if len(stored) == meta.stored_size:
@@ -220,7 +220,7 @@ class TierMover:
         if not moves:
             return []
         change = RelocateEntries(ring, moves)
-        await store.committer.submit(change)
+        await self.committer.submit(change)
         return [m for m, _ in change.moves]
 
     def stats(self) -> dict:

@@ -60,17 +60,18 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import codec
-from .catalog import (DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, TIER_LMDB, TIER_NAMES,
-                      TIER_NVME, EntryMeta, pack_u32, split_entry_key, unpack_u32)
-from .chunks import Chunk
-from .config import StoreConfig
+from .backends.lmdbenv import LmdbEnv
+from .backends.lmdbvalues import DB_TIERMETA, DB_VALUES
+from .backends.segments import DB_SEGMENTS, SegmentDir
+from .catalog import (DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, EntryMeta, pack_u32,
+                      split_entry_key, unpack_u32)
+from .placement import TIER_LMDB, TIER_NAMES, TIER_NVME
+from .values import StoredValue, ValueLayer
+from .config import NAMESPACE_CONFIGS, StoreConfig
 from .errors import CorruptValue, DistorefsError, InvalidName, NotFound
 from .lockfile import take_lock
 from .names import check_name
 
-DB_VALUES = b"values"
-DB_TIERMETA = b"tiermeta"
-DB_SEGMENTS = b"segments"
 RING_KINDS = ("buffers", "banks")
 
 ERROR, LEAK, SPACE, NOTE = "error", "leak", "space", "note"
@@ -114,13 +115,20 @@ class Ref:
     """One stored value a record points at."""
 
     what: str
-    tier: int
-    loc: bytes
-    stored_size: int
-    size: int
-    codec: int
-    checksum: int
+    value: StoredValue
     whole: Whole | None = None
+
+    @property
+    def tier(self) -> int:
+        return self.value.tier
+
+    @property
+    def loc(self) -> bytes:
+        return self.value.loc
+
+    @property
+    def stored_size(self) -> int:
+        return self.value.stored_size
 
 
 @dataclass
@@ -188,10 +196,6 @@ class Check:
     """State shared by the passes of one run: the open store, references, findings."""
 
     def __init__(self, path: Path, repair: bool, progress: bool, report: Report) -> None:
-        from distorefs.backends.lmdbenv import LmdbEnv
-        from distorefs.backends.lmdbvalues import LmdbValues
-        from distorefs.backends.segments import SegmentDir, SegmentValues
-
         self.path = path
         self.repair = repair
         self.progress = progress
@@ -203,14 +207,16 @@ class Check:
         # Open what exists (plus the tiers' own dbs, which a store always has) and no more.
         for name in names:
             self.env.db(name)
-        raw = self.env.read(lambda txn: _copy(txn.get(b"config", db=self.env.db(DB_META)))) \
-            if DB_META in names else None
+        raw = self.env.read(lambda txn: _copy(txn.get(b"config", db=DB_META))) if DB_META in names else None
         self.config = StoreConfig.from_json(raw) if raw else StoreConfig()
         dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in self.config.nvme_dirs] \
             or [SegmentDir(path / "segments")]
-        self.lmdb = LmdbValues(self.env)
-        self.segments = SegmentValues(self.env, dirs, self.config.segment_bytes, create=False)
-        self.tiers = {TIER_LMDB: self.lmdb, TIER_NVME: self.segments}
+        # Values are read through the value layer (codec, checksums) but no directory is
+        # made: a drive not mounted must not be stood in for by an empty directory.
+        self.values = ValueLayer(self.env, self.config, dirs, create_dirs=False)
+        self.lmdb = self.values.lmdb
+        self.segments = self.values.nvme
+        self.tiers = self.values.tiers
         self.claimed: set[bytes] = {DB_VALUES, DB_TIERMETA, DB_SEGMENTS}
         self.refs: list[Ref] = []
         self.ref_at: dict[tuple[int, bytes], str] = {}
@@ -222,10 +228,10 @@ class Check:
 
     # -- helpers for passes ----------------------------------------------------------
 
-    def db(self, name: bytes):
-        """The named database, or None if the store has none of that name."""
+    def db(self, name: bytes) -> bytes | None:
+        """The named database (its name, for `Txn` calls), or None if the store has none."""
         self.claimed.add(name)
-        return self.env.db(name) if name in self.db_names else None
+        return name if name in self.db_names else None
 
     def claim(self, name: bytes) -> None:
         self.claimed.add(name)
@@ -280,8 +286,8 @@ class Check:
         self.complete = False
         self.incomplete_why.append(why)
 
-    def ref(self, what: str, tier: int, loc: bytes, stored_size: int, size: int, codec_id: int, checksum: int,
-            whole: Whole | None = None) -> None:
+    def ref(self, what: str, value: StoredValue, whole: Whole | None = None) -> None:
+        tier, loc = value.tier, value.loc
         if tier not in self.tiers:
             self.error(f"{what}: unknown tier {tier}")
             self.incomplete(f"{what} names an unknown tier")
@@ -292,11 +298,11 @@ class Check:
                        f"removing one frees the other's data")
             return
         self.ref_at[(tier, loc)] = what
-        self.refs.append(Ref(what, tier, loc, stored_size, size, codec_id, checksum, whole))
+        self.refs.append(Ref(what, value, whole))
 
-    def ref_chunks(self, what: str, chunks: list[Chunk], whole: Whole | None) -> None:
+    def ref_chunks(self, what: str, chunks: list[StoredValue], whole: Whole | None) -> None:
         for i, c in enumerate(chunks):
-            self.ref(f"{what} chunk {i}", c.tier, c.loc, c.stored_size, c.size, c.codec, c.checksum, whole)
+            self.ref(f"{what} chunk {i}", c, whole)
 
     def bar(self, total: int, unit: str = "B"):
         from tqdm import tqdm
@@ -304,7 +310,7 @@ class Check:
                     desc=f"  {self.current}", disable=not self.progress, leave=False, dynamic_ncols=True)
 
     def close(self) -> None:
-        self.segments.close()
+        self.values.close()
         self.env.close()
 
 
@@ -412,8 +418,6 @@ def _claims(*names: bytes):
 @_claims(DB_NS)
 def check_namespaces(check: Check) -> str:
     """Every namespace record parses; ids are unique and below next_ns."""
-    from .store import KINDS
-
     ns_db, meta = check.db(DB_NS), check.db(DB_META)
     if ns_db is None:
         return "none"
@@ -431,14 +435,14 @@ def check_namespaces(check: Check) -> str:
             check.error(f"namespace {label}: record does not parse ({exc})")
             check.incomplete(f"namespace {label} does not parse")
             continue
-        cls = KINDS.get(kind)
-        if cls is None:
+        config_type = NAMESPACE_CONFIGS.get(kind)
+        if config_type is None:
             check.error(f"namespace {label}: unknown kind {kind!r} (the daemon leaves it alone)")
             check.incomplete(f"namespace {label} is of unknown kind")
         else:
             try:
                 check_name(name.encode("utf-8", "surrogateescape"))
-                cls.config_type.from_dict(record.get("config"))
+                config_type.from_dict(record.get("config"))
             except DistorefsError as exc:
                 check.error(f"namespace {label}: {exc}")
         if ns_id in check.ns_by_id:
@@ -501,10 +505,10 @@ def check_ring_entries(check: Check) -> str:
         if dup is not None:
             check.error(f"{what}: key also used by seq {dup} (only one is visible)")
         seen_keys[(ns_id, meta.key)] = seq
-        if meta.codec not in codec.CODEC_NAMES:
-            check.error(f"{what}: unknown codec {meta.codec}")
+        if meta.value.codec not in codec.CODEC_NAMES:
+            check.error(f"{what}: unknown codec {meta.value.codec}")
             continue
-        check.ref(what, meta.tier, meta.loc, meta.stored_size, meta.size, meta.codec, meta.checksum)
+        check.ref(what, meta.value)
     for ns_id, keys in sorted(dangling.items()):
         def fix(txn, keys=keys):
             for k in keys:
@@ -690,7 +694,7 @@ def check_datasets(check: Check) -> str:
     for ds_id, name in datasets.items():
         record = check.ns_by_id[ds_id][2]
         try:
-            chunks = [Chunk(**{**c, "loc": bytes.fromhex(c["loc"])}) for c in record.get("index", [])]
+            chunks = [StoredValue.from_json(c) for c in record.get("index", [])]
         except (TypeError, ValueError) as exc:
             check.error(f"datasets/{name}: index chunks do not parse ({exc})")
             check.incomplete("a dataset index does not parse")
@@ -765,7 +769,7 @@ def check_checkpoints(check: Check) -> str:
     if db is None:
         return "none"
     nodes: dict[int, dict] = {}
-    chunks: list[tuple[bytes, int, int, Chunk]] = []
+    chunks: list[tuple[bytes, int, int, StoredValue]] = []
     for key, value in check.scan(db):
         tag = key[:1]
         try:
@@ -773,7 +777,7 @@ def check_checkpoints(check: Check) -> str:
                 nodes[struct.unpack(">Q", key[1:])[0]] = json.loads(value)
             elif tag == b"c" and len(key) == 13:
                 file_id, index = struct.unpack(">QI", key[1:])
-                chunks.append((key, file_id, index, Chunk.unpack_from(value, 0)[0]))
+                chunks.append((key, file_id, index, StoredValue.unpack_from(value, 0)[0]))
         except (ValueError, struct.error) as exc:
             check.error(f"checkpoint record {key[:16].hex()} does not parse ({exc})")
             check.incomplete("a checkpoint record does not parse")
@@ -793,8 +797,7 @@ def check_checkpoints(check: Check) -> str:
             dangling.append(key)
             if check.repair:
                 continue  # the row goes below; its value is then unreferenced and freed
-        check.ref(f"{path(file_id)} chunk {index}", chunk.tier, chunk.loc, chunk.stored_size, chunk.size,
-                  chunk.codec, chunk.checksum)
+        check.ref(f"{path(file_id)} chunk {index}", chunk)
     if dangling:
         def fix(txn):
             for k in dangling:
@@ -813,10 +816,7 @@ def check_values(check: Check) -> str:
     with check.bar(total) as bar:
         for r in check.refs:
             try:
-                stored = check.tiers[r.tier].get(r.loc)
-                if len(stored) != r.stored_size:
-                    raise CorruptValue(f"stored size {len(stored)}, expected {r.stored_size}")
-                raw = codec.decode(stored, r.codec, r.size, r.checksum, r.what)
+                raw = check.values.read(r.value, r.what)
             except NotFound as exc:
                 bad += 1
                 check.error(f"{r.what}: value missing ({exc}); reads fail with EIO, rm it through the mount",
@@ -879,7 +879,7 @@ def check_lmdb_space(check: Check) -> str:
                 check.find(NOTE, _free_note(check))
     counted = check.lmdb.live_bytes()
     if counted != total:
-        meta = check.env.db(DB_TIERMETA)
+        meta = DB_TIERMETA
 
         def fix(txn, value=total):
             txn.put(b"lmdb.live_bytes", struct.pack("<Q", value), db=meta)
@@ -907,7 +907,7 @@ def check_segments(check: Check) -> str:
     """Every referenced segment file exists; per-segment accounting matches; dead space."""
     from distorefs.backends.segments import HEADER, LOCATION, MAGIC, _SEG_KEY, _SEG_VAL
 
-    segdb = check.env.db(DB_SEGMENTS)
+    segdb = DB_SEGMENTS
     rows = check.read(lambda txn: {_SEG_KEY.unpack(bytes(k))[0]: _SEG_VAL.unpack(bytes(v))
                                    for k, v in txn.cursor(db=segdb)})
     paths = check.segments.segment_files()

@@ -23,21 +23,17 @@ import struct
 import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
 
 import trio
 
-from .catalog import TIER_NAMES
-from .chunks import Chunk, load_chunk, put_chunk
 from .committer import Change, Overlay
 from .config import WeightsConfig
 from .errors import AlreadyExists, InvalidArgument, NotEmpty, NotFound, NotPermitted
 from .names import check_name
-from .ring import Owner
-
-if TYPE_CHECKING:
-    from .store import Store
+from .owner import Owner
+from .services import Services
+from .values import StoredValue
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +48,18 @@ class Version:
     number: int
     size: int
     mtime_ns: int
-    chunks: list[Chunk]
+    chunks: list[StoredValue]
     checksum: int = 0  # CRC-32 of the whole content
     readers: int = 0  # open handles (memory only)
 
     def to_dict(self) -> dict:
         return {"number": self.number, "size": self.size, "mtime_ns": self.mtime_ns, "checksum": self.checksum,
-                "chunks": [{**asdict(c), "loc": c.loc.hex()} for c in self.chunks]}
+                "chunks": [c.to_json() for c in self.chunks]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Version":
         return cls(d["number"], d["size"], d["mtime_ns"],
-                   [Chunk(**{**c, "loc": bytes.fromhex(c["loc"])}) for c in d["chunks"]], d.get("checksum", 0))
+                   [StoredValue.from_json(c) for c in d["chunks"]], d.get("checksum", 0))
 
 
 @dataclass
@@ -103,12 +99,13 @@ class WNode:
 class WeightsTree:
     kind = "weights"
 
-    def __init__(self, store: "Store", config: WeightsConfig) -> None:
-        self.store = store
+    def __init__(self, services: Services, config: WeightsConfig) -> None:
+        self.values = services.values
+        self.committer = services.committer
         self.config = config
         self.nodes: dict[int, WNode] = {}
         self.next_id = ROOT_ID + 1
-        self.spool_dir = store.path / "spool"
+        self.spool_dir = services.spool_dir
         self.counters = {"publishes": 0, "versions_collected": 0, "bytes_published": 0, "renames": 0}
         self._published = trio.Event()
         self.detached_at_load: list[WNode] = []  # unlinked while read when the daemon last stopped
@@ -117,7 +114,7 @@ class WeightsTree:
 
     def load(self, txn) -> None:
         """Rebuild the tree (at store open); create the root on a new store."""
-        for k, v in txn.cursor(db=self.store.env.db(DB_WNODES)):
+        for k, v in txn.cursor(DB_WNODES):
             node = WNode.from_record(_ID.unpack(bytes(k))[0], bytes(v))
             self.nodes[node.id] = node
             self.next_id = max(self.next_id, node.id + 1)
@@ -202,17 +199,8 @@ class WeightsTree:
         return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
 
     async def _chunk(self, node: WNode, version: Version, index: int) -> bytes:
-        key = ("w", node.id, version.number, index)
-        data = self.store.cache.get(key)
-        if data is None:
-            chunk = version.chunks[index]
-            what = f"{self.path_of(node)} version {version.number} chunk {index}"
-            data = await trio.to_thread.run_sync(self._load_chunk, chunk, what)
-            self.store.cache.put(key, data)
-        return data
-
-    def _load_chunk(self, chunk: Chunk, what: str) -> bytes:
-        return load_chunk(self.store, chunk, what)
+        what = f"{self.path_of(node)} version {version.number} chunk {index}"
+        return await self.values.fetch_one(("w", node.id, version.number, index), version.chunks[index], what)
 
     # ----- writes --------------------------------------------------------------------
 
@@ -236,7 +224,7 @@ class WeightsTree:
         """Make the spool's bytes the next version of parent/name (creating the file if new)."""
         check_name(name)
         change = Publish(self, parent_id, name, owner, spool_fd, size, node_id)
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         self.counters["publishes"] += 1
         self.counters["bytes_published"] += size
         self._wake()
@@ -244,37 +232,37 @@ class WeightsTree:
 
     async def mkdir(self, parent_id: int, name: bytes, owner: Owner) -> WNode:
         change = MakeNode(self, parent_id, check_name(name), DIR, owner, b"")
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         return change.node
 
     async def symlink(self, parent_id: int, name: bytes, target: bytes, owner: Owner) -> WNode:
         if not target or b"\0" in target or len(target) > 4095:
             raise InvalidArgument("invalid symlink target")
         change = MakeNode(self, parent_id, check_name(name), LINK, owner, target)
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         return change.node
 
     async def remove(self, parent_id: int, name: bytes, want_dir: bool) -> WNode:
         change = Remove(self, parent_id, name, want_dir)
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         return change.node
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                      noreplace: bool = False, exchange: bool = False) -> tuple[WNode, WNode | None]:
         change = Rename(self, old_parent, old_name, new_parent, check_name(new_name), noreplace, exchange)
-        await self.store.committer.submit(change)
+        await self.committer.submit(change)
         self.counters["renames"] += 1
         self._wake()
         return change.node, change.replaced
 
     async def set_attrs(self, node: WNode, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
-        await self.store.committer.submit(SetAttrs(self, node, mode, uid, gid, mtime_ns))
+        await self.committer.submit(SetAttrs(self, node, mode, uid, gid, mtime_ns))
 
     def collect_detached(self) -> None:
         """Free the versions of files that were unlinked or replaced while still read when
         the daemon stopped (their records were kept so a crash could not leak them)."""
         for node in self.detached_at_load:
-            self.store.committer.submit_nowait(Collect(self, node))
+            self.committer.submit_nowait(Collect(self, node))
         self.detached_at_load = []
 
     def opened(self, version: Version) -> None:
@@ -283,7 +271,7 @@ class WeightsTree:
     def closed(self, node: WNode, version: Version) -> None:
         version.readers -= 1
         if version.readers == 0 and self.collectable(node):
-            self.store.committer.submit_nowait(Collect(self, node))
+            self.committer.submit_nowait(Collect(self, node))
 
     def collectable(self, node: WNode) -> list[Version]:
         """Versions no longer kept: beyond the newest keep_versions (all, once unlinked) and unread."""
@@ -323,7 +311,7 @@ class _TreeChange(Change):
         self.conflict_key = ("weights",)  # tree changes are few: one per group keeps planning simple
 
     def _put(self, txn, node: WNode) -> None:
-        txn.put(_key(node.id), node.record(), db=self.tree.store.env.db(DB_WNODES))
+        txn.put(_key(node.id), node.record(), db=DB_WNODES)
 
     def _dir(self, node_id: int) -> WNode:
         node = self.tree.node(node_id)
@@ -356,10 +344,10 @@ class Publish(_TreeChange):
             tree.next_id += 1
         self.number = (base.current.number if base is not None and base.current else 0) + 1
         self.mtime_ns = time.time_ns()
-        self.chunks: list[Chunk] = []
+        self.chunks: list[StoredValue] = []
 
     def txn(self, txn) -> None:
-        tree, store = self.tree, self.tree.store
+        tree = self.tree
         step = tree.config.chunk_bytes
         # Chunk by chunk from the spool: one chunk in memory at a time. A rerun of the
         # transaction (map growth) stores them again; the first copies are garbage.
@@ -371,7 +359,7 @@ class Publish(_TreeChange):
             crc = zlib.crc32(raw, crc)
             # every version's chunks have their own keys: a reader may still hold the old ones
             vkey = b"w" + _key(node_id) + struct.pack(">QI", self.number, i)
-            chunks.append(put_chunk(store, txn, vkey, raw, tree.config.compression))
+            chunks.append(tree.values.put_raw(txn, vkey, raw, tree.config.compression))
         self.chunks = chunks
         self.checksum = crc & 0xFFFFFFFF
         if self.base is not None:
@@ -394,7 +382,7 @@ class Publish(_TreeChange):
             tree.nodes[self.node.id] = self.node
             tree.nodes[self.parent_id].children[self.name] = self.node.id
         if tree.collectable(self.node):
-            tree.store.committer.submit_nowait(Collect(tree, self.node))
+            tree.committer.submit_nowait(Collect(tree, self.node))
 
 
 class MakeNode(_TreeChange):
@@ -426,13 +414,11 @@ def _detach_txn(change: _TreeChange, txn, node: WNode) -> None:
     read = [v for v in node.versions if v.readers > 0]
     for version in node.versions:
         if version.readers == 0:
-            for chunk in version.chunks:
-                change.tree.store.backend(chunk.tier).delete(txn, chunk.loc)
+            change.tree.values.delete_all(txn, version.chunks)
     if read:
-        txn.put(_key(node.id), replace(node, versions=read, attached=False).record(),
-                db=change.tree.store.env.db(DB_WNODES))
+        txn.put(_key(node.id), replace(node, versions=read, attached=False).record(), db=DB_WNODES)
     else:
-        txn.delete(_key(node.id), db=change.tree.store.env.db(DB_WNODES))
+        txn.delete(_key(node.id), db=DB_WNODES)
 
 
 def _detach_apply(tree: WeightsTree, node: WNode) -> None:
@@ -549,14 +535,13 @@ class Collect(_TreeChange):
 
     def txn(self, txn) -> None:
         for version in self.victims:
-            for chunk in version.chunks:
-                self.tree.store.backend(chunk.tier).delete(txn, chunk.loc)
+            self.tree.values.delete_all(txn, version.chunks)
         if self.victims:
             keep = [v for v in self.node.versions if v not in self.victims]
             if self.node.attached or keep:
                 self._put(txn, replace(self.node, versions=keep))
             else:  # the last version of an unlinked file: its record goes too
-                txn.delete(_key(self.node.id), db=self.tree.store.env.db(DB_WNODES))
+                txn.delete(_key(self.node.id), db=DB_WNODES)
 
     def apply(self) -> None:
         node = self.node
@@ -564,9 +549,9 @@ class Collect(_TreeChange):
         self.tree.counters["versions_collected"] += len(self.victims)
         for version in self.victims:
             for i in range(len(version.chunks)):
-                self.tree.store.cache.discard(("w", node.id, version.number, i))
+                self.tree.values.cache.discard(("w", node.id, version.number, i))
         if not node.attached and not node.versions:
             self.tree.nodes.pop(node.id, None)
 
 
-__all__ = ["WeightsTree", "WNode", "Version", "DIR", "FILE", "LINK", "ROOT_ID", "DB_WNODES", "TIER_NAMES"]
+__all__ = ["WeightsTree", "WNode", "Version", "DIR", "FILE", "LINK", "ROOT_ID", "DB_WNODES"]

@@ -23,7 +23,7 @@ import pyfuse3
 
 from distorefs.checkpoints import CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CNode, CStep, FileReader
 from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 
 from .handles import Handle, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs

@@ -18,13 +18,10 @@ from typing import TYPE_CHECKING
 
 import pyfuse3
 
-from distorefs.chunks import Chunk
-from distorefs.codec import CODEC_NAMES
-from distorefs.catalog import TIER_NAMES
 from distorefs.dataset import DIR, FILE, ROOT_DIR, SEALED, Dataset, DirRec, Item
 from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, ReadOnly
 from distorefs.names import check_name
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 
 from .handles import BytesReader, ConfigWriter, Handle, StagingWriter, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
@@ -303,7 +300,7 @@ class ItemNode(Node):
         if self.item_id is None:
             return {}
         item = self.item()
-        chunk: Chunk | None = item.chunks[0] if item.chunks else None
+        chunk = item.chunks[0] if item.chunks else None
         attrs = {
             b"item": b"%d" % item.id if self.ds.sealed else b"",
             b"path": self.ds.path_of(item.parent, item.name).encode(),
@@ -311,8 +308,8 @@ class ItemNode(Node):
             b"stored_size": b"%d" % item.stored_size,
             b"checksum": b"crc32:%08x" % item.checksum,
             b"chunks": b"%d" % len(item.chunks),
-            b"tier": TIER_NAMES[chunk.tier].encode() if chunk else b"lmdb",
-            b"compression": CODEC_NAMES[chunk.codec].encode() if chunk else b"none",
+            b"tier": chunk.tier_name.encode() if chunk else b"lmdb",
+            b"compression": chunk.codec_name.encode() if chunk else b"none",
         }
         if not self.ds.sealed:
             del attrs[b"item"]

@@ -18,11 +18,10 @@ import trio
 
 from distorefs import __version__
 from distorefs.buffer import Buffer
-from distorefs.catalog import TIER_NAMES, EntryMeta
-from distorefs.codec import CODEC_NAMES
+from distorefs.catalog import EntryMeta
 from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, WouldBlock)
 from distorefs.names import check_name
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 
 from .handles import (BytesReader, ConfigWriter, EntryWriter, Handle, PrioritiesWriter, SampleReader,
                       wants_read, wants_write)
@@ -566,10 +565,10 @@ class EntryNode(Node):
             return {}
         attrs = {
             b"seq": b"%d" % meta.seq,
-            b"tier": TIER_NAMES[meta.tier].encode(),
+            b"tier": meta.value.tier_name.encode(),
             b"size": b"%d" % meta.size,
             b"stored_size": b"%d" % meta.stored_size,
-            b"compression": CODEC_NAMES[meta.codec].encode(),
+            b"compression": meta.value.codec_name.encode(),
             b"checksum": b"crc32:%08x" % meta.checksum,
         }
         if isinstance(self.buf, Buffer):

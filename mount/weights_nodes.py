@@ -26,8 +26,8 @@ import trio
 
 from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, Stale, TooLarge
 from distorefs.names import check_name
-from distorefs.ring import Owner
-from distorefs.weights import DIR, LINK, ROOT_ID, TIER_NAMES, Version, WNode
+from distorefs.owner import Owner
+from distorefs.weights import DIR, LINK, ROOT_ID, Version, WNode
 
 from .handles import Handle, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
@@ -348,7 +348,7 @@ class WeightsFile(Node):
 
     def xattrs(self) -> dict[bytes, bytes]:
         v = self.version
-        tiers = sorted({TIER_NAMES[c.tier] for c in v.chunks}) or ["none"]
+        tiers = sorted({c.tier_name for c in v.chunks}) or ["none"]
         return {
             b"version": b"%d" % v.number,
             b"seq": b"%d" % v.number,

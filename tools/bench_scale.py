@@ -269,7 +269,7 @@ def _make_many_entries(store: Path, n: int) -> float:
     code = f"""
 import trio
 from distorefs.store import Store
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 async def main():
     store = Store({str(store)!r}, config={{"sync_interval": 5}})
     async with store.running():

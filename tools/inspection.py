@@ -383,7 +383,6 @@ def gc_cmd(target) -> None:
 
 
 def offline_gc(path: Path) -> dict:
-    from distorefs.catalog import TIER_NVME
     from distorefs.errors import RecoveryFailed, StoreLocked
     from distorefs.store import Store
     try:
@@ -392,8 +391,8 @@ def offline_gc(path: Path) -> dict:
         raise click.ClickException(str(exc))
     try:
         store.sync_blocking()
-        freed = store.backends[TIER_NVME].collect()
-        used = store.backends[TIER_NVME].usage().used_bytes
+        freed = store.values.collect()
+        used = store.values.nvme.usage().used_bytes
     finally:
         store.close()
     return {"segment_bytes_freed": freed, "nvme_used_bytes": used}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from distorefs.backends.base import TierUsage, ValueBackend
-from distorefs.errors import NotFound
+from distorefs.backends.errors import Missing
 
 SIZES = [0, 1, 100, 4096, 5 << 20]
 
@@ -94,14 +94,14 @@ class BackendConformance:
         assert backend.get(loc) == bytes(data[10:900])
 
     def test_get_missing_raises_not_found(self, backend):
-        with pytest.raises(NotFound):
+        with pytest.raises(Missing):
             backend.get(self.missing_location())
 
     def test_get_deleted_raises_not_found(self, backend):
         loc = self.put(backend, b"gone", b"x" * 1000)
         self.delete(backend, loc)
         self.make_unreachable(backend, loc)
-        with pytest.raises(NotFound):
+        with pytest.raises(Missing):
             backend.get(loc)
         assert self.raw_read(backend, loc) is None
 

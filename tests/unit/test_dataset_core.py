@@ -10,7 +10,7 @@ import trio
 
 from distorefs.dataset import FILE, ROOT_DIR
 from distorefs.errors import InvalidArgument, NotEmpty, ReadOnly
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 from store_runner import run
 
 OWNER = Owner(0o40755, 0, 0)

@@ -13,7 +13,7 @@ import pytest
 
 from distorefs.catalog import DB_NS, DB_PRIO, entry_key, pack_f64
 from distorefs.errors import RecoveryFailed
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 from distorefs.store import Store
 from distorefs.verify import EXIT_PROBLEMS, EXIT_REPAIRED, verify_store
 from store_runner import run

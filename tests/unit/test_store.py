@@ -10,7 +10,7 @@ import trio
 
 from distorefs.errors import (AlreadyExists, InvalidArgument, InvalidConfig, NotEmpty, NotFound, StoreLocked,
                              TooLarge, WouldBlock)
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 from distorefs.store import Store
 from store_runner import run
 
@@ -268,7 +268,7 @@ def test_dead_segments_are_collected(tmp_path):
             await buf.insert(b"big%d" % i, LARGE, OWNER)
         await trio.sleep(0.5)  # a few sync intervals
         segments = sorted((tmp_path / "s" / "segments").glob("seg-*.dat"))
-        assert store.counters["segment_bytes_freed"] >= 2 * len(LARGE)
+        assert store.values.counters["segment_bytes_freed"] >= 2 * len(LARGE)
         assert len(segments) <= 3  # the two evicted values' segments are gone
         for key in (b"big2", b"big3"):
             assert await buf.ring.read(buf.ring.get(key)) == LARGE

@@ -9,12 +9,13 @@ import pytest
 import trio
 
 from distorefs.backends.segments import LOCATION, SegmentDir, SegmentValues
-from distorefs.catalog import TIER_LMDB, TIER_NVME
+from distorefs.placement import TIER_LMDB, TIER_NVME
 from distorefs.config import StoreConfig
+from distorefs.backends.errors import Full
 from distorefs.errors import InvalidConfig, NoSpace
 from distorefs.memory import MemoryPlan
 from distorefs.placement import DEMOTE_AT
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 from store_runner import run
 
 OWNER = Owner(0o100644, 1000, 1000)
@@ -46,7 +47,7 @@ def test_demotion_keeps_lmdb_under_budget_oldest_first(tmp_path):
         for i, size in sizes.items():
             await buf.insert(b"e%d" % i, payload(i, size), OWNER)
         ring = buf.ring
-        await wait_for(lambda: store.lmdb_values.live_bytes() <= DEMOTE_AT * store.config.lmdb_bytes)
+        await wait_for(lambda: store.values.lmdb.live_bytes() <= DEMOTE_AT * store.config.lmdb_bytes)
         tiers = [m.tier for m in ring.oldest()]
         assert tiers.count(TIER_LMDB) <= MiB // (20 * KiB)
         # the oldest went first: every entry before the demotion front is cold, none after it
@@ -61,7 +62,7 @@ def test_demotion_keeps_lmdb_under_budget_oldest_first(tmp_path):
         await buf.insert(b"e0", payload(0, 20 * KiB), OWNER)
         await buf.insert(b"e200", payload(200, 20 * KiB), OWNER)
         assert ring.get(b"e0").tier == TIER_NVME and ring.get(b"e200").tier == TIER_LMDB
-        store.cache.resize(0)  # read from the tiers, not the memory tier
+        store.values.cache.resize(0)  # read from the tiers, not the memory tier
         await read_all(ring, sizes)
         stats = store.stats()
         assert stats["tiers"]["lmdb"]["live_bytes"] <= store.config.lmdb_bytes
@@ -71,7 +72,7 @@ def test_demotion_keeps_lmdb_under_budget_oldest_first(tmp_path):
 
     async def reopen(store):  # moves survive a restart
         ring = store.buffer("rb").ring
-        store.cache.resize(0)
+        store.values.cache.resize(0)
         assert sum(m.tier == TIER_NVME for m in ring.oldest()) >= 149
         await read_all(ring, {i: 20 * KiB for i in range(201)})
 
@@ -90,7 +91,7 @@ def test_compaction_reclaims_sparse_segments_while_sampling(tmp_path):
         for i in rng.sample(sorted(sizes), 260):  # 65% gone, spread over every segment
             await buf.ring.delete(b"e%d" % i)
             del sizes[i]
-        nvme = store.nvme_values
+        nvme = store.values.nvme
         before = nvme.usage()  # compaction may have started already
         assert before.live_bytes == sum(sizes.values())
         sampled = 0
@@ -108,7 +109,7 @@ def test_compaction_reclaims_sparse_segments_while_sampling(tmp_path):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sample_meanwhile)
-            store.cache.resize(0)
+            store.values.cache.resize(0)
             await wait_for(lambda: store.mover.counters["compacted_segments"] >= 5)
             await wait_for(lambda: nvme.usage().used_bytes <= store.config.max_space_overhead * nvme.usage().live_bytes)
             nursery.cancel_scope.cancel()
@@ -136,7 +137,7 @@ def test_full_nvme_tier_evicts_the_oldest_or_says_enospc(tmp_path):
             await buf.insert(b"e%d" % i, payload(i, 200 * KiB), OWNER)
         ring = buf.ring
         assert ring.counters.get("evictions_for_space", 0) > 0
-        assert store.nvme_values.usage().used_bytes <= 4 * MiB
+        assert store.values.nvme.usage().used_bytes <= 4 * MiB
         assert next(ring.newest()).key == b"e59" and len(ring) >= 5  # the newest are there, whole
         keys = [m.key for m in ring.oldest()]
         for key in keys:
@@ -172,7 +173,7 @@ def test_segments_stripe_over_directories_with_capacities(tmp_path, lmdb_env):
         segs = {LOCATION.unpack(l)[0] for l in locs}
         streams = {s.seg: s.stream for s in tier.segments()}
         assert {streams[s] for s in segs} == {0, 1}  # each stream has its own segments
-        with pytest.raises(NoSpace):
+        with pytest.raises(Full):
             for i in range(36, 100):
                 lmdb_env.write(lambda txn, i=i: tier.put(txn, b"v%d" % i, payload(i, 300 * KiB)))
         for i, loc in enumerate(locs):

@@ -11,7 +11,7 @@ import pytest
 from distorefs.checkpoints import ROOT_ID as CK_ROOT
 from distorefs.catalog import DB_ENTRIES, DB_PRIO, DB_SAMPLED, entry_key, pack_f64, pack_u32
 from distorefs.errors import StoreLocked
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 from distorefs.store import Store
 from distorefs.verify import EXIT_CLEAN, EXIT_PROBLEMS, EXIT_REPAIRED, PASSES, verify_store
 from distorefs.weights import ROOT_ID

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from distorefs.ring import Owner
+from distorefs.owner import Owner
 from store_runner import run
 from distorefs.weights import ROOT_ID
 

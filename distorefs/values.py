@@ -1,0 +1,324 @@
+"""The value layer: every stored value of the store, whichever namespace it belongs to.
+
+It owns the tiers (LMDB values, NVMe segment directories), placement (which tier a new
+value goes to; the policy is distorefs/placement.py), the codec (zstd and CRC-32 checks)
+and the memory tier (decoded values, LRU within a byte budget). A stored value has one
+record, `StoredValue`, whether it is a ring entry's, a chunk of a weights version, of a
+dataset item, of a dataset index or of a checkpoint file.
+
+Namespaces are built with the value layer and never reach a tier themselves:
+- they put and delete values inside a commit's transaction (`put`, `delete`: the tiers'
+  accounting commits or aborts with the records that point at the value);
+- they read values through `fetch` (memory tier first; what is missing is read, decoded
+  and verified in worker threads, many requests to one thread hand-off: see `_Reads`),
+  or `read` when already in a worker thread.
+
+A read that fails is either a race (the value was replaced or removed after its record
+was taken: NotFound, or CorruptValue of a location since reused) or damage: the caller,
+who knows what is current, decides, and reports damage with `report_corrupt` (logged,
+counted, EIO).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import trio
+
+from . import codec
+from .backends.base import Txn, ValueBackend
+from .backends.errors import BackendError
+from .backends.lmdbenv import LmdbEnv
+from .backends.lmdbvalues import LmdbValues
+from .backends.segments import SegmentDir, SegmentValues
+from .cache import ValueCache
+from .config import StoreConfig
+from .errors import CorruptValue, DistorefsError, NotFound, from_backend
+from .placement import TIER_LMDB, TIER_NAMES, TIER_NVME, choose_tier
+
+log = logging.getLogger(__name__)
+
+_VALUE = struct.Struct("<QQIBBH")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredValue:
+    """Where a value is and how to read it back: its decoded size and CRC-32, the codec,
+    the stored size, the tier and the tier's location."""
+
+    size: int
+    stored_size: int
+    checksum: int
+    codec: int
+    tier: int
+    loc: bytes
+
+    def pack(self) -> bytes:
+        return _VALUE.pack(self.size, self.stored_size, self.checksum, self.codec, self.tier,
+                           len(self.loc)) + self.loc
+
+    @classmethod
+    def unpack_from(cls, data, off: int = 0) -> tuple["StoredValue", int]:
+        """(the value packed at `off`, the offset after it)."""
+        size, stored, crc, cdc, tier, loc_len = _VALUE.unpack_from(data, off)
+        off += _VALUE.size
+        return cls(size, stored, crc, cdc, tier, bytes(data[off:off + loc_len])), off + loc_len
+
+    @property
+    def tier_name(self) -> str:
+        return TIER_NAMES[self.tier]
+
+    @property
+    def codec_name(self) -> str:
+        return codec.CODEC_NAMES.get(self.codec, "?")
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "stored_size": self.stored_size, "checksum": self.checksum, "codec": self.codec,
+                "tier": self.tier, "loc": self.loc.hex()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StoredValue":
+        return cls(d["size"], d["stored_size"], d["checksum"], d["codec"], d["tier"], bytes.fromhex(d["loc"]))
+
+
+Fetched = "bytes | DistorefsError"
+
+
+class ValueLayer:
+    def __init__(self, env: LmdbEnv, config: StoreConfig, dirs: Sequence[SegmentDir], *,
+                 create_dirs: bool = True) -> None:
+        """The tiers of the store whose metadata engine is `env`: LMDB values in it, and
+        segment files in `dirs`."""
+        self.config = config
+        self.lmdb = LmdbValues(env)
+        self.nvme = SegmentValues(env, list(dirs), config.segment_bytes, create=create_dirs)
+        self.tiers: dict[int, ValueBackend] = {TIER_LMDB: self.lmdb, TIER_NVME: self.nvme}
+        self.cache = ValueCache(0)  # sized by the store's memory plan
+        self.counters = {"corrupt_reads": 0, "disk_reads": 0, "disk_read_bytes": 0, "segment_bytes_freed": 0,
+                         "read_batches": 0}
+        self._gen = 0
+        self._reads = _Reads(self)
+
+    # ----- writes: inside a commit's transaction -------------------------------------
+
+    def put(self, txn: Txn, vkey: bytes, enc: codec.Encoded, *, stream: int = 0, cold: bool = False) -> StoredValue:
+        """Store one encoded value in the tier placement picks. `stream` groups values that
+        age together (a ring's); `cold`: it belongs behind its ring's demotion front."""
+        stored = enc.stored
+        tier = choose_tier(self.config, self.lmdb.live_bytes_in(txn), len(stored), cold)
+        loc = self.tiers[tier].put(txn, vkey, stored, stream=stream)
+        return StoredValue(enc.size, len(stored), enc.checksum, enc.codec, tier, loc)
+
+    def put_raw(self, txn: Txn, vkey: bytes, raw, compression: str, level: int = 1) -> StoredValue:
+        return self.put(txn, vkey, codec.encode(raw, compression, level))
+
+    def relocate(self, txn: Txn, vkey: bytes, value: StoredValue, stored: bytes, stream: int) -> StoredValue:
+        """Move a value's stored bytes (read beforehand) to the NVMe tier, in `stream`; the
+        old location is freed in the same transaction (demotion, compaction)."""
+        loc = self.nvme.put(txn, vkey, stored, stream=stream)
+        self.tiers[value.tier].delete(txn, value.loc)
+        return StoredValue(value.size, value.stored_size, value.checksum, value.codec, TIER_NVME, loc)
+
+    def delete(self, txn: Txn, value: StoredValue) -> None:
+        """Free a value's location (each location exactly once)."""
+        self.tiers[value.tier].delete(txn, value.loc)
+
+    def delete_all(self, txn: Txn, values: Sequence[StoredValue]) -> None:
+        for value in values:
+            self.tiers[value.tier].delete(txn, value.loc)
+
+    # ----- reads ------------------------------------------------------------------------
+
+    def read(self, value: StoredValue, what: str) -> bytes:
+        """The decoded, verified content of `value` (worker thread). NotFound when nothing
+        is at its location, CorruptValue when its bytes do not verify; both name `what`."""
+        try:
+            stored, tier_crc = self.tiers[value.tier].get_checked(value.loc)
+            if len(stored) != value.stored_size:
+                raise CorruptValue(f"stored size {len(stored)}, expected {value.stored_size}")
+            data = codec.decode(stored, value.codec, value.size, value.checksum, what, stored_crc=tier_crc)
+        except BackendError as exc:
+            mapped = from_backend(exc)
+            raise type(mapped)(f"{what}: {exc}") from None
+        except CorruptValue as exc:
+            message = str(exc) if str(exc).startswith(what) else f"{what}: {exc}"
+            raise CorruptValue(message) from None
+        self.counters["disk_reads"] += 1
+        self.counters["disk_read_bytes"] += value.stored_size
+        return data
+
+    def read_or_fail(self, value: StoredValue, what: str) -> bytes:
+        """`read` for a value that must be there (its record is current): any failure is
+        damage, logged and counted, and raised as CorruptValue (EIO)."""
+        try:
+            return self.read(value, what)
+        except (CorruptValue, NotFound) as exc:
+            raise self.report_corrupt(exc) from None
+
+    def read_stored(self, value: StoredValue) -> bytes:
+        """The stored (encoded) bytes of `value`, unverified beyond the tier's own check
+        (worker thread; for moving a value between tiers)."""
+        try:
+            return self.tiers[value.tier].get(value.loc)
+        except BackendError as exc:
+            raise from_backend(exc) from None
+
+    def report_corrupt(self, exc: Exception) -> CorruptValue:
+        """Count and log a value that failed to verify; the read fails with EIO."""
+        self.counters["corrupt_reads"] += 1
+        log.error("corrupt value: %s", exc)
+        return CorruptValue(str(exc))
+
+    async def fetch(self, items: Sequence[tuple[Hashable, StoredValue, str]], *,
+                    cache: bool = True) -> list[Fetched]:
+        """The decoded content of each (cache key, value, what): from the memory tier, else
+        read in a worker thread (all misses of this call, and of calls waiting meanwhile,
+        in one hand-off). Each result is the bytes or the DistorefsError of that read;
+        values read are kept in the memory tier (`cache`)."""
+        out: list = [None] * len(items)
+        missing = []
+        get = self.cache.get
+        for i, (key, value, what) in enumerate(items):
+            data = get(key) if key is not None else None
+            if data is None:
+                missing.append(i)
+            else:
+                out[i] = data
+        if missing:
+            results = await self._reads.read([(items[i][1], items[i][2]) for i in missing])
+            for i, result in zip(missing, results):
+                out[i] = result
+                if cache and isinstance(result, bytes) and items[i][0] is not None:
+                    self.cache.put(items[i][0], result)
+        return out
+
+    async def fetch_one(self, key: Hashable, value: StoredValue, what: str, *, must_exist: bool = True) -> bytes:
+        """One value (see `fetch`); a failure raises. `must_exist`: the caller knows the
+        record is current, so a failure is damage (reported, EIO)."""
+        result = (await self.fetch([(key, value, what)]))[0]
+        if isinstance(result, DistorefsError):
+            if must_exist and isinstance(result, (CorruptValue, NotFound)):
+                raise self.report_corrupt(result)
+            raise result
+        return result
+
+    def next_gen(self) -> int:
+        """A number never handed out before in this process: cache keys of a new version."""
+        self._gen += 1
+        return self._gen
+
+    # ----- maintenance ------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Make every value put so far durable: segment files first, then the LMDB
+        environment (which also holds the metadata), so a durable record never points at
+        data that is not."""
+        self.nvme.sync()
+        self.lmdb.sync()
+
+    def collect(self) -> int:
+        """Unlink segment files whose every value is gone (own write transaction); bytes freed."""
+        try:
+            freed = self.nvme.collect()
+        except BackendError as exc:
+            raise from_backend(exc) from None
+        self.counters["segment_bytes_freed"] += freed
+        return freed
+
+    def tier_stats(self) -> dict:
+        out = {}
+        for tier, backend in self.tiers.items():
+            u = backend.usage()
+            out[TIER_NAMES[tier]] = {"used_bytes": u.used_bytes, "live_bytes": u.live_bytes,
+                                     "capacity_bytes": u.capacity_bytes}
+        out["lmdb"]["budget_bytes"] = self.config.lmdb_bytes
+        out["nvme"]["directories"] = self.nvme.dir_usage()
+        return out
+
+    def close(self) -> None:
+        for backend in self.tiers.values():
+            backend.close()
+
+
+class _Req:
+    __slots__ = ("value", "what", "result", "done")
+
+    def __init__(self, value: StoredValue, what: str) -> None:
+        self.value = value
+        self.what = what
+        self.result: bytes | DistorefsError | None = None
+        self.done = False
+
+
+class _Reads:
+    """Value reads asked for on the event loop, done in worker threads in batches.
+
+    A thread hand-off (trio.to_thread) costs more than reading a small value from the page
+    cache, so the reads of every caller waiting at one moment go to one worker thread call.
+    No background task: the first caller that finds a free slot (at most `workers` batches
+    at once) takes everything pending and reads it; the others wait for their results or a
+    free slot. Decompression and CRC release the GIL, so two batches use two cores.
+    """
+
+    MAX_BATCH_BYTES = 64 << 20
+
+    def __init__(self, layer: ValueLayer, workers: int = 2) -> None:
+        self.layer = layer
+        self.workers = workers
+        self.active = 0
+        self.pending: list[_Req] = []
+        self.changed = trio.Event()
+
+    async def read(self, wanted: list[tuple[StoredValue, str]]) -> list:
+        reqs = [_Req(v, what) for v, what in wanted]
+        self.pending.extend(reqs)
+        while not all(r.done for r in reqs):
+            if self.active < self.workers and self.pending:
+                await self._run(self._take())
+            else:
+                await self.changed.wait()
+        return [r.result for r in reqs]
+
+    def _take(self) -> list[_Req]:
+        """The oldest pending requests, up to MAX_BATCH_BYTES stored (at least one)."""
+        total = n = 0
+        for req in self.pending:
+            if n and total + req.value.stored_size > self.MAX_BATCH_BYTES:
+                break
+            total += req.value.stored_size
+            n += 1
+        batch = self.pending[:n]
+        del self.pending[:n]
+        return batch
+
+    async def _run(self, batch: list[_Req]) -> None:
+        self.active += 1
+        results = None
+        try:
+            results = await trio.to_thread.run_sync(self._read_blocking, batch)
+        finally:
+            self.active -= 1
+            if results is None:  # cancelled before the thread ran: the others read them
+                self.pending[:0] = batch
+            else:
+                for req, result in zip(batch, results):
+                    req.result, req.done = result, True
+                self.layer.counters["read_batches"] += 1
+            self.changed.set()
+            self.changed = trio.Event()
+
+    def _read_blocking(self, batch: list[_Req]) -> list:
+        read = self.layer.read
+        out: list = []
+        for req in batch:
+            try:
+                out.append(read(req.value, req.what))
+            except DistorefsError as exc:
+                out.append(exc)
+            except Exception as exc:  # a bug must fail this read, never the daemon
+                log.exception("reading %s", req.what)
+                out.append(DistorefsError(f"{req.what}: read failed: {exc}"))
+        return out

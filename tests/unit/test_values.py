@@ -1,0 +1,262 @@
+"""The value layer (distorefs/values.py): the backend conformance suite run through it on
+each tier, then what only it does: placement, the codec and checksums, damage and races
+told apart, reads handed to worker threads in batches, relocation between tiers."""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import trio
+
+from distorefs import codec
+from distorefs.backends.base import ValueBackend
+from distorefs.backends.errors import Missing
+from distorefs.backends.lmdbenv import LmdbEnv
+from distorefs.backends.segments import HEADER, LOCATION, SegmentDir
+from distorefs.config import StoreConfig
+from distorefs.errors import CorruptValue, NotFound
+from distorefs.placement import TIER_LMDB, TIER_NVME
+from distorefs.values import StoredValue, ValueLayer
+
+try:
+    from .backend_conformance import BackendConformance
+    from .test_backends import TestLmdbValues, TestSegmentValues
+except ImportError:  # tests/unit is not a package: pytest put it on sys.path
+    from backend_conformance import BackendConformance
+    from test_backends import TestLmdbValues, TestSegmentValues
+
+MiB = 1 << 20
+
+
+def _config(tier: int | None = None, **overrides) -> StoreConfig:
+    """A store config; `tier` forces every value into one tier."""
+    if tier == TIER_LMDB:
+        overrides.setdefault("segment_threshold", 0)
+        overrides.setdefault("lmdb_bytes", 1 << 40)
+    elif tier == TIER_NVME:
+        overrides.setdefault("lmdb_bytes", 0)
+    overrides.setdefault("segment_bytes", MiB)
+    return StoreConfig.from_dict(overrides)
+
+
+def _layer(tmp_path: Path, config: StoreConfig, map_size: int | None = None) -> ValueLayer:
+    env = LmdbEnv(tmp_path / "meta", **({"map_size": map_size} if map_size else {}))
+    return ValueLayer(env, config, [SegmentDir(tmp_path / "nvme")])
+
+
+class _LayerAsTier(ValueBackend):
+    """The value layer seen through the tier interface (codec "none", so stored bytes are
+    the value's bytes): a location is a packed StoredValue."""
+
+    def __init__(self, layer: ValueLayer, tier: int) -> None:
+        self.layer = layer
+        self.env = layer.lmdb.env
+        self.inner = layer.tiers[tier]
+        self.segment_bytes = layer.nvme.segment_bytes
+        self.directory = layer.nvme.directory
+
+    def put(self, txn, vkey, data, stream=0):
+        raw = bytes(memoryview(data).cast("B"))
+        enc = codec.Encoded(raw, codec.RAW, len(raw), codec.checksum(raw))
+        return self.layer.put(txn, vkey, enc, stream=stream).pack()
+
+    def get(self, loc):
+        try:
+            return self.layer.read(StoredValue.unpack_from(loc)[0], "value")
+        except NotFound as exc:
+            raise Missing(str(exc)) from None
+
+    def delete(self, txn, loc):
+        self.layer.delete(txn, StoredValue.unpack_from(loc)[0])
+
+    def sync(self):
+        self.layer.sync()
+
+    def usage(self):
+        return self.inner.usage()
+
+    def locations(self):
+        return self.inner.locations()
+
+    def collect(self):
+        return self.layer.collect()
+
+    def close(self):
+        self.layer.close()
+
+
+class _LayerConformance(BackendConformance):
+    tier = TIER_LMDB
+    inner: type = TestLmdbValues
+
+    def make_backend(self, tmp_path, map_size=None):
+        return _LayerAsTier(_layer(tmp_path, _config(self.tier), map_size), self.tier)
+
+    def raw_read(self, backend, loc):
+        value = StoredValue.unpack_from(loc)[0]
+        assert value.tier == self.tier
+        return self.inner.raw_read(self.inner(), backend.inner, value.loc)
+
+    def make_unreachable(self, backend, loc):
+        if self.tier == TIER_NVME:
+            self.put(backend, b"filler", b"f" * backend.segment_bytes)
+            assert backend.collect() > 0
+
+    def test_locations_lists_what_was_put(self, backend):
+        sizes = {StoredValue.unpack_from(self.put(backend, b"l%d" % i, os.urandom(i * 10)))[0]: i * 10
+                 for i in range(50)}
+        listed = dict(backend.locations())
+        for value, size in sizes.items():
+            assert listed[value.loc] == size
+
+
+class TestLayerOnLmdb(_LayerConformance):
+    tier = TIER_LMDB
+    inner = TestLmdbValues
+
+    def missing_location(self):
+        return StoredValue(10, 10, 0, codec.RAW, TIER_LMDB, b"no-such-vkey").pack()
+
+
+class TestLayerOnSegments(_LayerConformance):
+    tier = TIER_NVME
+    inner = TestSegmentValues
+
+    def missing_location(self):
+        return StoredValue(10, 10, 0, codec.RAW, TIER_NVME, LOCATION.pack(99999, HEADER.size, 10)).pack()
+
+
+# ----- what only the value layer does ------------------------------------------------------
+
+@pytest.fixture
+def layer(tmp_path):
+    made = _layer(tmp_path, _config(segment_threshold=64 << 10, lmdb_bytes=4 * MiB))
+    yield made
+    made.close()
+    made.lmdb.env.close()
+
+
+def _put(layer: ValueLayer, vkey: bytes, raw: bytes, compression: str = "zstd", cold: bool = False) -> StoredValue:
+    return layer.lmdb.env.write(lambda txn: layer.put(txn, vkey, codec.encode(raw, compression), cold=cold))
+
+
+def _compressible(n: int, seed: int = 0) -> bytes:
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, 8, size=n, dtype=np.uint8).tobytes()
+
+
+def test_placement_by_size_coldness_and_budget(tmp_path):
+    layer = _layer(tmp_path, _config(segment_threshold=64 << 10, lmdb_bytes=300 << 10))
+    try:
+        small, big = os.urandom(10 << 10), os.urandom(100 << 10)
+        assert _put(layer, b"s", small, "none").tier == TIER_LMDB
+        assert _put(layer, b"b", big, "none").tier == TIER_NVME  # at least segment_threshold
+        assert _put(layer, b"c", small, "none", cold=True).tier == TIER_NVME  # behind a demotion front
+        # the hot tier's budget: once full, small values go to NVMe too
+        tiers = [_put(layer, b"f%d" % i, os.urandom(50 << 10), "none").tier for i in range(8)]
+        assert tiers[0] == TIER_LMDB and tiers[-1] == TIER_NVME
+        assert layer.lmdb.live_bytes() <= 300 << 10
+    finally:
+        layer.close()
+        layer.lmdb.env.close()
+
+
+def test_codec_round_trip_and_record(layer):
+    raw = _compressible(200 << 10)
+    v = _put(layer, b"z", raw)
+    assert v.codec == codec.ZSTD and v.stored_size < v.size == len(raw)
+    assert v.checksum == zlib.crc32(raw)
+    assert layer.read(v, "z") == raw
+    assert StoredValue.unpack_from(v.pack())[0] == v
+    assert StoredValue.from_json(v.to_json()) == v
+    packed = b"prefix" + v.pack() + b"tail"
+    assert StoredValue.unpack_from(packed, 6) == (v, len(packed) - 4)
+
+
+def test_damage_is_corrupt_and_names_the_value(layer, tmp_path):
+    v = _put(layer, b"d", os.urandom(200 << 10), "none")
+    assert v.tier == TIER_NVME
+    seg, off, _size = LOCATION.unpack(v.loc)
+    path = tmp_path / "nvme" / f"seg-{seg:08d}.dat"
+    with open(path, "r+b") as f:
+        f.seek(off + 1000)
+        byte = f.read(1)
+        f.seek(off + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptValue, match="the entry d"):
+        layer.read(v, "the entry d")
+    before = layer.counters["corrupt_reads"]
+    with pytest.raises(CorruptValue):
+        layer.read_or_fail(v, "the entry d")
+    assert layer.counters["corrupt_reads"] == before + 1
+
+
+def test_damage_in_the_hot_tier_is_caught_by_the_checksum(layer):
+    raw = os.urandom(4096)
+    v = _put(layer, b"h", raw, "none")
+    assert v.tier == TIER_LMDB
+    layer.lmdb.env.write(lambda txn: txn.put(b"h", raw[:-1] + bytes([raw[-1] ^ 1]), db=b"values"))
+    with pytest.raises(CorruptValue, match="checksum"):
+        layer.read(v, "h")
+
+
+def test_missing_is_not_found(layer):
+    v = _put(layer, b"m", os.urandom(1000), "none")
+    layer.lmdb.env.write(lambda txn: layer.delete(txn, v))
+    with pytest.raises(NotFound):
+        layer.read(v, "m")
+
+
+def test_fetch_hands_concurrent_reads_to_few_thread_calls(layer):
+    layer.cache.resize(64 * MiB)
+    values = {}
+    for i in range(200):
+        raw = _compressible(8 << 10, i)
+        values[i] = (raw, _put(layer, b"v%d" % i, raw))
+    results: dict[int, bytes] = {}
+
+    async def one(i: int) -> None:
+        raw, v = values[i]
+        results[i] = (await layer.fetch([(("k", i), v, f"v{i}")]))[0]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for i in values:
+                nursery.start_soon(one, i)
+
+    before = layer.counters["read_batches"]
+    trio.run(main)
+    batches = layer.counters["read_batches"] - before
+    assert all(results[i] == values[i][0] for i in values)
+    assert batches < len(values) // 4, f"{batches} thread hand-offs for {len(values)} reads"
+    # now in the memory tier: no hand-off at all
+    trio.run(main)
+    assert layer.counters["read_batches"] - before == batches
+
+
+def test_fetch_reports_each_failure_alone(layer):
+    good = _put(layer, b"g", os.urandom(100), "none")
+    gone = StoredValue(10, 10, 0, codec.RAW, TIER_LMDB, b"nothing-here")
+
+    async def main():
+        return await layer.fetch([(None, good, "g"), (None, gone, "gone")])
+
+    out = trio.run(main)
+    assert isinstance(out[0], bytes) and isinstance(out[1], NotFound)
+
+
+def test_relocate_moves_the_stored_bytes(layer):
+    raw = _compressible(20 << 10)
+    v = _put(layer, b"r", raw)
+    assert v.tier == TIER_LMDB
+    live = layer.lmdb.live_bytes()
+    stored = layer.read_stored(v)
+    moved = layer.lmdb.env.write(lambda txn: layer.relocate(txn, b"r", v, stored, stream=7))
+    assert moved.tier == TIER_NVME and (moved.size, moved.checksum, moved.codec) == (v.size, v.checksum, v.codec)
+    assert layer.read(moved, "r") == raw
+    assert layer.lmdb.live_bytes() == live - v.stored_size
+    assert struct.unpack("<IQQ", moved.loc)[2] == v.stored_size
