@@ -1,31 +1,37 @@
-"""One sampled batch, and its `batch/N.npz` rendering.
+"""One sampled batch, and its `batch/N.npz` file assembled from byte slices.
 
 The npz holds `keys` (str), `seqs` (int64), `probabilities` and `weights` (float64), and
-the entries themselves:
-- every entry a `.npy` file with the same dtype and shape: one array `data` of shape
-  (N, *shape);
-- every entry an `.npz` with the same fields, dtypes and shapes: one array per field,
-  stacked to (N, *shape) (a field named like one of the four above is stored as
-  `entry_<name>`);
-- anything else (raw bytes, mixed shapes): `data` as one uint8 array of all entries
-  concatenated and `offsets` (int64, N+1) so entry i is data[offsets[i]:offsets[i+1]].
-The file is assembled from slices of the cached values and copied once, at the end.
+the entries themselves, by the buffer's layout (distorefs/layout.py):
+- `.npy` entries: one array `data` of shape (N, *shape);
+- `.npz` entries: one array per field, stacked to (N, *shape) (a field named like one of
+  the four above, or `offsets`, is stored as `entry_<name>`);
+- raw mode: `data`, a uint8 array of the entries concatenated, and `offsets` (int64, N+1)
+  so entry i is data[offsets[i]:offsets[i+1]].
+
+Nothing is copied or parsed when a batch is drawn: each entry's arrays were found when it
+was committed (their offsets and CRC-32s are in its record), so the file is a list of
+parts - ZIP and .npy headers, and slices of the entries' values - and its members' CRCs
+are combined from the entries' CRCs. A READ gathers the slices it covers (one copy, at
+most the READ's size; none when it falls in one slice).
 """
 
 from __future__ import annotations
 
-import ast
+import bisect
+import functools
 import io
 import struct
-import zipfile
+import zlib
 from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from .catalog import EntryMeta
+from .codec import crc32_combine
+from .layout import Layout
 
 RESERVED = ("keys", "seqs", "probabilities", "weights", "offsets")
-NPY_MAGIC = b"\x93NUMPY"
 
 
 @dataclass
@@ -34,6 +40,8 @@ class Batch:
     probabilities: np.ndarray
     weights: np.ndarray
     spent: list[EntryMeta] = field(default_factory=list)
+    # (offsets, CRCs) of each entry's arrays, (N, fields) each, taken when the batch was drawn
+    places: tuple[np.ndarray, np.ndarray] | None = None
 
     def manifest(self) -> bytes:
         """One line per entry: KEY SEQ PROBABILITY WEIGHT."""
@@ -42,137 +50,205 @@ class Batch:
             for m, p, w in zip(self.metas, self.probabilities.tolist(), self.weights.tolist()))
 
 
-_HEADERS: dict[bytes, tuple[str, bool, tuple] | None] = {}
+# ----- parts of a file ------------------------------------------------------------------------
+
+class Part(Protocol):
+    size: int
+
+    def gather(self, off: int, n: int, out: list) -> None:
+        """Append buffers holding bytes [off, off+n) of the part."""
 
 
-def _npy_header(buf: bytes) -> tuple[str, bool, tuple, int] | None:
-    """(descr, fortran_order, shape, data offset) of an .npy file, or None if not one.
+class Blob:
+    __slots__ = ("data", "size")
 
-    Entries of one buffer share a handful of distinct headers: each is parsed once.
-    """
-    if len(buf) < 10 or not buf.startswith(NPY_MAGIC):
-        return None
-    major = buf[6]
-    if major == 1:
-        hlen, start = struct.unpack_from("<H", buf, 8)[0], 10
-    elif major in (2, 3) and len(buf) >= 12:
-        hlen, start = struct.unpack_from("<I", buf, 8)[0], 12
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.size = len(data)
+
+    def gather(self, off: int, n: int, out: list) -> None:
+        out.append(memoryview(self.data)[off:off + n])
+
+
+class Stacked:
+    """Field `length` bytes long at `offsets[i]` of each value i, one after another."""
+
+    __slots__ = ("values", "offsets", "length", "size")
+
+    def __init__(self, values: Sequence[bytes], offsets: np.ndarray, length: int) -> None:
+        self.values = values
+        self.offsets = offsets.tolist()
+        self.length = length
+        self.size = length * len(values)
+
+    def gather(self, off: int, n: int, out: list) -> None:
+        length = self.length
+        i, within = divmod(off, length)
+        while n > 0:
+            take = min(length - within, n)
+            start = self.offsets[i] + within
+            out.append(memoryview(self.values[i])[start:start + take])
+            n -= take
+            i += 1
+            within = 0
+
+
+class Concat:
+    """The values whole, one after another."""
+
+    __slots__ = ("values", "starts", "size")
+
+    def __init__(self, values: Sequence[bytes]) -> None:
+        self.values = values
+        self.starts = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum([len(v) for v in values], out=self.starts[1:])
+        self.size = int(self.starts[-1])
+
+    def gather(self, off: int, n: int, out: list) -> None:
+        i = int(np.searchsorted(self.starts, off, side="right")) - 1
+        while n > 0:
+            within = off - int(self.starts[i])
+            take = min(len(self.values[i]) - within, n)
+            if take > 0:
+                out.append(memoryview(self.values[i])[within:within + take])
+                n -= take
+                off += take
+            i += 1
+
+
+class BatchFile:
+    """A file made of parts, read by gathering."""
+
+    def __init__(self, parts: list[Part]) -> None:
+        self.parts = [p for p in parts if p.size]
+        self.starts: list[int] = []
+        pos = 0
+        for p in self.parts:
+            self.starts.append(pos)
+            pos += p.size
+        self.size = pos
+
+    def read(self, off: int, size: int) -> memoryview | bytes:
+        end = min(off + size, self.size)
+        if off >= end:
+            return b""
+        out: list = []
+        i = bisect.bisect_right(self.starts, off) - 1
+        while off < end:
+            part, start = self.parts[i], self.starts[i]
+            take = min(end - off, part.size - (off - start))
+            part.gather(off - start, take, out)
+            off += take
+            i += 1
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def __bytes__(self) -> bytes:
+        return bytes(self.read(0, self.size))
+
+
+# ----- the npz container ------------------------------------------------------------------------
+
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_EOCD = struct.Struct("<4sHHHHIIH")
+_EOCD64 = struct.Struct("<4sQHHIIQQQQ")
+_LOCATOR = struct.Struct("<4sIQI")
+_DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01: the file has no time of its own
+_LIMIT = 0xFFFFFFFF
+
+
+@dataclass
+class Member:
+    name: str
+    head: bytes  # the .npy header
+    body: Part
+    crc: int  # of head + body
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + self.body.size
+
+
+def zip_parts(members: list[Member], force_zip64: bool = False) -> list[Part]:
+    """The parts of a ZIP archive (stored members) holding `members`; ZIP64 records where a
+    size or an offset needs them."""
+    parts: list[Part] = []
+    central: list[bytes] = []
+    offset = 0
+    for m in members:
+        name = m.name.encode()
+        size = m.size
+        big = force_zip64 or size >= _LIMIT or offset >= _LIMIT
+        version = 45 if big else 20
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
+        sz = _LIMIT if big else size
+        local = _LOCAL.pack(b"PK\x03\x04", version, 0, 0, 0, _DOS_DATE, m.crc, sz, sz, len(name), len(extra))
+        parts.append(Blob(local + name + extra + m.head))
+        parts.append(m.body)
+        cextra = struct.pack("<HHQQQ", 1, 24, size, size, offset) if big else b""
+        central.append(_CENTRAL.pack(b"PK\x01\x02", version, version, 0, 0, 0, _DOS_DATE, m.crc, sz, sz, len(name),
+                                     len(cextra), 0, 0, 0, 0, _LIMIT if big else offset) + name + cextra)
+        offset += len(local) + len(name) + len(extra) + size
+    directory = b"".join(central)
+    count = len(members)
+    tail = b""
+    if force_zip64 or offset >= _LIMIT or len(directory) >= _LIMIT or count >= 0xFFFF:
+        tail = (_EOCD64.pack(b"PK\x06\x06", _EOCD64.size - 12, 45, 45, 0, 0, count, count, len(directory), offset)
+                + _LOCATOR.pack(b"PK\x06\x07", 0, offset + len(directory), 1))
+        tail += _EOCD.pack(b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, _LIMIT, _LIMIT, 0)
     else:
-        return None
-    raw = bytes(buf[start:start + hlen])
-    parsed = _HEADERS.get(raw, False)
-    if parsed is False:
-        parsed = _parse_header(raw)
-        if len(_HEADERS) < 4096:
-            _HEADERS[raw] = parsed
-    if parsed is None:
-        return None
-    return (*parsed, start + hlen)
+        tail = _EOCD.pack(b"PK\x05\x06", 0, 0, count, count, len(directory), offset, 0)
+    parts.append(Blob(directory + tail))
+    return parts
 
 
-def _parse_header(raw: bytes) -> tuple[str, bool, tuple] | None:
-    try:
-        header = ast.literal_eval(raw.decode("latin1"))
-        descr, fortran, shape = header["descr"], bool(header["fortran_order"]), tuple(header["shape"])
-    except (ValueError, SyntaxError, KeyError, TypeError, UnicodeDecodeError, MemoryError, RecursionError):
-        return None
-    if not isinstance(descr, str):
-        return None  # structured dtypes with a list descr: keep them out of the fast path
-    return descr, fortran, shape
-
-
-Parts = list  # of bytes / memoryview pieces, joined once at the end
-
-
-def _stacked_npy(parts: list[bytes]) -> Parts | None:
-    """The pieces of one .npy holding the N arrays stacked, or None when they differ."""
-    headers = [_npy_header(p) for p in parts]
-    first = headers[0]
-    if first is None or first[1]:
-        return None
-    descr, _, shape, _ = first
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(descr).itemsize
-    for h, p in zip(headers, parts):
-        if h is None or h[0] != descr or h[1] or h[2] != shape or len(p) - h[3] != nbytes:
-            return None
-    return [_header_bytes(descr, (len(parts), *shape))] + [memoryview(p)[h[3]:] for h, p in zip(headers, parts)]
-
-
-def _header_bytes(descr: str, shape: tuple) -> bytes:
+@functools.lru_cache(maxsize=1024)
+def npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
     out = io.BytesIO()
     np.lib.format.write_array_header_1_0(out, {"descr": descr, "fortran_order": False, "shape": shape})
     return out.getvalue()
 
 
-def _npz_members(buf: bytes) -> dict[str, bytes] | None:
-    if not buf.startswith(b"PK"):
-        return None
-    try:
-        with zipfile.ZipFile(io.BytesIO(buf)) as zf:
-            return {name[:-4] if name.endswith(".npy") else name: zf.read(name) for name in zf.namelist()}
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        return None
+def _array_member(name: str, array: np.ndarray) -> Member:
+    array = np.ascontiguousarray(array)
+    head = npy_header(array.dtype.str, array.shape)
+    body = array.tobytes()
+    return Member(name, head, Blob(body), zlib.crc32(body, zlib.crc32(head)))
 
 
-def _array_npy(array: np.ndarray) -> Parts:
-    out = io.BytesIO()
-    np.lib.format.write_array(out, np.ascontiguousarray(array), allow_pickle=False)
-    return [out.getvalue()]
+def _stacked_member(name: str, descr: str, shape: tuple[int, ...], length: int, values: Sequence[bytes],
+                    offsets: np.ndarray, crcs: np.ndarray) -> Member:
+    head = npy_header(descr, (len(values), *shape))
+    crc = zlib.crc32(head)
+    for c in crcs.tolist():
+        crc = crc32_combine(crc, c, length)
+    return Member(name, head, Stacked(values, offsets, length), crc)
 
 
-def _stack_entries(values: list[bytes]) -> dict[str, Parts]:
-    """Members (name -> .npy pieces) holding the entries' content."""
-    if values and values[0].startswith(NPY_MAGIC):
-        stacked = _stacked_npy(values)
-        if stacked is not None:
-            return {"data": stacked}
-    elif values and values[0].startswith(b"PK"):
-        members = [_npz_members(v) for v in values]
-        if all(m is not None for m in members) and all(m.keys() == members[0].keys() for m in members):
-            out = {}
-            for name in members[0]:
-                stacked = _stacked_npy([m[name] for m in members])  # type: ignore[index]
-                if stacked is None:
-                    break
-                out[f"entry_{name}" if name in RESERVED else name] = stacked
-            else:
-                return out
-    offsets = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum([len(v) for v in values], out=offsets[1:])
-    return {"data": [_header_bytes("|u1", (int(offsets[-1]),)), *values], "offsets": _array_npy(offsets)}
+def _raw_members(metas: list[EntryMeta], values: Sequence[bytes]) -> list[Member]:
+    body = Concat(values)
+    head = npy_header("|u1", (body.size,))
+    crc = zlib.crc32(head)
+    for m in metas:
+        crc = crc32_combine(crc, m.checksum, m.size)  # the whole value's CRC-32, kept in its record
+    return [Member("data.npy", head, body, crc), _array_member("offsets.npy", body.starts)]
 
 
-class _Sink:
-    """A write-only file for zipfile that keeps the pieces instead of copying them."""
-
-    def __init__(self) -> None:
-        self.parts: list = []
-        self.size = 0
-
-    def write(self, data) -> int:
-        self.parts.append(data)
-        self.size += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        pass
-
-
-def build_npz(batch: Batch, values: list[bytes]) -> bytes:
-    """The `batch/N.npz` file for `batch` whose entries' contents are `values`."""
-    members = _stack_entries(values) if values else {}
-    members["keys"] = _array_npy(np.array([m.key.decode("utf-8", "surrogateescape") for m in batch.metas]))
-    members["seqs"] = _array_npy(np.array([m.seq for m in batch.metas], dtype=np.int64))
-    members["probabilities"] = _array_npy(batch.probabilities.astype(np.float64))
-    members["weights"] = _array_npy(batch.weights.astype(np.float64))
-    sink = _Sink()
-    big = sum(len(p) for parts in members.values() for p in parts) > (1 << 31)
-    with zipfile.ZipFile(sink, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:  # type: ignore[arg-type]
-        for name, parts in members.items():
-            with zf.open(name + ".npy", "w", force_zip64=big) as f:
-                for part in parts:
-                    f.write(part)
-    return b"".join(sink.parts)
+def batch_file(batch: Batch, values: Sequence[bytes], layout: Layout | None) -> BatchFile:
+    """The `batch/N.npz` file of `batch`, whose entries' contents are `values`: stacked
+    by `layout` when every entry has its places, else raw."""
+    members: list[Member] = []
+    if layout is not None and batch.places is not None and values:
+        offsets, crcs = batch.places
+        for j, f in enumerate(layout.fields):
+            name = f"entry_{f.name}" if f.name in RESERVED else f.name
+            members.append(_stacked_member(name + ".npy", f.dtype, f.shape, f.nbytes, values, offsets[:, j],
+                                           crcs[:, j]))
+    elif values:
+        members.extend(_raw_members(batch.metas, values))
+    keys = [m.key.decode("utf-8", "surrogateescape") for m in batch.metas]
+    members.append(_array_member("keys.npy", np.array(keys) if keys else np.zeros(0, dtype="<U1")))
+    members.append(_array_member("seqs.npy", np.array([m.seq for m in batch.metas], dtype=np.int64)))
+    members.append(_array_member("probabilities.npy", np.asarray(batch.probabilities, dtype=np.float64)))
+    members.append(_array_member("weights.npy", np.asarray(batch.weights, dtype=np.float64)))
+    return BatchFile(zip_parts(members))

@@ -6,21 +6,31 @@ per batch size) and their payloads pulled into the memory tier, so an open of
 `batch/N.npz` or of the entries a `sample/N` named is usually served from memory. A
 pre-drawn batch is checked at hand-out: entries evicted or replaced since are redrawn,
 probabilities and weights are those of the moment of hand-out.
+
+Every entry of a buffer has the buffer's layout (distorefs/layout.py): the `schema` of
+its config.json, fixed by the first entry when none was given; an entry of another layout
+is refused (EINVAL) unless the buffer is in raw mode. Where each entry's arrays are is
+found when it commits and kept by slot (`SlotPlaces`), so `batch/N.npz` is a gather of
+byte slices (distorefs/batch.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from collections import deque
 
 import numpy as np
 import trio
 
-from .batch import Batch, build_npz
+from .batch import Batch, BatchFile, batch_file
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
 from .config import BufferConfig
-from .errors import InvalidArgument, NotFound, TooLarge, WouldBlock
+from .errors import InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
+from .layout import Layout, NotStackable, SlotPlaces, parse, place
+from .namespace import update_record
 from .owner import Owner
 from .ring import RemoveEntry, RingNamespace
 from .prefetcher import Prefetcher
@@ -36,12 +46,16 @@ class Buffer(RingNamespace):
                  ctime_ns: int) -> None:
         self.sampler = Sampler(config)
         super().__init__(services, ns_id, name, config, owner, ctime_ns, observer=self)
+        self.layout: Layout | None = None
+        self.places = SlotPlaces(0)
+        self._set_layout(config)
         self.committer = services.committer
         self.limits = services.config  # max_batch_entries, max_batch_bytes
         self.spawn = services.spawn
         # Pre-sampled batches are the order this buffer's prefetcher reads ahead along.
         self.prefetcher = self.ring.prefetcher = Prefetcher(services.prefetch_budget, self.ring.prefetch_loader,
                                                             spawn=services.spawn, lag=4096)
+        self.ring.place = self._place
         self._presampled: dict[int, deque] = {}
         self._refilling: set[int] = set()
         self._changed = trio.Event()
@@ -53,16 +67,19 @@ class Buffer(RingNamespace):
 
     def entry_added(self, meta: EntryMeta, priority: float | None, times_sampled: int) -> None:
         self.sampler.add(meta.slot, self.sampler.max_priority if priority is None else priority, times_sampled)
+        self.places.set(meta.slot, meta.places)
         self._wake()
 
     def entry_replaced(self, old: EntryMeta, new: EntryMeta) -> None:
-        pass  # same slot: priority and times sampled carry over
+        self.places.set(new.slot, new.places)  # same slot: priority and times sampled carry over
 
     def entry_removed(self, meta: EntryMeta) -> None:
         self.sampler.remove(meta.slot)
+        self.places.clear(meta.slot)
 
     def slots_grown(self, capacity: int) -> None:
         self.sampler.grow(capacity)
+        self.places.grow(capacity)
 
     def _wake(self) -> None:
         if self._waiting:  # a fresh Event per insert would cost at load
@@ -75,7 +92,35 @@ class Buffer(RingNamespace):
         return self.config.initial_priority or self.sampler.max_priority
 
     async def insert(self, key: bytes, data: bytes, owner: Owner) -> EntryMeta:
+        """Insert or rewrite an entry; the first entry of a buffer without a schema fixes it."""
+        if self.layout is None and not self.config.raw:
+            self.ring.check_insert(key, len(data))
+            try:
+                layout: Layout | None = parse(data)[0]  # headers only
+            except NotStackable as exc:  # plain bytes (or arrays that cannot stack): raw mode
+                log.info("buffers/%s: the first entry is not stackable arrays (%s): raw mode", self.name, exc)
+                layout = None
+            await self.committer.submit(FixLayout(self, layout))
         return await self.ring.insert(key, data, owner, self.initial_priority())
+
+    def _place(self, data: bytes) -> list[tuple[int, int]] | None:
+        """Where the arrays of a new entry are (the ring calls it when the insert is
+        planned): InvalidArgument if they do not fit the buffer's layout."""
+        if self.config.raw:
+            return None
+        layout = self.layout
+        if layout is None:
+            raise InvalidArgument(f"buffers/{self.name}: its layout changed while this entry was written; retry")
+        return [(off, f.nbytes) for off, f in zip(place(layout, data), layout.fields)]
+
+    def _set_layout(self, config: BufferConfig) -> None:
+        layout = None if config.raw or config.schema is None else Layout.from_json(config.schema)
+        if layout != self.layout:
+            self.layout = layout
+            self.places = SlotPlaces(len(layout.fields) if layout else 0)
+            self.places.grow(len(self.ring.slot_meta))
+            for meta in self.ring.oldest():
+                self.places.set(meta.slot, meta.places)
 
     def spent_at_load(self) -> list[EntryMeta]:
         """Entries already sampled max_times_sampled times (a crash came before their removal)."""
@@ -113,25 +158,29 @@ class Buffer(RingNamespace):
         slots, spent = self.sampler.select(n, self._order, hint, valid)
         probs, weights = self.sampler.probabilities(slots, spent)
         metas = [ring.slot_meta[s] for s in slots.tolist()]
-        batch = Batch(metas, probs, weights, [ring.slot_meta[s] for s in spent.tolist()])  # type: ignore[misc]
+        batch = Batch(metas, probs, weights, [ring.slot_meta[s] for s in spent.tolist()],  # type: ignore[misc]
+                      self.places.take(slots) if self.layout is not None and len(slots) else None)
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(metas)
         self.committer.submit_nowait(RecordSampled(self, metas))
         self._schedule_presample(n)
         return batch
 
-    async def sample_npz(self, n: int, nonblocking: bool = False) -> tuple[Batch, bytes]:
-        """Draw a batch and render it as npz; a batch that lost an entry to eviction while
-        its values were read is drawn again."""
+    async def sample_npz(self, n: int, nonblocking: bool = False) -> tuple[Batch, BatchFile]:
+        """Draw a batch and describe its npz (no copy: see distorefs/batch.py); a batch that
+        lost an entry to eviction or a rewrite while its values were read is drawn again."""
         for attempt in range(3):
             batch = await self.sample(n, nonblocking)
             try:
                 size = sum(m.size for m in batch.metas)
-                if size > self.limits.max_batch_bytes:  # the npz is built in memory
+                if size > self.limits.max_batch_bytes:  # the values are held while the file is open
                     raise TooLarge(f"buffers/{self.name}: a batch of {n} is {size} bytes, over "
                                    f"max_batch_bytes ({self.limits.max_batch_bytes})")
-                values = await self.ring.read_many(batch.metas)
-                data = await trio.to_thread.run_sync(build_npz, batch, values)
+                values = await self.ring.read_many(batch.metas, follow_rewrites=False)
+                if len(values) > BUILD_INLINE:  # work per entry: off the event loop when large
+                    data = await trio.to_thread.run_sync(batch_file, batch, values, self.layout)
+                else:
+                    data = batch_file(batch, values, self.layout)
             except NotFound:
                 self.release(batch)
                 if attempt == 2:
@@ -203,9 +252,19 @@ class Buffer(RingNamespace):
 
     # ----- configuration and stats ---------------------------------------------------
 
+    def check_reconfigure(self, config: BufferConfig) -> None:
+        """A layout changes only while the buffer is empty (InvalidConfig otherwise)."""
+        old = self.config
+        if not len(self.ring):
+            return
+        if (config.schema != old.schema and not config.raw) or (old.raw and not config.raw):
+            raise InvalidConfig(f"buffers/{self.name} holds {len(self.ring)} entries of its layout: "
+                                f"schema and raw change only while it is empty (raw: true is always allowed)")
+
     def reconfigure(self, config: BufferConfig) -> None:
         self.ring.config = config
         self.sampler.reconfigure(config)
+        self._set_layout(config)
         self._presampled.clear()
         self._wake()
 
@@ -221,6 +280,38 @@ class Buffer(RingNamespace):
             "presampled_batches": {str(n): len(q) for n, q in self._presampled.items()},
             **self.counters,
         }
+
+
+BUILD_INLINE = 1024  # a batch of more entries is described in a worker thread
+log = logging.getLogger(__name__)
+
+
+class FixLayout(Change):
+    """The first entry of a buffer without a schema fixes it: its arrays' layout, or raw mode
+    for plain bytes (nothing if a schema or raw mode was set since)."""
+
+    def __init__(self, buffer: Buffer, layout: Layout | None) -> None:
+        self.buffer = buffer
+        self.layout = layout
+        self.conflict_key = ("ns", buffer.kind, buffer.name)
+        self.config: BufferConfig | None = None
+
+    def plan(self, overlay: Overlay) -> None:
+        config = self.buffer.config
+        if config.raw or config.schema is not None:
+            self.config = None
+        elif self.layout is None:
+            self.config = dataclasses.replace(config, raw=True)
+        else:
+            self.config = dataclasses.replace(config, schema=self.layout.to_json())
+
+    def txn(self, txn) -> None:
+        if self.config is not None:
+            update_record(txn, self.buffer.kind, self.buffer.name, config=self.config.to_dict())
+
+    def apply(self) -> None:
+        if self.config is not None:
+            self.buffer.reconfigure(self.config)
 
 
 class RecordSampled(Change):

@@ -3,7 +3,8 @@
 Databases (all in one LMDB environment, see `distorefs.backends.lmdbenv`):
   meta      store-wide keys: b"config" (StoreConfig JSON), b"next_ns" (u32), b"format"
   ns        b"KIND/NAME" -> namespace record (JSON: id, kind, config)
-  entries   ns_id u32 BE + seq u64 BE -> entry record (EntryMeta.pack)
+  entries   ns_id u32 BE + seq u64 BE -> entry record (EntryMeta.pack; format 2 adds the
+            places of a buffer entry's arrays: where each field's bytes start, and their CRC-32)
   prio      ns_id + seq -> raw priority, f64
   sampled   ns_id + seq -> times sampled, u32
   values    value bytes of the LMDB tier (owned by LmdbValues)
@@ -23,11 +24,13 @@ DB_ENTRIES = b"entries"
 DB_PRIO = b"prio"
 DB_SAMPLED = b"sampled"
 
-FORMAT_VERSION = 1
+# 2: entry records carry their arrays' places (format-1 stores are migrated when opened).
+FORMAT_VERSION = 2
 
 _KEY = struct.Struct(">IQ")
 _NS = struct.Struct(">I")
-_REC = struct.Struct("<QQIBBIIIqH")
+_REC1 = struct.Struct("<QQIBBIIIqH")  # format 1: ... loc length; then loc, key (to the end)
+_REC = struct.Struct("<QQIBBIIIqHHH")  # format 2: ... loc, key and places lengths; then each
 _F64 = struct.Struct("<d")
 _U32 = struct.Struct("<I")
 
@@ -64,8 +67,10 @@ def unpack_u32(data: bytes) -> int:
 class EntryMeta:
     """Everything known about one committed entry, as persisted in the `entries` db.
 
-    `slot` (the entry's leaf in the samplers' trees) and `gen` (bumped on every
-    rewrite, so caches never serve a previous version) live only in memory.
+    `places`: where each array of a buffer entry starts in its content, and its CRC-32
+    (distorefs/layout.py packs them; empty for banks and raw-mode buffers). `slot` (the
+    entry's leaf in the samplers' trees) and `gen` (bumped on every rewrite, so caches
+    never serve a previous version) live only in memory.
     """
 
     seq: int
@@ -75,6 +80,7 @@ class EntryMeta:
     uid: int
     gid: int
     mtime_ns: int
+    places: bytes = b""
     slot: int = -1
     gen: int = 0
 
@@ -96,13 +102,23 @@ class EntryMeta:
 
     def pack(self) -> bytes:
         v = self.value
-        return _REC.pack(v.size, v.stored_size, v.checksum, v.codec, v.tier,
-                         self.mode, self.uid, self.gid, self.mtime_ns, len(v.loc)) + v.loc + self.key
+        return _REC.pack(v.size, v.stored_size, v.checksum, v.codec, v.tier, self.mode, self.uid, self.gid,
+                         self.mtime_ns, len(v.loc), len(self.key), len(self.places)) + v.loc + self.key + self.places
 
     @classmethod
     def unpack(cls, seq: int, data: bytes | memoryview) -> "EntryMeta":
-        (size, stored, crc, codec, tier, mode, uid, gid, mtime, loc_len) = _REC.unpack_from(data)
-        start = _REC.size
+        (size, stored, crc, codec, tier, mode, uid, gid, mtime, loc_len, key_len, places_len) = _REC.unpack_from(data)
+        a = _REC.size
+        b = a + loc_len
+        c = b + key_len
+        return cls(seq, bytes(data[b:c]), StoredValue(size, stored, crc, codec, tier, bytes(data[a:b])), mode, uid,
+                   gid, mtime, bytes(data[c:c + places_len]))
+
+    @classmethod
+    def unpack_v1(cls, seq: int, data: bytes | memoryview) -> "EntryMeta":
+        """A record of a format-1 store (no places), read once when the store is migrated."""
+        (size, stored, crc, codec, tier, mode, uid, gid, mtime, loc_len) = _REC1.unpack_from(data)
+        start = _REC1.size
         loc = bytes(data[start:start + loc_len])
         key = bytes(data[start + loc_len:])
         return cls(seq, key, StoredValue(size, stored, crc, codec, tier, loc), mode, uid, gid, mtime)

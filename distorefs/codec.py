@@ -132,11 +132,33 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _crc32_combine_python(crc1, crc2, len2)
 
 
-def encode(raw: bytes | bytearray | memoryview, compression: str = "zstd", level: int = 1) -> Encoded:
-    """Encode `raw` for storage. Runs in a worker thread for large values."""
+def checksums(data: bytes | memoryview, regions: list[tuple[int, int]]) -> tuple[int, list[int]]:
+    """(CRC-32 of `data`, CRC-32 of each (offset, length) region in it), reading each byte
+    once: the regions' CRCs and those of the gaps between them are combined into the whole.
+    Regions must not overlap; their CRCs come back in the order given."""
+    view = memoryview(data).cast("B")
+    whole, pos = 0, 0
+    out = [0] * len(regions)
+    for i in sorted(range(len(regions)), key=lambda k: regions[k][0]):
+        off, length = regions[i]
+        if off > pos:
+            whole = crc32_combine(whole, zlib.crc32(view[pos:off]), off - pos)
+        crc = zlib.crc32(view[off:off + length])
+        out[i] = crc
+        whole = crc32_combine(whole, crc, length)
+        pos = off + length
+    if pos < len(view):
+        whole = crc32_combine(whole, zlib.crc32(view[pos:]), len(view) - pos)
+    return whole & 0xFFFFFFFF, out
+
+
+def encode(raw: bytes | bytearray | memoryview, compression: str = "zstd", level: int = 1,
+           crc: int | None = None) -> Encoded:
+    """Encode `raw` for storage (`crc`: its CRC-32, when known already). Runs in a worker
+    thread for large values."""
     plain = raw if isinstance(raw, bytes) else bytes(raw)
     view = memoryview(plain)
-    crc = checksum(view)
+    crc = checksum(view) if crc is None else crc
     size = len(view)
     if compression == "zstd" and size >= MIN_COMPRESS_BYTES:
         comp = _compressor(level)

@@ -89,6 +89,10 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, bool):
             raise InvalidConfig(f"{name} must be true or false, got {value!r}")
         return value
+    if kind == "dict":
+        if not isinstance(value, dict):
+            raise InvalidConfig(f"{name} must be a JSON object, got {value!r}")
+        return value
     return value
 
 
@@ -136,9 +140,19 @@ class BufferConfig(RingConfig):
     min_size_to_sample: int = 1
     presample_batches: int = 2
     seed: int = 0
+    # The layout of every entry (distorefs/layout.py: an .npy or an .npz of named arrays):
+    # null until the first entry fixes it; `raw`: entries are any bytes, batches concatenate.
+    schema: dict | None = None
+    raw: bool = False
 
     def validate(self) -> None:
         super().validate()
+        if self.raw:
+            self.schema = None  # raw mode: entries of any layout; batches concatenate them
+        elif self.schema is not None:
+            from .layout import Layout  # layout needs numpy; config stays importable without it
+            self.schema = Layout.from_json(self.schema).to_json()  # normalised: dtype strings like '<f4'
+
         _require(self.sampler in SAMPLERS,
                  f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         _require(0.0 <= self.alpha <= 10.0, f"alpha must be in [0, 10], got {self.alpha}")

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import struct
 import time
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import trio
 from sortedcontainers import SortedDict
@@ -25,6 +25,7 @@ from .catalog import DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, ns_p
 from .committer import Change, Overlay
 from .config import RingConfig
 from .errors import CorruptValue, DistorefsError, NoSpace, NotFound, TooLarge
+from .layout import pack_places
 from .names import check_name
 from .owner import Owner
 from .placement import TIER_LMDB, TIER_NAMES
@@ -74,6 +75,10 @@ class Ring:
         self._room_epoch = 0  # bumped by every eviction that made room
         # Set by namespaces that read ahead (buffers: pre-sampled batches); keys (seq, gen).
         self.prefetcher: Prefetcher | None = None
+        # Set by namespaces whose entries hold arrays (buffers): the (offset, length) of each
+        # array in an entry's content, None for an entry kept as plain bytes; raises
+        # InvalidArgument for an entry the namespace refuses. Called when the insert is planned.
+        self.place: Callable[[bytes], list[tuple[int, int]] | None] | None = None
 
     # ----- queries -------------------------------------------------------------------
 
@@ -135,7 +140,7 @@ class Ring:
         self.counters["read_bytes"] += len(value)
         return value
 
-    async def _load(self, meta: EntryMeta) -> bytes:
+    async def _load(self, meta: EntryMeta, follow_rewrites: bool = True) -> bytes:
         for _ in range(8):
             key = self._cache_key(meta)
             result = (await self.values.fetch([(key, meta.value, self._what(meta))], cache=False))[0]
@@ -154,12 +159,15 @@ class Ring:
                 raise self.values.report_corrupt(result) from None
             if current is None or current.seq != meta.seq:
                 raise NotFound(f"{self._what(meta)} was removed while being read") from None
+            if not follow_rewrites:
+                raise NotFound(f"{self._what(meta)} was rewritten while being read") from None
             meta = current  # rewritten meanwhile: read the new version
         raise NotFound(f"{self._what(meta)} keeps changing; try again")
 
-    async def read_many(self, metas: list[EntryMeta]) -> list[bytes]:
+    async def read_many(self, metas: list[EntryMeta], follow_rewrites: bool = True) -> list[bytes]:
         """Values of many entries: the memory tier, then prefetched values, then one read
-        hand-off for all the rest (races and damage then one at a time)."""
+        hand-off for all the rest (races and damage then one at a time). Without
+        `follow_rewrites`, an entry rewritten meanwhile is NotFound, not its new version."""
         cache = self.values.cache
         values: list[bytes | None] = [cache.get(self._cache_key(m)) for m in metas]
         if self.prefetcher is not None:
@@ -173,7 +181,7 @@ class Ring:
             loaded = await self.values.fetch([(self._cache_key(metas[i]), metas[i].value, self._what(metas[i]))
                                               for i in missing])
             for i, value in zip(missing, loaded):
-                values[i] = value if isinstance(value, bytes) else await self._load(metas[i])
+                values[i] = value if isinstance(value, bytes) else await self._load(metas[i], follow_rewrites)
         self.counters["reads"] += len(metas)
         self.counters["read_bytes"] += sum(len(v) for v in values)  # type: ignore[arg-type]
         return values  # type: ignore[return-value]
@@ -430,9 +438,13 @@ class InsertEntry(Change):
         self.priority = priority
         self.conflict_key = (ring.ns_id, key)
         self.meta: EntryMeta | None = None
+        self.regions: list[tuple[int, int]] | None = None
+        self.places = b""
 
     def plan(self, overlay: Overlay) -> None:
         ring = self.ring
+        if ring.place is not None:  # the arrays in it, found from their headers (no data read)
+            self.regions = ring.place(self.raw)
         ro = overlay.ring(ring.ns_id)
         old = ring.by_key.get(self.key)
         if old is not None and old.seq in ro.removed:
@@ -452,7 +464,11 @@ class InsertEntry(Change):
     def prepare(self) -> None:
         if self.enc is None:  # kept across a rerun of the transaction
             config = self.ring.config
-            self.enc = codec.encode(self.raw, config.compression, config.compression_level)
+            crc = None
+            if self.regions:  # the arrays' CRCs and the whole's, in one pass
+                crc, crcs = codec.checksums(self.raw, self.regions)
+                self.places = pack_places([off for off, _ in self.regions], crcs)
+            self.enc = codec.encode(self.raw, config.compression, config.compression_level, crc=crc)
 
     def txn(self, txn) -> None:
         ring, values = self.ring, self.ring.values
@@ -466,7 +482,7 @@ class InsertEntry(Change):
         k = entry_key(ring.ns_id, self.seq)
         value = values.put(txn, k, enc, stream=ring.ns_id, cold=self.seq < ring.demote_front)
         self.meta = EntryMeta(self.seq, self.key, value, self.owner.mode, self.owner.uid, self.owner.gid,
-                              self.mtime_ns)
+                              self.mtime_ns, self.places)
         txn.put(k, self.meta.pack(), db=DB_ENTRIES)
         if self.old is None and self.priority is not None:
             txn.put(k, pack_f64(self.priority), db=DB_PRIO)

@@ -37,7 +37,9 @@ from .dataset import DB_DSNODES, Dataset
 from .errors import AlreadyExists, InvalidConfig, NoSpace, NotEmpty, NotFound
 from .lockfile import take_lock
 from .memory import MemoryPlan
+from .migrate import migrate
 from .names import check_name
+from .namespace import ConfigureNamespace, SetNamespaceOwner, ns_key
 from .owner import Owner
 from .prefetcher import PrefetchBudget, hit_rate
 from .recovery import Recovery, recover
@@ -98,6 +100,7 @@ class Store:
             or [SegmentDir(self.path / "segments")]
         self.nvme_path = dirs[0].path
         self.values = ValueLayer(self.env, self.config, dirs)
+        migrate(self.env, self.values)  # a store of an older format, once
         self.prefetch_budget = PrefetchBudget(0)
         self.committer = Committer(self.env.write)
         self.services = Services(values=self.values, committer=self.committer, env=self.env, config=self.config,
@@ -275,7 +278,7 @@ class Store:
         """Merge a JSON config into the namespace's; an invalid one raises InvalidConfig, old kept."""
         ns = self.namespace(kind, name)
         config = ns.config_type.from_json(text, ns.config)
-        await self.committer.submit(ConfigureNamespace(self, ns, config))
+        await self.committer.submit(ConfigureNamespace(ns, config))
         return config
 
     async def configure_weights(self, text: bytes) -> WeightsConfig:
@@ -290,7 +293,7 @@ class Store:
         o = ns.owner
         owner = Owner(o.mode if mode is None else (o.mode & ~0o7777) | (mode & 0o7777),
                       o.uid if uid is None else uid, o.gid if gid is None else gid)
-        await self.committer.submit(SetNamespaceOwner(self, ns, owner))
+        await self.committer.submit(SetNamespaceOwner(ns, owner))
         return owner
 
     # Shorthands for the replay buffers most callers deal with.
@@ -396,7 +399,7 @@ class CreateNamespace(Change):
         record = {"id": self.ns_id, "kind": self.kind, "config": self.config.to_dict(),
                   "mode": self.owner.mode, "uid": self.owner.uid, "gid": self.owner.gid,
                   "ctime_ns": self.ctime_ns}
-        txn.put(f"{self.kind}/{self.name}".encode(), json.dumps(record).encode(), db=DB_NS)
+        txn.put(ns_key(self.kind, self.name), json.dumps(record).encode(), db=DB_NS)
 
     def apply(self) -> None:
         cls = KINDS[self.kind]
@@ -421,7 +424,7 @@ class DropNamespace(Change):
             raise NotEmpty(f"{ns.kind}/{ns.name} still has {len(ns.ring)} entries")
 
     def txn(self, txn) -> None:
-        txn.delete(f"{self.ns.kind}/{self.ns.name}".encode(), db=DB_NS)
+        txn.delete(ns_key(self.ns.kind, self.ns.name), db=DB_NS)
         if isinstance(self.ns, Dataset):
             self.ns.drop_txn(txn)
 
@@ -429,53 +432,6 @@ class DropNamespace(Change):
         del self.store.namespaces[self.ns.kind][self.ns.name]
         if not isinstance(self.ns, Dataset):
             self.store.values.nvme.end_stream(self.ns.ns_id)  # its last segment may go too
-
-
-class ConfigureNamespace(Change):
-    """A new configuration; shrinking capacity or max_bytes evicts the oldest at once."""
-
-    def __init__(self, store: Store, ns: Namespace, config) -> None:
-        self.store = store
-        self.ns = ns
-        self.config = config
-        self.conflict_key = ("ns", ns.kind, ns.name)
-
-    def plan(self, overlay: Overlay) -> None:
-        ring = getattr(self.ns, "ring", None)
-        self.victims = ring.plan_evictions(overlay.ring(self.ns.ns_id), config=self.config) if ring else []
-
-    def txn(self, txn) -> None:
-        for victim in self.victims:
-            self.ns.ring.txn_remove(txn, victim)
-        key = f"{self.ns.kind}/{self.ns.name}".encode()
-        record = json.loads(bytes(txn.get(key, db=DB_NS)))
-        record["config"] = self.config.to_dict()
-        txn.put(key, json.dumps(record).encode(), db=DB_NS)
-
-    def apply(self) -> None:
-        for victim in self.victims:
-            self.ns.ring.apply_remove(victim, "evictions")
-        self.ns.reconfigure(self.config)
-
-
-class SetNamespaceOwner(Change):
-    def __init__(self, store: Store, ns: Namespace, owner: Owner) -> None:
-        self.store = store
-        self.ns = ns
-        self.owner = owner
-        self.conflict_key = ("ns", ns.kind, ns.name)
-
-    def txn(self, txn) -> None:
-        key = f"{self.ns.kind}/{self.ns.name}".encode()
-        raw = txn.get(key, db=DB_NS)
-        if raw is None:
-            raise NotFound(f"no {self.ns.kind}/{self.ns.name}")
-        record = json.loads(bytes(raw))
-        record.update(mode=self.owner.mode, uid=self.owner.uid, gid=self.owner.gid)
-        txn.put(key, json.dumps(record).encode(), db=DB_NS)
-
-    def apply(self) -> None:
-        self.ns.owner = self.owner
 
 
 class ConfigureWeights(Change):

@@ -225,6 +225,7 @@ class Check:
         # filled by the namespace pass, used by later ones: id -> (kind, name, record)
         self.ns_by_id: dict[int, tuple[str, str, dict]] = {}
         self.entry_keys: dict[bytes, str] = {}  # entries-db key -> kind of its namespace
+        self.format = FORMAT_VERSION  # the store's, read by the catalog pass (records differ by format)
 
     # -- helpers for passes ----------------------------------------------------------
 
@@ -390,10 +391,11 @@ def check_catalog(check: Check) -> str:
         check.incomplete("no meta database")
         return "no meta database"
     fmt = check.read(lambda txn: _copy(txn.get(b"format", db=meta)))
+    check.format = unpack_u32(fmt) if fmt and len(fmt) == 4 else FORMAT_VERSION
     if fmt is None or len(fmt) != 4:
         check.error("no format version in meta")
-    elif unpack_u32(fmt) != FORMAT_VERSION:
-        check.error(f"format version {unpack_u32(fmt)}, this verify knows {FORMAT_VERSION}")
+    elif not 1 <= unpack_u32(fmt) <= FORMAT_VERSION:
+        check.error(f"format version {unpack_u32(fmt)}, this verify knows 1..{FORMAT_VERSION}")
         check.incomplete("unknown format version")
     # Every pass claims the databases it reads; one no pass claims may reference values.
     for p in PASSES:
@@ -483,7 +485,7 @@ def check_ring_entries(check: Check) -> str:
             continue
         ns_id, seq = split_entry_key(key)
         try:
-            meta = EntryMeta.unpack(seq, value)
+            meta = (EntryMeta.unpack if check.format >= 2 else EntryMeta.unpack_v1)(seq, value)
         except struct.error:
             check.error(f"entries row ns {ns_id} seq {seq} does not parse")
             check.incomplete("an entries row does not parse")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from distorefs.batch import Batch
+from distorefs.batch import Batch, BatchFile
 from distorefs.buffer import Buffer
 from distorefs.errors import InvalidArgument, NotPermitted, TooLarge
 
@@ -48,13 +48,21 @@ class BytesReader(Handle):
         return self.view[off:off + size]  # pyfuse3 replies from any buffer: no copy
 
 
-class SampleReader(BytesReader):
-    """`sample/N` or `batch/N.npz`: a batch fixed for the life of the handle."""
+class SampleReader(Handle):
+    """`sample/N` or `batch/N.npz`: a batch fixed for the life of the handle, its file
+    gathered from the entries' values at each READ (distorefs/batch.py)."""
 
-    def __init__(self, buffer: Buffer, batch: Batch, data: bytes) -> None:
-        super().__init__(data, cacheable=False)
+    direct_io = True
+
+    def __init__(self, buffer: Buffer, batch: Batch, content: BatchFile) -> None:
         self.buffer = buffer
         self.batch = batch
+        self.content = content
+        self.size = content.size
+        self.pid = 0
+
+    async def read(self, off: int, size: int):
+        return self.content.read(off, size)  # pyfuse3 replies from any buffer
 
     async def release(self) -> None:
         self.buffer.release(self.batch)

@@ -17,6 +17,7 @@ import pyfuse3
 import trio
 
 from distorefs import __version__
+from distorefs.batch import BatchFile, Blob
 from distorefs.buffer import Buffer
 from distorefs.catalog import EntryMeta
 from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, WouldBlock)
@@ -395,7 +396,7 @@ class DrawFile(Node):
 
     def released(self, handle: Handle) -> None:
         pid = getattr(handle, "pid", None)
-        if pid is not None and self.sizes.get(pid) == len(handle.data):  # type: ignore[attr-defined]
+        if pid is not None and self.sizes.get(pid) == handle.size:  # type: ignore[attr-defined]
             del self.sizes[pid]
 
     async def open(self, flags: int, ctx) -> Handle:
@@ -403,12 +404,12 @@ class DrawFile(Node):
             raise NotPermitted("sample files are read-only")
         nonblocking = bool(flags & os.O_NONBLOCK)
         if self.npz:
-            batch, data = await self.buf.sample_npz(self.n, nonblocking)
+            batch, content = await self.buf.sample_npz(self.n, nonblocking)
         else:
             batch = await self.buf.sample(self.n, nonblocking)
-            data = batch.manifest()
-        self.sizes[ctx.pid] = len(data)
-        handle = SampleReader(self.buf, batch, data)
+            content = BatchFile([Blob(batch.manifest())])
+        self.sizes[ctx.pid] = content.size
+        handle = SampleReader(self.buf, batch, content)
         handle.pid = ctx.pid
         try:  # attributes only: no page or inode lock is taken, safe while this OPEN is pending
             await trio.to_thread.run_sync(pyfuse3.invalidate_inode, self.ino, True)

@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 
-from distorefs_it import CLI, PYTHON, Mount, is_mounted, make_payload, write_entry, xattr
+from distorefs_it import CLI, PYTHON, Mount, is_mounted, make_payload, set_config, write_entry, xattr
 
 
 def cli(*args, check=True) -> subprocess.CompletedProcess:
@@ -37,6 +37,7 @@ def npz(**arrays) -> bytes:
 
 
 def test_ls_inspect_stats_metrics(fs, buf):
+    set_config(buf, {"raw": True})  # entries of several layouts
     write_entry(buf, "obs.npy", npy(np.zeros((84, 84, 4), np.uint8)))
     write_entry(buf, "step.npz", npz(obs=np.ones((3, 4), np.float32), action=np.arange(3, dtype=np.int16)))
     write_entry(buf, "raw", make_payload("raw", 3000))

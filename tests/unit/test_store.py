@@ -38,9 +38,11 @@ def test_insert_read_rewrite_delete(tmp_path):
         ring = buf.ring
         assert [m.key for m in ring.oldest()] == [b"k0", b"k1", b"k2", b"k3", b"k4"]
         seq = ring.get(b"k2").seq
-        await buf.insert(b"k2", b"new", OWNER)
+        await buf.insert(b"k2", npy(99), OWNER)
         assert ring.get(b"k2").seq == seq  # rewrite keeps the FIFO position
-        assert await ring.read(ring.get(b"k2")) == b"new"
+        assert await ring.read(ring.get(b"k2")) == npy(99)
+        with pytest.raises(InvalidArgument, match="neither an .npy"):  # the buffer is of .npy arrays
+            await buf.insert(b"k2", b"new", OWNER)
         await ring.delete(b"k0")
         with pytest.raises(NotFound):
             ring.get(b"k0")
@@ -64,7 +66,8 @@ def test_eviction_by_capacity_and_bytes(tmp_path):
         await fill(buf, 6)
         assert [m.key for m in buf.ring.oldest()] == [b"k3", b"k4", b"k5"]
         assert buf.ring.counters["evictions"] == 3
-        await store.configure_buffer("rb", b'{"capacity": 100, "max_bytes": 2500}')
+        # raw mode: entries of any layout (here plain bytes)
+        await store.configure_buffer("rb", b'{"capacity": 100, "max_bytes": 2500, "raw": true}')
         await fill(buf, 5, start=10, size=1000)
         assert buf.ring.bytes <= 2500
         assert [m.key for m in buf.ring.oldest()] == [b"k13", b"k14"]
@@ -99,6 +102,7 @@ def test_everything_persists(tmp_path):
     async def write(store):
         buf = await store.create_buffer("rb", DIR)
         await store.configure_buffer("rb", b'{"sampler": "prioritized", "alpha": 0.7}')
+        await store.configure_buffer("rb", b'{"raw": true}')  # npy arrays and plain bytes
         await fill(buf, 10)
         await buf.insert(b"large", LARGE, OWNER)  # 1 MiB incompressible: the nvme tier
         await buf.set_priorities([(b"k3", 9.0), (b"k4", 0.5)])
@@ -244,19 +248,21 @@ def test_batch_npz_stacks_fields(tmp_path):
             np.savez(out, obs=np.full((2, 2), i, np.uint8), reward=np.float32(i), keys=np.int64(i))
             await buf.insert(b"e%d" % i, out.getvalue(), OWNER)
         _, data = await buf.sample_npz(3)
-        z = np.load(io.BytesIO(data))
+        z = np.load(io.BytesIO(bytes(data)))
         assert z["obs"].shape == (3, 2, 2) and list(z["obs"][:, 0, 0]) == [0, 1, 2]
         assert list(z["reward"]) == [0, 1, 2]
         assert list(z["entry_keys"]) == [0, 1, 2]  # a field named like a reserved array
         assert list(z["keys"]) == ["e0", "e1", "e2"]
         assert z["weights"].dtype == np.float64
+        with pytest.raises(InvalidArgument, match="entry layout"):  # another layout: refused
+            await buf.insert(b"raw", b"hello", OWNER)
+        await store.configure_buffer("rb", b'{"sampler": "lifo", "raw": true}')
         await buf.insert(b"raw", b"hello", OWNER)
-        await store.configure_buffer("rb", b'{"sampler": "lifo"}')
         _, data = await buf.sample_npz(2)
-        z = np.load(io.BytesIO(data))
+        z = np.load(io.BytesIO(bytes(data)))
         off = z["offsets"]
         assert bytes(z["data"][off[0]:off[1]]) == b"hello"
-        assert zipfile.is_zipfile(io.BytesIO(data))
+        assert zipfile.is_zipfile(io.BytesIO(bytes(data)))
     run(tmp_path / "s", body)
 
 
@@ -285,7 +291,7 @@ def test_batch_bytes_are_bounded(tmp_path):
             await buf.sample_npz(2)  # 1 MiB + 5 bytes > 1 MiB
         await store.configure_buffer("rb", b'{"sampler": "lifo"}')
         _, data = await buf.sample_npz(1)  # just "b": fits
-        assert np.load(io.BytesIO(data))["keys"][0] == "b"
+        assert np.load(io.BytesIO(bytes(data)))["keys"][0] == "b"
     run(tmp_path / "s", body, config={"max_batch_bytes": 1 << 20})
 
 

@@ -1,0 +1,249 @@
+"""Entries parsed once (distorefs/layout.py) and batches gathered from slices
+(distorefs/batch.py), checked byte for byte against numpy; the format-1 migration."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zipfile
+import zlib
+
+import numpy as np
+import pytest
+
+from distorefs.backends.lmdbenv import LmdbEnv
+from distorefs.batch import Batch, Blob, BatchFile, Member, _array_member, batch_file, zip_parts
+from distorefs.catalog import DB_ENTRIES, DB_META, DB_NS, EntryMeta, pack_u32
+from distorefs.codec import checksums
+from distorefs.config import BufferConfig
+from distorefs.errors import InvalidConfig
+from distorefs.layout import Layout, NotStackable, SlotPlaces, pack_places, parse, place, unpack_places
+from distorefs.owner import Owner
+from distorefs.values import StoredValue
+from store_runner import run
+
+OWNER = Owner(0o100644, 0, 0)
+DIR = Owner(0o40755, 0, 0)
+
+
+def npy(a: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, a)
+    return out.getvalue()
+
+
+def npz(compressed: bool = False, **arrays) -> bytes:
+    out = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(out, **arrays)
+    return out.getvalue()
+
+
+def transition(i: int) -> dict:
+    rng = np.random.default_rng(i)
+    return {"obs": rng.standard_normal((4, 3)).astype(np.float32), "action": np.int64(i),
+            "reward": np.float32(i / 10), "done": np.bool_(i % 2)}
+
+
+# ----- parsing ---------------------------------------------------------------------------------
+
+def test_npy_entry_layout_and_offset():
+    a = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
+    data = npy(a)
+    layout, (off,) = parse(data)
+    assert layout == Layout("npy", (layout.fields[0],)) and layout.fields[0].shape == (2, 3, 4)
+    assert layout.fields[0].dtype == "<i2" and layout.fields[0].nbytes == a.nbytes
+    assert data[off:] == a.tobytes()
+
+
+def test_npz_entry_fields_in_order_with_their_bytes():
+    t = transition(3)
+    data = npz(**t)
+    layout, offsets = parse(data)
+    assert [f.name for f in layout.fields] == list(t)
+    for f, off in zip(layout.fields, offsets):
+        assert data[off:off + f.nbytes] == np.asarray(t[f.name]).tobytes()
+
+
+@pytest.mark.parametrize("data, why", [
+    (npy(np.asfortranarray(np.arange(6).reshape(2, 3))), "Fortran"),
+    (npy(np.array([{"a": 1}], dtype=object)), "Python objects"),
+    (npz(compressed=True, x=np.arange(100)), "compressed member"),
+    (npy(np.arange(10))[:-3], "bytes of array data"),
+    (b"\x80\x04pickled", "neither an .npy"),
+    (b"PK\x03\x04 not really a zip", "not a ZIP"),
+])
+def test_what_cannot_be_stacked_says_why(data, why):
+    with pytest.raises(NotStackable, match=why):
+        parse(data)
+
+
+def test_place_against_a_layout():
+    layout, _ = parse(npz(**transition(0)))
+    t = transition(1)
+    reordered = npz(reward=t["reward"], done=t["done"], obs=t["obs"], action=t["action"])
+    offsets = place(layout, reordered)  # the same arrays in another member order
+    for f, off in zip(layout.fields, offsets):
+        assert reordered[off:off + f.nbytes] == np.asarray(t[f.name]).tobytes()
+    with pytest.raises(NotStackable, match="differs"):
+        place(layout, npz(**{**t, "obs": t["obs"].astype(np.float64)}))
+    with pytest.raises(NotStackable, match="differs"):
+        place(layout, npz(obs=t["obs"], action=t["action"]))
+    with pytest.raises(NotStackable, match=r"an \.npy entry in a buffer of \.npz"):
+        place(layout, npy(np.zeros(3)))
+
+
+def test_schema_json_and_validation():
+    layout, _ = parse(npz(**transition(0)))
+    assert Layout.from_json(layout.to_json()) == layout
+    config = BufferConfig.from_dict({"schema": {"format": "npy", "dtype": "float32", "shape": [84, 84]}})
+    assert config.schema == {"format": "npy", "dtype": "<f4", "shape": [84, 84]}
+    assert BufferConfig.from_dict({"schema": config.schema, "raw": True}).schema is None  # raw wins
+    for bad in ({"format": "npz"}, {"format": "npy", "dtype": "O", "shape": []},
+                {"format": "npy", "dtype": "<f4", "shape": [-1]}, {"format": "csv"}, []):
+        with pytest.raises(InvalidConfig):
+            BufferConfig.from_dict({"schema": bad})
+
+
+def test_places_by_slot():
+    places = SlotPlaces(2)
+    places.grow(4)
+    places.set(1, pack_places([10, 200], [7, 8]))
+    places.set(3, pack_places([11, 300], [9, 10]))
+    assert unpack_places(pack_places([1, 2], [3, 4])) == ((1, 2), (3, 4))
+    offsets, crcs = places.take(np.array([3, 1]))
+    assert offsets.tolist() == [[11, 300], [10, 200]] and crcs.tolist() == [[9, 10], [7, 8]]
+    assert places.take(np.array([1, 2])) is None  # slot 2 has no places
+    places.clear(3)
+    assert places.take(np.array([3])) is None
+
+
+# ----- batch files, byte for byte ----------------------------------------------------------------
+
+def _batch(entries: list[bytes], layout: Layout | None) -> tuple[Batch, list[bytes]]:
+    metas, offs, crcs = [], [], []
+    for i, data in enumerate(entries):
+        places = b""
+        if layout is not None:
+            o = place(layout, data)
+            crc = checksums(data, [(a, f.nbytes) for a, f in zip(o, layout.fields)])[1]
+            offs.append(o)
+            crcs.append(crc)
+            places = pack_places(o, crc)
+        value = StoredValue(len(data), len(data), zlib.crc32(data), 0, 0, b"loc%d" % i)
+        metas.append(EntryMeta(i + 1, b"key-%d" % i, value, 0o100644, 0, 0, 0, places))
+    n = len(entries)
+    batch = Batch(metas, np.linspace(0.1, 0.2, n), np.linspace(1, 0.5, n),
+                  places=(np.array(offs, dtype=np.int64), np.array(crcs, dtype=np.uint32)) if layout else None)
+    return batch, entries
+
+
+def _load(f: BatchFile) -> dict:
+    data = bytes(f)
+    assert len(data) == f.size
+    assert zipfile.ZipFile(io.BytesIO(data)).testzip() is None  # every member's CRC-32 is right
+    with np.load(io.BytesIO(data)) as z:
+        return {k: z[k] for k in z.files}
+
+
+def test_npy_batch_is_np_stack_of_the_entries():
+    arrays = [np.random.default_rng(i).integers(0, 255, size=(16, 84, 84), dtype=np.uint8) for i in range(5)]
+    entries = [npy(a) for a in arrays]
+    layout, _ = parse(entries[0])
+    z = _load(batch_file(*_batch(entries, layout), layout))
+    assert z["data"].dtype == np.uint8 and z["data"].tobytes() == np.stack(arrays).tobytes()
+    assert list(z["keys"]) == [f"key-{i}" for i in range(5)] and list(z["seqs"]) == [1, 2, 3, 4, 5]
+    assert z["probabilities"].dtype == z["weights"].dtype == np.float64
+
+
+def test_npz_batch_stacks_each_field_and_renames_reserved_ones():
+    ts = [{**transition(i), "keys": np.int64(100 + i)} for i in range(7)]
+    entries = [npz(**t) for t in ts]
+    layout, _ = parse(entries[0])
+    z = _load(batch_file(*_batch(entries, layout), layout))
+    for name in ("obs", "action", "reward", "done"):
+        expected = np.stack([np.asarray(t[name]) for t in ts])
+        assert z[name].dtype == expected.dtype and z[name].shape == expected.shape
+        assert z[name].tobytes() == expected.tobytes()
+    assert list(z["entry_keys"]) == [100 + i for i in range(7)] and list(z["keys"])[0] == "key-0"
+
+
+def test_raw_batch_concatenates():
+    entries = [b"first", b"", b"the third entry", npy(np.arange(3))]
+    z = _load(batch_file(*_batch(entries, None), None))
+    off = z["offsets"]
+    assert [bytes(z["data"][off[i]:off[i + 1]]) for i in range(4)] == entries
+
+
+def test_reads_at_any_offset_are_slices_of_the_whole():
+    arrays = [np.arange(1000 * i, 1000 * i + 999, dtype=np.int32) for i in range(9)]
+    entries = [npy(a) for a in arrays]
+    layout, _ = parse(entries[0])
+    f = batch_file(*_batch(entries, layout), layout)
+    whole = bytes(f)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        off = int(rng.integers(0, f.size + 10))
+        size = int(rng.integers(0, 20000))
+        assert bytes(f.read(off, size)) == whole[off:off + size]
+
+
+def test_zip64_archives_load():
+    members = [_array_member("a.npy", np.arange(10)), _array_member("b.npy", np.ones((3, 3)))]
+    data = bytes(BatchFile(zip_parts(members, force_zip64=True)))
+    with np.load(io.BytesIO(data)) as z:
+        assert list(z["a"]) == list(range(10)) and z["b"].sum() == 9
+    assert parse(data)[0].kind == "npz"  # the parser reads ZIP64 records too
+    assert isinstance(Member("x", b"", Blob(b""), 0).size, int)
+
+
+# ----- the format-1 migration ------------------------------------------------------------------------
+
+def _downgrade_to_format_1(path) -> None:
+    """Rewrite a store's entry records as format 1 wrote them (no places), format key 1."""
+    env = LmdbEnv(path / "meta")
+    for db in (DB_META, DB_ENTRIES, DB_NS):
+        env.db(db)
+
+    def fn(txn):
+        rows = [(bytes(k), bytes(v)) for k, v in txn.cursor(DB_ENTRIES)]
+        for k, v in rows:
+            m = EntryMeta.unpack(int.from_bytes(k[4:], "big"), v)
+            rec = struct.pack("<QQIBBIIIqH", m.value.size, m.value.stored_size, m.value.checksum, m.value.codec,
+                              m.value.tier, m.mode, m.uid, m.gid, m.mtime_ns, len(m.value.loc))
+            txn.put(k, rec + m.value.loc + m.key, db=DB_ENTRIES)
+        for k, v in list(txn.cursor(DB_NS)):
+            record = json.loads(bytes(v))
+            record["config"].pop("schema", None)
+            record["config"].pop("raw", None)
+            txn.put(bytes(k), json.dumps(record).encode(), db=DB_NS)
+        txn.put(b"format", pack_u32(1), db=DB_META)
+    env.write(fn)
+    env.close()
+
+
+def test_a_format_1_store_is_migrated(tmp_path):
+    async def write(store):
+        buf = await store.create_buffer("arrays", DIR)
+        for i in range(6):
+            await buf.insert(b"t%d" % i, npz(**transition(i)), OWNER)
+        mixed = await store.create_buffer("mixed", DIR)
+        await store.configure_buffer("mixed", b'{"raw": true}')
+        await mixed.insert(b"a", npy(np.zeros(3)), OWNER)
+        await mixed.insert(b"b", b"plain bytes", OWNER)
+
+    run(tmp_path / "s", write)
+    _downgrade_to_format_1(tmp_path / "s")
+
+    async def read(store):
+        buf = store.buffer("arrays")
+        assert buf.config.schema is not None and buf.layout is not None
+        assert all(len(m.places) == 12 * 4 for m in buf.ring.oldest())
+        await store.configure_buffer("arrays", b'{"sampler": "fifo"}')
+        _, f = await buf.sample_npz(6)
+        z = _load(f)
+        assert z["obs"].tobytes() == np.stack([transition(i)["obs"] for i in range(6)]).tobytes()
+        assert store.buffer("mixed").config.raw  # entries of two layouts: raw mode
+        return store.env.read(lambda txn: bytes(txn.get(b"format", db=DB_META)))
+
+    assert run(tmp_path / "s", read) == pack_u32(2)
