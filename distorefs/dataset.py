@@ -31,7 +31,7 @@ import struct
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
@@ -47,6 +47,8 @@ from .errors import (AlreadyExists, DistorefsError, InvalidArgument, IsADirector
 from .names import check_name
 from .prefetcher import Prefetcher
 from .ring import Owner
+from .sources import (Credentials, OpenSource, SourceRefused, acting_as, dir_owners, open_root, open_source,
+                      read_bounded)
 
 if TYPE_CHECKING:
     from .store import Store
@@ -163,6 +165,11 @@ class _Source:
     crc: int = 0
     encoded: list[codec.Encoded] | None = None
     error: str = ""
+    root: str | None = None  # the tree (or list directory) the source must stay beneath; None: anywhere
+    follow: bool = False  # --follow-symlinks: links are followed wherever they lead
+    opened: OpenSource | None = None  # open with the caller's rights; size and mtime from its fstat
+    owner: Owner | None = None  # the item's mode and owner, from the source
+    dirs: list[Owner] = field(default_factory=list)  # the directories on its path, from the source tree
 
 
 class Dataset:
@@ -516,21 +523,87 @@ class Dataset:
 
     # ----- staging from a source tree ---------------------------------------------------
 
-    async def stage(self, requests: list[dict], owner: Owner) -> list[StageResult]:
+    async def stage(self, requests: list[dict], owner: Owner, cred: Credentials | None = None) -> list[StageResult]:
         """Copy source files into the dataset, skipping those staged already and intact.
 
-        Each request: {"src": source path, "path": relative path, "size": n, "mtime_ns": t,
-        "meta": {...}}. Every file is verified after its commit (its stored chunks read
-        back and checked against the checksum of the source bytes).
+        Each request: {"src": source path, "path": relative path, "root": the source tree
+        or list directory src must stay beneath (absent: anywhere), "follow": follow
+        symlinks, "meta": {...}} ("size" and "mtime_ns" are informative: the source's own
+        fstat decides). Sources are opened with `cred`'s rights and must be regular files
+        (distorefs/sources.py). Items keep the source's permission bits; their owner is the
+        source's when root stages, else the stager's (`owner`). Every file is verified
+        after its commit (its stored chunks read back and checked against the checksum of
+        the source bytes).
         """
         self._writable()
-        sources: list[_Source] = []
-        results: list[StageResult] = []
-        for r in requests:
+        sources, results = _parse_requests(requests)
+        try:
+            await self._open_sources(sources, owner, cred)
+            for s in sources:
+                if s.error:
+                    results.append(StageResult(s.path, "error", s.error))
+                    self.stats_counters["stage_errors"] += 1
+            return results + await self._stage_opened([s for s in sources if not s.error], owner)
+        finally:
+            _close_all(sources)
+
+    async def compare_sealed(self, requests: list[dict], owner: Owner,
+                             cred: Credentials | None = None) -> list[StageResult]:
+        """A stage request against a sealed dataset: nothing is written; each source is
+        "same" (an item at its path with its size and source mtime) or "differs"."""
+        sources, results = _parse_requests(requests)
+        try:
+            await self._open_sources(sources, owner, cred)
+            good = [s for s in sources if not s.error]
+            results += [StageResult(s.path, "error", s.error) for s in sources if s.error]
+            items = await trio.to_thread.run_sync(self._existing, good)
+            for s, item in zip(good, items):
+                if item is not None and item.size == s.size and item.src_mtime_ns == s.mtime_ns:
+                    results.append(StageResult(s.path, "same", size=s.size))
+                else:
+                    why = "not in the dataset" if item is None else "size or modification time differ"
+                    results.append(StageResult(s.path, "differs", why, s.size))
+            return results
+        finally:
+            _close_all(sources)
+
+    async def _open_sources(self, sources: list[_Source], stager: Owner, cred: Credentials | None) -> None:
+        limiter = trio.CapacityLimiter(8)
+        async with trio.open_nursery() as nursery:
+            for i in range(0, len(sources), 64):
+                nursery.start_soon(_open_in_thread, self, sources[i:i + 64], stager, cred, limiter)
+
+    def _open_blocking(self, sources: list[_Source], stager: Owner, cred: Credentials | None) -> None:
+        """Open each source with the caller's rights (worker thread); errors go to s.error."""
+        keep_owner = cred is not None and cred.is_root
+        roots: dict[str, int] = {}
+        with acting_as(cred):
             try:
-                sources.append(_parse_request(r))
-            except InvalidArgument as exc:
-                results.append(StageResult(str(r.get("path", "?")) if isinstance(r, dict) else "?", "error", str(exc)))
+                for s in sources:
+                    try:
+                        root_fd = None
+                        if s.root is not None and not s.follow:
+                            root_fd = roots.get(s.root)
+                            if root_fd is None:
+                                root_fd = roots[s.root] = open_root(s.root)
+                        s.opened = o = open_source(root_fd, s.root or "/", s.src, s.follow)
+                        uid, gid = (o.uid, o.gid) if keep_owner else (stager.uid, stager.gid)
+                        s.owner = Owner(0o100000 | (o.mode & 0o777), uid, gid)
+                        s.size, s.mtime_ns = o.size, o.mtime_ns
+                        if root_fd is not None and s.root is not None:
+                            rel = os.path.relpath(s.src, s.root)
+                            if [os.fsencode(p) for p in rel.split(os.sep)] == s.parts:  # a tree: keep its dirs
+                                s.dirs = [Owner(0o40000 | (m & 0o777), u if keep_owner else stager.uid,
+                                                g if keep_owner else stager.gid)
+                                          for m, u, g in dir_owners(root_fd, rel)]
+                    except SourceRefused as exc:
+                        s.error = str(exc)
+            finally:
+                for fd in roots.values():
+                    os.close(fd)
+
+    async def _stage_opened(self, sources: list[_Source], owner: Owner) -> list[StageResult]:
+        results: list[StageResult] = []
         # Already staged and unchanged (same size and source mtime) and still intact: skip.
         staged = await trio.to_thread.run_sync(self._existing, sources)
         same = [(s, item) for s, item in zip(sources, staged)
@@ -545,7 +618,7 @@ class Dataset:
             else:
                 todo.append(source)
         # Read and compress small files in parallel threads; big ones stream inside the commit.
-        small = [s for s in todo if s.size <= PREPARE_MAX]
+        small = [s for s in todo if s.size <= PREPARE_MAX]  # the size fstat gave: the request's is not trusted
         limiter = trio.CapacityLimiter(8)
         async with trio.open_nursery() as nursery:
             for i in range(0, len(small), 16):
@@ -577,6 +650,8 @@ class Dataset:
         return results
 
     def _existing(self, sources: list[_Source]) -> list[Item | None]:
+        tag = self.tag
+
         def fn(txn):
             out = []
             for s in sources:
@@ -587,7 +662,7 @@ class Dataset:
                         found = None
                         break
                     d = found[1]
-                out.append(self._item_txn(txn, STAGING, found[1]) if found and found[0] == FILE else None)
+                out.append(self._item_txn(txn, tag, found[1]) if found and found[0] == FILE else None)
             return out
         return self._read(fn)
 
@@ -596,9 +671,12 @@ class Dataset:
 
     def _read_sources_blocking(self, sources: list[_Source]) -> None:
         for s in sources:
+            assert s.opened is not None
             try:
-                with open(s.src, "rb") as f:
-                    raw = f.read()
+                raw = b"".join(read_bounded(s.opened, s.src))
+            except SourceRefused as exc:
+                s.error = str(exc)
+                continue
             except OSError as exc:
                 s.error = f"cannot read {s.src}: {exc.strerror or exc}"
                 continue
@@ -651,7 +729,35 @@ def _parse_request(r) -> _Source:
     for p in parts:
         check_name(p)
     meta = r.get("meta")
-    return _Source(path, parts, src, size, mtime_ns, json.dumps(meta).encode() if meta else b"")
+    root = r.get("root")
+    if root is not None and not (isinstance(root, str) and os.path.isabs(root)):
+        raise InvalidArgument(f"stage request for {src}: root must be an absolute path, got {root!r}")
+    if not os.path.isabs(src):
+        raise InvalidArgument(f"stage request: src must be an absolute path, got {src!r}")
+    return _Source(path, parts, src, size, mtime_ns, json.dumps(meta).encode() if meta else b"",
+                   root=root, follow=bool(r.get("follow", False)))
+
+
+def _parse_requests(requests: list) -> tuple[list[_Source], list[StageResult]]:
+    sources: list[_Source] = []
+    errors: list[StageResult] = []
+    for r in requests:
+        try:
+            sources.append(_parse_request(r))
+        except InvalidArgument as exc:
+            errors.append(StageResult(str(r.get("path", "?")) if isinstance(r, dict) else "?", "error", str(exc)))
+    return sources, errors
+
+
+def _close_all(sources: list[_Source]) -> None:
+    for s in sources:
+        if s.opened is not None:
+            s.opened.close()
+
+
+async def _open_in_thread(ds: Dataset, sources: list[_Source], stager: Owner, cred: Credentials | None,
+                       limiter: trio.CapacityLimiter) -> None:
+    await trio.to_thread.run_sync(ds._open_blocking, sources, stager, cred, limiter=limiter)
 
 
 # ----- changes ------------------------------------------------------------------------------
@@ -741,10 +847,13 @@ class PutItem(_DsChange):
         c = self.counters(txn)
         self.prepare()
         parent = self.dir_txn(txn, self.dir_id)
-        for part in self.parts[:-1]:  # missing directories on the way are made
+        dirs = self.source.dirs if self.source else []
+        owner = self.source.owner if self.source and self.source.owner else self.owner
+        for i, part in enumerate(self.parts[:-1]):  # missing directories on the way are made
             found = ds._child_txn(txn, parent.id, part)
             if found is None:
-                rec = DirRec(c.next_dir, parent.id, 0o40755, self.owner.uid, self.owner.gid, time.time_ns(), 0, part)
+                d = dirs[i] if i < len(dirs) else Owner(0o40755, owner.uid, owner.gid)
+                rec = DirRec(c.next_dir, parent.id, d.mode, d.uid, d.gid, time.time_ns(), 0, part)
                 c.next_dir += 1
                 self.add_child(txn, parent, part, DIR, rec.id)
                 txn.put(ds._dkey(rec.id), rec.pack(), db=self.db)
@@ -779,8 +888,8 @@ class PutItem(_DsChange):
             chunks, size, crc = self._stream(txn, base)
         now = time.time_ns()
         src_mtime = self.source.mtime_ns if self.source else 0
-        mode = (self.owner.mode & 0o7777) | 0o100000
-        self.item = Item(item_id, size, crc, mode, self.owner.uid, self.owner.gid, now, src_mtime, parent.id, chunks,
+        mode = (owner.mode & 0o7777) | 0o100000
+        self.item = Item(item_id, size, crc, mode, owner.uid, owner.gid, now, src_mtime, parent.id, chunks,
                          name, self.source.meta if self.source else b"", STAGING)
         txn.put(ds._ikey(STAGING, item_id), self.item.pack(), db=self.db)
         c.items += 1
@@ -794,16 +903,13 @@ class PutItem(_DsChange):
         assert s is not None
         cfg = self.ds.config
         chunks, size, crc = [], 0, 0
+        assert s.opened is not None  # opened with the caller's rights; read up to its size at open
         try:
-            with open(s.src, "rb") as f:
-                while True:
-                    raw = f.read(cfg.chunk_bytes)
-                    if not raw:
-                        break
-                    crc = zlib.crc32(raw, crc)
-                    chunks.append(put_chunk(self.ds.store, txn, base + _DS.pack(len(chunks)), raw,
-                                            cfg.compression, cfg.compression_level))
-                    size += len(raw)
+            for raw in read_bounded(s.opened, s.src, cfg.chunk_bytes):
+                crc = zlib.crc32(raw, crc)
+                chunks.append(put_chunk(self.ds.store, txn, base + _DS.pack(len(chunks)), raw,
+                                        cfg.compression, cfg.compression_level))
+                size += len(raw)
         except OSError as exc:
             raise InvalidArgument(f"cannot read {s.src}: {exc.strerror or exc}") from None
         s.crc = crc & 0xFFFFFFFF

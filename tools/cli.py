@@ -205,16 +205,30 @@ def demo(mountpoint, actors, seconds) -> None:
 @click.option("--jobs", "-j", default=8, show_default=True, help="Batches in flight at once.")
 @click.option("--no-seal", is_flag=True, help="Leave the dataset writable (seal later with `distorefs seal`).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def stage_cmd(src, dest, jobs, no_seal, quiet) -> None:
+@click.option("--follow-symlinks", is_flag=True,
+              help="Stage what every symlink names, even outside SRC (default: only links that stay inside).")
+@click.option("--allow-outside", is_flag=True, help="Let a list file name files outside its own directory.")
+def stage_cmd(src, dest, jobs, no_seal, quiet, follow_symlinks, allow_outside) -> None:
     """Copy SRC (a directory tree, a list of paths, or a CSV with a `path` column) into
-    DEST = MNT/datasets/NAME, verifying every file; a rerun resumes. Then seal it."""
+    DEST = MNT/datasets/NAME, verifying every file; a rerun resumes. Then seal it.
+    Sources are read with your rights; a rerun on a sealed dataset only compares."""
     from .stage import stage
     t0 = time.monotonic()
     try:
-        report = stage(src, dest, jobs=jobs, seal=not no_seal, progress=not quiet)
+        report = stage(src, dest, jobs=jobs, seal=not no_seal, progress=not quiet,
+                       follow_symlinks=follow_symlinks, allow_outside=allow_outside)
     except (OSError, RuntimeError) as exc:
         raise click.ClickException(str(exc))
     elapsed = time.monotonic() - t0
+    if report.identical:
+        click.echo(f"{dest}: already staged, identical ({report.files} files); sealed")
+        return
+    if report.sealed and (report.differs or report.errors):
+        for line in (report.errors + report.differs)[:20]:
+            click.echo(f"  differs: {line}", err=True)
+        raise click.ClickException(f"{dest} is sealed and does not match {src} "
+                                   f"({len(report.differs) + len(report.errors)} differences): stage into a new "
+                                   f"dataset")
     click.echo(f"{report.files} files, {report.bytes / 1e6:.1f} MB in {elapsed:.1f} s "
                f"({report.bytes / 1e6 / max(elapsed, 1e-9):.1f} MB/s, {report.files / max(elapsed, 1e-9):.0f} files/s): "
                f"{report.ok} copied, {report.skipped} already staged, {len(report.errors)} failed"
