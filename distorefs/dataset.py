@@ -186,6 +186,7 @@ class Dataset:
         self.ctime_ns = ctime_ns
         record = record or {}
         self.sealed_ns: int = record.get("sealed_ns", 0)
+        self.index_mode: int = record.get("index_mode", 0o444)  # see Seal: who may read index.npy
         self.index_chunks = [Chunk(**{**c, "loc": bytes.fromhex(c["loc"])}) for c in record.get("index", [])]
         self.index_size: int = record.get("index_size", 0)
         self.fields: list = record.get("fields", [])
@@ -215,6 +216,7 @@ class Dataset:
 
     def record(self) -> dict:
         return {"sealed_ns": self.sealed_ns, "index_size": self.index_size, "fields": self.fields,
+                "index_mode": self.index_mode,
                 "index": [{**c.__dict__, "loc": c.loc.hex()} for c in self.index_chunks]}
 
     def drop_txn(self, txn) -> None:
@@ -1044,10 +1046,17 @@ class Seal(_DsChange):
         c = self.counters(txn)
         if c.sealed:
             return
-        # Pass 1: sizes of the index (longest path, metadata fields).
+        # Pass 1: sizes of the index (longest path, metadata fields), and who may read it:
+        # it names every item, so group or others may read it only if every directory
+        # lets them list it (read and search).
         longest, metas = 1, {}
+        self.index_mode = _listable_by(ds._dir_txn(txn, ROOT_DIR).mode, 0o444)
         for event in self._walk(txn):
-            if event[0] == FILE:
+            if event[0] == DIR:
+                rec = ds._dir_txn(txn, event[3])
+                if rec is not None:
+                    self.index_mode = _listable_by(rec.mode, self.index_mode)
+            elif event[0] == FILE:
                 _, _, _, item_id, path = event
                 longest = max(longest, len(path))
                 item = ds._item_txn(txn, STAGING, item_id)
@@ -1127,6 +1136,7 @@ class Seal(_DsChange):
         db = ds.store.env.db(DB_NS)
         record = json.loads(bytes(txn.get(key, db=db)))
         record.update({"sealed_ns": self.sealed_ns, "index_size": self.index_size, "fields": self.fields,
+                       "index_mode": self.index_mode,
                        "index": [{**c.__dict__, "loc": c.loc.hex()} for c in chunks]})
         txn.put(key, json.dumps(record).encode(), db=db)
 
@@ -1160,7 +1170,16 @@ class Seal(_DsChange):
         super().apply()
         if hasattr(self, "index_chunks"):
             ds.index_chunks, ds.index_size = self.index_chunks, self.index_size
-            ds.fields, ds.sealed_ns = self.fields, self.sealed_ns
+            ds.fields, ds.sealed_ns, ds.index_mode = self.fields, self.sealed_ns, self.index_mode
+
+
+def _listable_by(dir_mode: int, mode: int) -> int:
+    """`mode` (read bits) less the group and other bits of the classes that may not list
+    a directory of `dir_mode` (they need both read and search)."""
+    for shift in (3, 0):  # group, others
+        if (dir_mode >> shift) & 0o5 != 0o5:
+            mode &= ~(0o4 << shift)
+    return mode
 
 
 def _meta_fields(metas: dict[str, list]) -> list[tuple[str, str, object, str]]:

@@ -82,6 +82,19 @@ class Credentials:
     def is_root(self) -> bool:
         return self.uid == 0
 
+    def may(self, mode: int, uid: int, gid: int, want: int) -> bool:
+        """Whether the permission bits `want` (r=4, w=2, x=1) of a file of `mode`, uid, gid
+        are this caller's (POSIX classes; root may everything)."""
+        if self.uid == 0:
+            return True
+        if self.uid == uid:
+            bits = mode >> 6
+        elif gid == self.gid or gid in self.groups:
+            bits = mode >> 3
+        else:
+            bits = mode
+        return bits & want == want
+
 
 def check_can_act_for(cred: Credentials) -> None:
     """Refuse at once (EACCES) a caller whose rights this daemon cannot take."""

@@ -54,9 +54,9 @@ class DatasetDir(Node):
 
         self.entries = {
             b"config.json": lambda: intern(("config", i), lambda: RenderedFile(
-                fs, lambda: ds.config.to_json(), owner=ds.owner, write=configure)),
+                fs, lambda: ds.config.to_json(), owner=lambda: ds.owner, write=configure)),
             b"stats.json": lambda: intern(("stats", i), lambda: RenderedFile(
-                fs, lambda: _json(ds.stats()), owner=ds.owner)),
+                fs, lambda: _json(ds.stats()), owner=lambda: ds.owner)),
             b"items": lambda: intern(("dsdir", i, ROOT_DIR), lambda: ItemsDir(fs, ds, ROOT_DIR)),
             b"order": lambda: intern(("dsorder", i), lambda: OrderFile(fs, ds)),
             b"index.npy": lambda: intern(("dsindex", i), lambda: IndexFile(fs, ds)),
@@ -390,7 +390,7 @@ class OrderFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
-        return make_attrs(self.ino, stat.S_IFREG | 0o664, len(self.ds.order_npy()), o.uid, o.gid,
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o664), len(self.ds.order_npy()), o.uid, o.gid,
                           time.time_ns(), NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
@@ -416,7 +416,9 @@ class IndexFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
-        return make_attrs(self.ino, stat.S_IFREG | 0o444, self.ds.index_size, o.uid, o.gid, self.ds.sealed_ns,
+        # It names every item: readable by a class of users only if every directory is.
+        mode = o.mode & self.ds.index_mode
+        return make_attrs(self.ino, stat.S_IFREG | mode, self.ds.index_size, o.uid, o.gid, self.ds.sealed_ns,
                           self.fs.store.config.entry_timeout)
 
     async def open(self, flags: int, ctx) -> Handle:
