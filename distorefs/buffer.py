@@ -21,6 +21,7 @@ from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u
 from .committer import Change, Overlay
 from .config import BufferConfig
 from .errors import InvalidArgument, NotFound, TooLarge, WouldBlock
+from .waiting import Abandoned, wait_event
 from .ring import Owner, RemoveEntry, RingNamespace
 from .prefetcher import Prefetcher
 from .sampler import Sampler
@@ -81,8 +82,9 @@ class Buffer(RingNamespace):
         if not 1 <= n <= self.store.config.max_batch_entries:
             raise InvalidArgument(f"batch size must be in 1..{self.store.config.max_batch_entries}, got {n}")
 
-    async def sample(self, n: int, nonblocking: bool = False) -> Batch:
-        """Draw a batch of n entries (waiting for `min_size_to_sample` entries unless nonblocking)."""
+    async def sample(self, n: int, nonblocking: bool = False, abandoned: Abandoned | None = None) -> Batch:
+        """Draw a batch of n entries (waiting for `min_size_to_sample` entries unless nonblocking;
+        the wait ends with Interrupted once `abandoned()` says the caller gave up)."""
         self.check_batch_size(n)
         while self.sampler.drawable_count() < self.config.min_size_to_sample:
             if nonblocking:
@@ -90,7 +92,7 @@ class Buffer(RingNamespace):
                                  f"min_size_to_sample is {self.config.min_size_to_sample}")
             self._waiting += 1
             try:
-                await self._changed.wait()
+                await wait_event(self._changed, abandoned, f"buffers/{self.name}: sampling")
             finally:
                 self._waiting -= 1
         hint = None
@@ -114,11 +116,12 @@ class Buffer(RingNamespace):
         self._schedule_presample(n)
         return batch
 
-    async def sample_npz(self, n: int, nonblocking: bool = False) -> tuple[Batch, bytes]:
+    async def sample_npz(self, n: int, nonblocking: bool = False,
+                         abandoned: Abandoned | None = None) -> tuple[Batch, bytes]:
         """Draw a batch and render it as npz; a batch that lost an entry to eviction while
         its values were read is drawn again."""
         for attempt in range(3):
-            batch = await self.sample(n, nonblocking)
+            batch = await self.sample(n, nonblocking, abandoned)
             try:
                 size = sum(m.size for m in batch.metas)
                 if size > self.store.config.max_batch_bytes:  # the npz is built in memory

@@ -149,6 +149,8 @@ class BufferConfig(RingConfig):
                  f"max_times_sampled must be >= 0 (0 = no limit), got {self.max_times_sampled}")
         _require(self.min_size_to_sample >= 1,
                  f"min_size_to_sample must be >= 1, got {self.min_size_to_sample}")
+        _require(self.min_size_to_sample <= self.capacity,  # else every sample/N would wait forever
+                 f"min_size_to_sample ({self.min_size_to_sample}) must not exceed capacity ({self.capacity})")
         _require(0 <= self.presample_batches <= 64,
                  f"presample_batches must be in 0..64, got {self.presample_batches}")
 

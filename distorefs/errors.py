@@ -94,3 +94,10 @@ class RecoveryFailed(DistorefsError):
     opened (EUCLEAN, "structure needs cleaning", as a filesystem that needs fsck)."""
 
     errno = _errno.EUCLEAN
+
+
+class Interrupted(DistorefsError):
+    """A request gave up waiting because its caller is gone or has a signal to take (EINTR):
+    the kernel waits for the daemon's answer even through SIGKILL (distorefs/waiting.py)."""
+
+    errno = _errno.EINTR

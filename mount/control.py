@@ -22,6 +22,7 @@ import pyfuse3
 from distorefs.errors import InvalidArgument, NotPermitted
 from distorefs.sources import Credentials
 
+from .callers import abandoned_by
 from .handles import BytesReader, Handle, wants_write
 from .nodes import NO_CACHE, Node, make_attrs
 
@@ -32,9 +33,11 @@ if TYPE_CHECKING:
 class WaitHandle(Handle):
     direct_io = True
 
-    def __init__(self, fs: "Filesystem", nonblocking: bool) -> None:
+    def __init__(self, fs: "Filesystem", nonblocking: bool, pid: int) -> None:
         self.fs = fs
         self.nonblocking = nonblocking
+        # READ carries no caller: the process that opened the file is the one watched.
+        self.abandoned = abandoned_by(pid)
         self.request: tuple[str, int] | None = None
         self.answer: bytes | None = None
         self.served = 0
@@ -59,7 +62,7 @@ class WaitHandle(Handle):
         if self.request is None:
             raise InvalidArgument("write 'PATH VERSION' first")
         if self.answer is None:
-            number = await self.fs.store.weights.wait_newer(*self.request, self.nonblocking)
+            number = await self.fs.store.weights.wait_newer(*self.request, self.nonblocking, self.abandoned)
             self.answer, self.served = b"%d\n" % number, 0
         chunk = self.answer[self.served:self.served + size]
         self.served += len(chunk)
@@ -71,7 +74,7 @@ class WaitFile(Node):
         return make_attrs(self.ino, stat.S_IFREG | 0o666, 0, self.fs.uid, self.fs.gid, time.time_ns(), NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
-        return WaitHandle(self.fs, bool(flags & os.O_NONBLOCK))
+        return WaitHandle(self.fs, bool(flags & os.O_NONBLOCK), ctx.pid if ctx is not None else 0)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
         pass  # `>` truncates first: nothing to truncate

@@ -24,6 +24,7 @@ from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFo
 from distorefs.names import check_name
 from distorefs.ring import Owner
 
+from .callers import abandoned_by
 from .handles import (BytesReader, ConfigWriter, EntryWriter, Handle, PrioritiesWriter, SampleReader,
                       wants_read, wants_write)
 
@@ -408,10 +409,11 @@ class DrawFile(Node):
         if wants_write(flags):
             raise NotPermitted("sample files are read-only")
         nonblocking = bool(flags & os.O_NONBLOCK)
+        abandoned = abandoned_by(ctx.pid)  # the wait for min_size_to_sample ends if the caller does
         if self.npz:
-            batch, data = await self.buf.sample_npz(self.n, nonblocking)
+            batch, data = await self.buf.sample_npz(self.n, nonblocking, abandoned)
         else:
-            batch = await self.buf.sample(self.n, nonblocking)
+            batch = await self.buf.sample(self.n, nonblocking, abandoned)
             data = batch.manifest()
         self.sizes[ctx.pid] = len(data)
         handle = SampleReader(self.buf, batch, data)
