@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .catalog import EntryMeta
+from .names import escape_key
 
 RESERVED = ("keys", "seqs", "probabilities", "weights", "offsets")
 NPY_MAGIC = b"\x93NUMPY"
@@ -36,9 +37,9 @@ class Batch:
     spent: list[EntryMeta] = field(default_factory=list)
 
     def manifest(self) -> bytes:
-        """One line per entry: KEY SEQ PROBABILITY WEIGHT."""
+        """One line per entry: KEY SEQ PROBABILITY WEIGHT (KEY escaped: names.escape_key)."""
         return b"".join(
-            b"%s %d %.9g %.9g\n" % (m.key, m.seq, p, w)
+            b"%s %d %.9g %.9g\n" % (escape_key(m.key), m.seq, p, w)
             for m, p, w in zip(self.metas, self.probabilities.tolist(), self.weights.tolist()))
 
 

@@ -10,7 +10,6 @@ probabilities and weights are those of the moment of hand-out.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 import numpy as np
@@ -19,9 +18,10 @@ import trio
 from .batch import Batch, build_npz
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
-from .config import BufferConfig
+from .config import BufferConfig, check_priority
 from .errors import InvalidArgument, NotFound, TooLarge, WouldBlock
 from .waiting import Abandoned, wait_event
+from .names import escape_key
 from .ring import Owner, RemoveEntry, RingNamespace
 from .prefetcher import Prefetcher
 from .sampler import Sampler
@@ -178,8 +178,7 @@ class Buffer(RingNamespace):
         """Set priorities; unknown keys (evicted since they were sampled) are skipped and
         counted, or raise NotFound if `strict`. Returns how many were applied."""
         for key, value in pairs:
-            if not (math.isfinite(value) and value >= 0):
-                raise InvalidArgument(f"priority of {key!r} must be a finite number >= 0, got {value}")
+            check_priority(key, value)
         metas, values = [], []
         for key, value in pairs:
             meta = self.ring.by_key.get(key)
@@ -196,7 +195,7 @@ class Buffer(RingNamespace):
 
     def priorities_text(self) -> bytes:
         prio = self.sampler.priority
-        return b"".join(b"%s %.9g\n" % (m.key, prio[m.slot]) for m in self.ring.oldest())
+        return b"".join(b"%s %.9g\n" % (escape_key(m.key), prio[m.slot]) for m in self.ring.oldest())
 
     # ----- configuration and stats ---------------------------------------------------
 

@@ -39,7 +39,7 @@ from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
 from .errors import AlreadyExists, CorruptValue, DistorefsError, InvalidConfig, NoSpace, NotEmpty, NotFound
 from .lockfile import take_lock
 from .recovery import Recovery, recover
-from .names import check_name
+from .names import check_name, check_namespace_name
 from .memory import MemoryPlan
 from .prefetcher import PrefetchBudget, hit_rate
 from .ring import Owner, Ring
@@ -311,7 +311,7 @@ class Store:
 
     async def create(self, kind: str, name: str, owner: Owner, config=None) -> Namespace:
         """Create namespace `kind`/`name` (buffers or banks) with `config` or the defaults."""
-        check_name(name.encode("utf-8", "surrogateescape"))
+        check_namespace_name(name)
         cls = KINDS[kind]
         if config is None:
             config = self.config.default_buffer if kind == "buffers" else cls.config_type()

@@ -168,7 +168,7 @@ class RenderedFile(Node):
         if wants_write(flags):
             if self.write_fn is None:
                 raise NotPermitted("read-only file")
-            return ConfigWriter(self.write_fn, b"" if flags & os.O_TRUNC else self.render())
+            return ConfigWriter(self.write_fn, b"" if flags & os.O_TRUNC else self.render(), early=True)
         return BytesReader(self.render(), cacheable=False)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:

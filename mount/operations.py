@@ -19,6 +19,8 @@ import pyfuse3
 import trio
 
 from distorefs.errors import DistorefsError, NotFound
+
+from .badinput import BAD_INPUT, bad_input_log
 from distorefs.ring import Ring
 from distorefs.catalog import EntryMeta
 from distorefs.store import Store
@@ -42,7 +44,10 @@ def _translate(fn):
         except pyfuse3.FUSEError:
             raise
         except DistorefsError as exc:
-            log.debug("%s%r: %s", fn.__name__, args[:2], exc)
+            if isinstance(exc, BAD_INPUT):
+                bad_input_log.note(fn.__name__, exc)
+            else:
+                log.debug("%s%r: %s", fn.__name__, args[:2], exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except OSError as exc:
             log.warning("%s%r: %s", fn.__name__, args[:2], exc)
