@@ -110,6 +110,11 @@ class Node:
     def xattrs(self) -> dict[bytes, bytes]:
         return {}
 
+    async def read_xattrs(self) -> dict[bytes, bytes]:
+        """xattrs() for getxattr/listxattr; a node whose attributes cost work in proportion to
+        its size computes them off the event loop here."""
+        return self.xattrs()
+
     async def setxattr(self, name: bytes, value: bytes) -> None:
         raise NotPermitted(f"attribute {name!r} is read-only")
 

@@ -315,14 +315,14 @@ class Filesystem(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if not name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(errno.ENODATA)
-        value = self.inodes.get(inode).xattrs().get(name[len(XATTR_PREFIX):])
+        value = (await self.inodes.get(inode).read_xattrs()).get(name[len(XATTR_PREFIX):])
         if value is None:
             raise pyfuse3.FUSEError(errno.ENODATA)
         return value
 
     @_translate
     async def listxattr(self, inode, ctx):
-        return [XATTR_PREFIX + k for k in self.inodes.get(inode).xattrs()]
+        return [XATTR_PREFIX + k for k in await self.inodes.get(inode).read_xattrs()]
 
     @_translate
     async def setxattr(self, inode, name, value, ctx):
