@@ -90,12 +90,14 @@ class Store:
             overrides["nvme_dirs"] = self._merge_dirs(base.nvme_dirs, given.nvme_dirs)
         self.config = StoreConfig.from_dict(overrides, base) if overrides else base
         self.env.write(self._init_meta)
-        # A directory the store has used must still be there: a drive that is not mounted
-        # would otherwise be stood in for by an empty directory on another disk.
-        gone = [d.path for d in base.nvme_dirs if not Path(d.path).is_dir()]
+        # Every directory must exist, one the store has used as well as one named now: a drive
+        # that is not mounted (or a typo in fstab) would otherwise be stood in for by a new,
+        # empty directory on the root disk.
+        gone = [d.path for d in self.config.nvme_dirs if not Path(d.path).is_dir()]
         if gone:
-            raise InvalidConfig(f"NVMe director{'ies' if len(gone) > 1 else 'y'} {', '.join(gone)} of the store "
-                                f"{'are' if len(gone) > 1 else 'is'} missing (a drive not mounted?)")
+            raise InvalidConfig(f"NVMe director{'ies' if len(gone) > 1 else 'y'} {', '.join(gone)} "
+                                f"{'do' if len(gone) > 1 else 'does'} not exist (a drive not mounted, or a typo?): "
+                                f"create {'them' if len(gone) > 1 else 'it'} first")
         dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in self.config.nvme_dirs] \
             or [SegmentDir(self.path / "segments")]
         self.nvme_path = dirs[0].path
