@@ -75,8 +75,12 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
         raise click.ClickException(f"mount point {mountpoint} is not a directory")
     overrides = _parse_config(config)
     dirs = [_parse_nvme_dir(d) for d in nvme_dirs]
+    # The daemon works from `/` like any daemon (it holds no directory busy, and imports
+    # never see what the caller's directory holds): every path is made absolute first.
+    store, mountpoint = os.path.abspath(store), os.path.abspath(mountpoint)
     if foreground:
         from distorefs.mount.daemon import serve
+        os.chdir("/")
         handler = logging.StreamHandler() if ready_fd is None else logging.FileHandler(Path(store) / "daemon.log")
         logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, handlers=[handler],
                             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
@@ -91,10 +95,13 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
         raise click.ClickException(f"{mountpoint} is already a distorefs mount of {existing.store}")
     Path(store).mkdir(mode=0o700, parents=True, exist_ok=True)
     read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, "-m", "distorefs.tools.cli", "mount", "--foreground", "--ready-fd", str(write_fd),
-           str(store), str(mountpoint)]
-    for d in nvme_dirs:
-        cmd += ["--nvme-dir", d]
+    # -P (3.11+): the working directory is not put on sys.path, so a `distorefs/` folder there
+    # (a checkout) cannot shadow the installed package; and the daemon starts in `/`.
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    cmd = [sys.executable, *safe_path, "-m", "distorefs.tools.cli", "mount", "--foreground", "--ready-fd",
+           str(write_fd), str(store), str(mountpoint)]
+    for d in dirs:
+        cmd += ["--nvme-dir", f"{d['path']}:{d['capacity_bytes']}" if d["capacity_bytes"] else d["path"]]
     if allow_other:
         cmd.append("--allow-other")
     if debug:
@@ -104,7 +111,7 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
     log_path = Path(store) / "daemon.log"
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_file,
-                                stderr=log_file, start_new_session=True)
+                                stderr=log_file, start_new_session=True, cwd="/")
     os.close(write_fd)
     message = _read_ready(read_fd, timeout)
     if message != "ready":
@@ -156,7 +163,15 @@ def umount(mountpoint, lazy, timeout, force) -> None:
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(info.mountpoint)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        raise click.ClickException(f"fusermount3 failed: {result.stderr.strip()}")
+        from .mounts import holders
+        if "busy" not in result.stderr.lower():
+            raise click.ClickException(f"fusermount3 failed: {result.stderr.strip()}")
+        held = holders(info.mountpoint)
+        who = "; ".join(f"pid {h.pid} ({h.command}): {h.what}" for h in held[:10]) or "a process this user cannot see"
+        raise click.ClickException(
+            f"{info.mountpoint} is busy, held by {who}{' ...' if len(held) > 10 else ''}. Stop those, or "
+            f"`distorefs umount --lazy {info.mountpoint}` to detach it now (the daemon flushes and exits once "
+            f"the last of them lets go)")
     if pid is not None:
         deadline = time.monotonic() + timeout
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
@@ -172,19 +187,26 @@ def umount(mountpoint, lazy, timeout, force) -> None:
 
 
 @main.command()
-def status() -> None:
-    """List mounted stores with their daemon PID, health and uptime."""
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for each mount to answer.")
+def status(timeout) -> None:
+    """List mounted stores with their daemon PID, health and uptime. A mount that does not
+    answer within --timeout (a hung or stopped daemon) is reported as not responding."""
+    from .mounts import read_with_timeout
     found = mounts()
     if not found:
         click.echo("no distorefs mounts")
         return
     for m in found:
         try:
-            stats = json.loads((m.mountpoint / ".distorefs" / "stats.json").read_bytes())
+            stats = json.loads(read_with_timeout(m.mountpoint / ".distorefs" / "stats.json", timeout))
             health = "ok" if not stats.get("corrupt_reads") else f"{stats['corrupt_reads']} corrupt reads"
             uptime = f"{stats['uptime_s']:.0f}s"
+        except TimeoutError:
+            health, uptime = f"not responding (no answer in {timeout:g} s)", "-"
         except OSError as exc:
             health, uptime = f"unreachable ({exc.strerror})", "-"
+        except ValueError:
+            health, uptime = "unreadable stats", "-"
         click.echo(f"{m.mountpoint}  store={m.store}  pid={m.pid}  health={health}  uptime={uptime}")
 
 
