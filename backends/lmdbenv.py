@@ -29,6 +29,7 @@ from typing import Callable, Iterator, TypeVar
 import lmdb
 
 from distorefs.errors import NoSpace
+from distorefs.lmdbcheck import check_data_file
 
 T = TypeVar("T")
 
@@ -114,6 +115,7 @@ class LmdbEnv:
     def __init__(self, path: str | os.PathLike[str], map_size: int = DEFAULT_MAP_SIZE) -> None:
         self.path = Path(path)
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_data_file(self.path)  # a truncated file would be mapped and kill us with SIGBUS
         self._env = lmdb.open(
             str(self.path),
             map_size=map_size,

@@ -101,3 +101,10 @@ class Interrupted(DistorefsError):
     the kernel waits for the daemon's answer even through SIGKILL (distorefs/waiting.py)."""
 
     errno = _errno.EINTR
+
+
+class DamagedStore(DistorefsError):
+    """The store's files are damaged in a way no check or repair can read past (a truncated
+    LMDB file, unreadable pages): it is not opened for writing (EUCLEAN)."""
+
+    errno = _errno.EUCLEAN
