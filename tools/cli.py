@@ -298,12 +298,29 @@ BENCHMARKS = {
 
 
 def _bench_command(name: str, doc: str, quick_help: str, workdir_help: str) -> None:
-    def command(out, quick, workdir) -> None:
+    def command(out, quick, workdir, drop_caches) -> None:
         import importlib
+        import signal
+        from . import bench_buffers
+        bench_buffers.DROP_CACHES = drop_caches
+
+        def interrupted(signum, frame):
+            raise SystemExit(128 + signum)  # unwinds through the benchmark's own cleanup
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, interrupted)
         module = importlib.import_module(f"{__package__}.bench_{name}")
-        module.run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+        try:
+            module.run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+            bench_buffers.unmount_all()
 
     command.__doc__ = doc
+    command = click.option("--drop-caches", is_flag=True,
+                           help="Drop the host's page cache before cold reads (root; every process on the host "
+                                "loses its cache). Without it cold reads may be served from memory.")(command)
     command = click.option("--workdir", default=None, type=click.Path(file_okay=False),
                            help=f"Where {workdir_help} go (default: a temp dir under the current one).")(command)
     command = click.option("--quick", is_flag=True, help=quick_help)(command)
