@@ -26,3 +26,8 @@ class Full(BackendError):
 
 class BadRequest(BackendError):
     """An argument the backend cannot take (a key too long, a malformed location)."""
+
+
+class Unreadable(BackendError):
+    """The engine's own files are damaged past reading (a truncated LMDB file): nothing of
+    the store can be opened safely."""

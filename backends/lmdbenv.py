@@ -31,7 +31,8 @@ from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from .errors import Full
+from .errors import Damaged, Full
+from .lmdbcheck import check_data_file
 
 T = TypeVar("T")
 
@@ -149,6 +150,7 @@ class LmdbEnv:
     def __init__(self, path: str | os.PathLike[str], map_size: int = DEFAULT_MAP_SIZE) -> None:
         self.path = Path(path)
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_data_file(self.path)  # a truncated file would be mapped and kill us with SIGBUS
         self._env = lmdb.open(
             str(self.path),
             map_size=map_size,
@@ -239,8 +241,11 @@ class LmdbEnv:
         transaction: ``fn`` must copy out whatever it returns.
         """
         with self._rw.shared():
-            with self._env.begin(write=False, buffers=True) as txn:
-                return fn(LmdbTxn(txn, self._dbs))
+            try:
+                with self._env.begin(write=False, buffers=True) as txn:
+                    return fn(LmdbTxn(txn, self._dbs))
+            except lmdb.Error as exc:  # damaged pages, a corrupted environment
+                raise Damaged(f"{self.path}: {exc}") from exc
 
     def _check_not_nested(self) -> None:
         if getattr(self._local, "writing", False):

@@ -485,6 +485,13 @@ class SegmentValues(ValueBackend):
             if st is not None:
                 self._retired[st.seg] = st.fd
 
+    def segment_of(self, loc: bytes) -> int | None:
+        """The segment a location of this tier is in (None: not one of ours)."""
+        try:
+            return LOCATION.unpack(loc)[0]
+        except struct.error:
+            return None
+
     def current_segments(self) -> set[int]:
         with self._lock:
             return {st.seg for st in self._streams.values()}

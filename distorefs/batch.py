@@ -30,6 +30,7 @@ import numpy as np
 from .catalog import EntryMeta
 from .codec import crc32_combine
 from .layout import Layout
+from .names import escape_key
 
 RESERVED = ("keys", "seqs", "probabilities", "weights", "offsets")
 
@@ -44,9 +45,9 @@ class Batch:
     places: tuple[np.ndarray, np.ndarray] | None = None
 
     def manifest(self) -> bytes:
-        """One line per entry: KEY SEQ PROBABILITY WEIGHT."""
+        """One line per entry: KEY SEQ PROBABILITY WEIGHT (KEY escaped: names.escape_key)."""
         return b"".join(
-            b"%s %d %.9g %.9g\n" % (m.key, m.seq, p, w)
+            b"%s %d %.9g %.9g\n" % (escape_key(m.key), m.seq, p, w)
             for m, p, w in zip(self.metas, self.probabilities.tolist(), self.weights.tolist()))
 
 

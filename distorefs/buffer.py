@@ -27,12 +27,14 @@ import trio
 from .batch import Batch, BatchFile, batch_file
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
-from .config import BufferConfig
+from .config import BufferConfig, check_priority
 from .errors import InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
 from .layout import Layout, NotStackable, SlotPlaces, parse, place
 from .namespace import update_record
+from .names import escape_key
 from .owner import Owner
 from .ring import RemoveEntry, RingNamespace
+from .waiting import Abandoned, wait_event
 from .prefetcher import Prefetcher
 from .sampler import Sampler
 from .services import Services
@@ -132,8 +134,9 @@ class Buffer(RingNamespace):
         if not 1 <= n <= self.limits.max_batch_entries:
             raise InvalidArgument(f"batch size must be in 1..{self.limits.max_batch_entries}, got {n}")
 
-    async def sample(self, n: int, nonblocking: bool = False) -> Batch:
-        """Draw a batch of n entries (waiting for `min_size_to_sample` entries unless nonblocking)."""
+    async def sample(self, n: int, nonblocking: bool = False, abandoned: Abandoned | None = None) -> Batch:
+        """Draw a batch of n entries (waiting for `min_size_to_sample` entries unless nonblocking;
+        the wait ends with Interrupted once `abandoned()` says the caller gave up)."""
         self.check_batch_size(n)
         while self.sampler.drawable_count() < self.config.min_size_to_sample:
             if nonblocking:
@@ -141,7 +144,7 @@ class Buffer(RingNamespace):
                                  f"min_size_to_sample is {self.config.min_size_to_sample}")
             self._waiting += 1
             try:
-                await self._changed.wait()
+                await wait_event(self._changed, abandoned, f"buffers/{self.name}: sampling")
             finally:
                 self._waiting -= 1
         hint = None
@@ -166,11 +169,12 @@ class Buffer(RingNamespace):
         self._schedule_presample(n)
         return batch
 
-    async def sample_npz(self, n: int, nonblocking: bool = False) -> tuple[Batch, BatchFile]:
+    async def sample_npz(self, n: int, nonblocking: bool = False,
+                         abandoned: Abandoned | None = None) -> tuple[Batch, BatchFile]:
         """Draw a batch and describe its npz (no copy: see distorefs/batch.py); a batch that
         lost an entry to eviction or a rewrite while its values were read is drawn again."""
         for attempt in range(3):
-            batch = await self.sample(n, nonblocking)
+            batch = await self.sample(n, nonblocking, abandoned)
             try:
                 size = sum(m.size for m in batch.metas)
                 if size > self.limits.max_batch_bytes:  # the values are held while the file is open
@@ -230,8 +234,7 @@ class Buffer(RingNamespace):
         """Set priorities; unknown keys (evicted since they were sampled) are skipped and
         counted, or raise NotFound if `strict`. Returns how many were applied."""
         for key, value in pairs:
-            if not (math.isfinite(value) and value >= 0):
-                raise InvalidArgument(f"priority of {key!r} must be a finite number >= 0, got {value}")
+            check_priority(key, value)
         metas, values = [], []
         for key, value in pairs:
             meta = self.ring.by_key.get(key)
@@ -248,7 +251,7 @@ class Buffer(RingNamespace):
 
     def priorities_text(self) -> bytes:
         prio = self.sampler.priority
-        return b"".join(b"%s %.9g\n" % (m.key, prio[m.slot]) for m in self.ring.oldest())
+        return b"".join(b"%s %.9g\n" % (escape_key(m.key), prio[m.slot]) for m in self.ring.oldest())
 
     # ----- configuration and stats ---------------------------------------------------
 

@@ -66,7 +66,7 @@ import trio
 
 from . import codec
 from .catalog import DB_META
-from .codec import crc32_combine
+from .codec import crc32_combine, zeros_crc32
 from .committer import Change, Overlay
 from .config import CheckpointsConfig
 from .memory import MemoryPlan
@@ -90,6 +90,31 @@ _ID = struct.Struct(">Q")
 _IDX = struct.Struct(">I")
 _GEN_KEY = b"g"
 SEAL_TICK = 0.05
+
+
+# ----- CRC-32 of a file from its chunks' CRCs ----------------------------------------------
+
+def checksum_of(size: int, step: int, stored: dict) -> int | None:
+    """CRC-32 of a file of `size` bytes whose chunk i (of `step` bytes) is `stored[i]` (its
+    own CRC and size); what no chunk covers reads as zeros. None if a chunk is longer than
+    the file says (a crash mid-rewrite)."""
+    crc, pos = 0, 0
+    for i in sorted(stored):
+        start = i * step
+        if start >= size:
+            continue
+        chunk = stored[i]
+        if chunk.size > min(step, size - start):
+            return None
+        if start > pos:  # a hole (or the tail of a short chunk) before it
+            crc = crc32_combine(crc, zeros_crc32(start - pos), start - pos)
+            pos = start
+        if chunk.size:
+            crc = crc32_combine(crc, chunk.checksum, chunk.size)
+            pos += chunk.size
+    if size > pos:
+        crc = crc32_combine(crc, zeros_crc32(size - pos), size - pos)
+    return crc
 
 
 # ----- memory: the write-back budget and the chunks it pays for ----------------------------
@@ -549,23 +574,18 @@ class Checkpoints:
         return sorted({TIER_NAMES[c.tier] for c in f.stored.values()} | ({"memory"} if f.mem else set())) or ["none"]
 
     def checksum(self, f: CFile) -> int | None:
-        """CRC-32 of the whole content, from the chunks' own CRCs; None while any is in memory."""
+        """CRC-32 of the whole content, from the chunks' own CRCs; None while any is in memory.
+        Work grows with the chunks stored, not with the size (holes cost one step each), but
+        it is still work per chunk: the mount runs it in a worker thread on a snapshot
+        (`checksum_parts`, `checksum_of`)."""
+        parts = self.checksum_parts(f)
+        return None if parts is None else checksum_of(*parts)
+
+    def checksum_parts(self, f: CFile) -> tuple[int, int, dict] | None:
+        """What `checksum_of` needs, copied (event loop); None while any chunk is in memory."""
         if f.mem:
             return None
-        crc, step = 0, f.chunk_bytes
-        for i in range(-(-f.size // step)):
-            n = min(step, f.size - i * step)
-            chunk = f.stored.get(i)
-            if chunk is None:
-                part_crc, have = 0, 0
-            elif chunk.size > n:
-                return None  # longer than the file says (a crash mid-rewrite): no answer
-            else:
-                part_crc, have = chunk.checksum, chunk.size
-            crc = crc32_combine(crc, part_crc, have) if have else crc
-            if have < n:  # a hole or a short chunk reads as zeros
-                crc = crc32_combine(crc, zlib.crc32(bytes(n - have)), n - have)
-        return crc
+        return f.size, f.chunk_bytes, dict(f.stored)
 
     def stats(self) -> dict:
         steps = [n for n in self.nodes.values() if isinstance(n, CStep)]

@@ -109,6 +109,13 @@ def _crc32_combine_python(crc1: int, crc2: int, len2: int) -> int:
     return (_gf2_times(_zeros_operator(len2), crc1) ^ crc2) & 0xFFFFFFFF
 
 
+def zeros_crc32(n: int) -> int:
+    """zlib.crc32(bytes(n)) without the bytes: the register carried over n zero bytes."""
+    if n <= 0:
+        return 0
+    return _gf2_times(_zeros_operator(n), 0xFFFFFFFF) ^ 0xFFFFFFFF
+
+
 def _zlib_combine():
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")

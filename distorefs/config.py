@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import InvalidConfig
+from .errors import InvalidArgument, InvalidConfig
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 COMPRESSIONS = ("zstd", "none")
@@ -60,6 +60,8 @@ class _Config:
             data = json.loads(text)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidConfig(f"config is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidConfig("config is nested too deeply to be a configuration") from None
         return cls.from_dict(data, base)
 
 
@@ -128,6 +130,17 @@ class BankConfig(RingConfig):
     """A memory bank (banks/NAME/config.json): a ring with nothing more."""
 
 
+# Priorities are summed (as p**alpha, alpha <= 10) over up to 2**32 entries: above this bound
+# the sum could overflow to inf and every draw would fail. Refused (EINVAL), not clamped.
+MAX_PRIORITY = 1e15
+
+
+def check_priority(key: bytes, value: float) -> None:
+    """InvalidArgument unless `value` is a usable priority: finite, >= 0, <= MAX_PRIORITY."""
+    if not (math.isfinite(value) and 0 <= value <= MAX_PRIORITY):
+        raise InvalidArgument(f"priority of {key!r} must be a number in [0, {MAX_PRIORITY:g}], got {value}")
+
+
 @dataclass
 class BufferConfig(RingConfig):
     """A replay buffer: a ring plus a sampler (DESIGN.md §2, buffers/NAME/config.json)."""
@@ -157,12 +170,15 @@ class BufferConfig(RingConfig):
                  f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         _require(0.0 <= self.alpha <= 10.0, f"alpha must be in [0, 10], got {self.alpha}")
         _require(0.0 <= self.beta <= 1.0, f"beta must be in [0, 1], got {self.beta}")
-        _require(self.initial_priority >= 0.0,
-                 f"initial_priority must be >= 0 (0 = the max priority seen so far), got {self.initial_priority}")
+        _require(0.0 <= self.initial_priority <= MAX_PRIORITY,
+                 f"initial_priority must be in [0, {MAX_PRIORITY:g}] (0 = the max priority seen so far), "
+                 f"got {self.initial_priority}")
         _require(self.max_times_sampled >= 0,
                  f"max_times_sampled must be >= 0 (0 = no limit), got {self.max_times_sampled}")
         _require(self.min_size_to_sample >= 1,
                  f"min_size_to_sample must be >= 1, got {self.min_size_to_sample}")
+        _require(self.min_size_to_sample <= self.capacity,  # else every sample/N would wait forever
+                 f"min_size_to_sample ({self.min_size_to_sample}) must not exceed capacity ({self.capacity})")
         _require(0 <= self.presample_batches <= 64,
                  f"presample_batches must be in 0..64, got {self.presample_batches}")
 

@@ -31,7 +31,7 @@ import struct
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -48,6 +48,8 @@ from .owner import Owner
 from .prefetcher import Prefetcher
 from .services import Services
 from .values import StoredValue
+from .sources import (Credentials, OpenSource, SourceRefused, acting_as, dir_owners, open_root, open_source,
+                      read_bounded)
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +163,11 @@ class _Source:
     crc: int = 0
     encoded: list[codec.Encoded] | None = None
     error: str = ""
+    root: str | None = None  # the tree (or list directory) the source must stay beneath; None: anywhere
+    follow: bool = False  # --follow-symlinks: links are followed wherever they lead
+    opened: OpenSource | None = None  # open with the caller's rights; size and mtime from its fstat
+    owner: Owner | None = None  # the item's mode and owner, from the source
+    dirs: list[Owner] = field(default_factory=list)  # the directories on its path, from the source tree
 
 
 class Dataset:
@@ -181,6 +188,7 @@ class Dataset:
         self.ctime_ns = ctime_ns
         record = record or {}
         self.sealed_ns: int = record.get("sealed_ns", 0)
+        self.index_mode: int = record.get("index_mode", 0o444)  # see Seal: who may read index.npy
         self.index_chunks = [StoredValue.from_json(c) for c in record.get("index", [])]
         self.index_size: int = record.get("index_size", 0)
         self.fields: list = record.get("fields", [])
@@ -210,6 +218,7 @@ class Dataset:
 
     def record(self) -> dict:
         return {"sealed_ns": self.sealed_ns, "index_size": self.index_size, "fields": self.fields,
+                "index_mode": self.index_mode,
                 "index": [c.to_json() for c in self.index_chunks]}
 
     def drop_txn(self, txn) -> None:
@@ -511,21 +520,87 @@ class Dataset:
 
     # ----- staging from a source tree ---------------------------------------------------
 
-    async def stage(self, requests: list[dict], owner: Owner) -> list[StageResult]:
+    async def stage(self, requests: list[dict], owner: Owner, cred: Credentials | None = None) -> list[StageResult]:
         """Copy source files into the dataset, skipping those staged already and intact.
 
-        Each request: {"src": source path, "path": relative path, "size": n, "mtime_ns": t,
-        "meta": {...}}. Every file is verified after its commit (its stored chunks read
-        back and checked against the checksum of the source bytes).
+        Each request: {"src": source path, "path": relative path, "root": the source tree
+        or list directory src must stay beneath (absent: anywhere), "follow": follow
+        symlinks, "meta": {...}} ("size" and "mtime_ns" are informative: the source's own
+        fstat decides). Sources are opened with `cred`'s rights and must be regular files
+        (distorefs/sources.py). Items keep the source's permission bits; their owner is the
+        source's when root stages, else the stager's (`owner`). Every file is verified
+        after its commit (its stored chunks read back and checked against the checksum of
+        the source bytes).
         """
         self._writable()
-        sources: list[_Source] = []
-        results: list[StageResult] = []
-        for r in requests:
+        sources, results = _parse_requests(requests)
+        try:
+            await self._open_sources(sources, owner, cred)
+            for s in sources:
+                if s.error:
+                    results.append(StageResult(s.path, "error", s.error))
+                    self.stats_counters["stage_errors"] += 1
+            return results + await self._stage_opened([s for s in sources if not s.error], owner)
+        finally:
+            _close_all(sources)
+
+    async def compare_sealed(self, requests: list[dict], owner: Owner,
+                             cred: Credentials | None = None) -> list[StageResult]:
+        """A stage request against a sealed dataset: nothing is written; each source is
+        "same" (an item at its path with its size and source mtime) or "differs"."""
+        sources, results = _parse_requests(requests)
+        try:
+            await self._open_sources(sources, owner, cred)
+            good = [s for s in sources if not s.error]
+            results += [StageResult(s.path, "error", s.error) for s in sources if s.error]
+            items = await trio.to_thread.run_sync(self._existing, good)
+            for s, item in zip(good, items):
+                if item is not None and item.size == s.size and item.src_mtime_ns == s.mtime_ns:
+                    results.append(StageResult(s.path, "same", size=s.size))
+                else:
+                    why = "not in the dataset" if item is None else "size or modification time differ"
+                    results.append(StageResult(s.path, "differs", why, s.size))
+            return results
+        finally:
+            _close_all(sources)
+
+    async def _open_sources(self, sources: list[_Source], stager: Owner, cred: Credentials | None) -> None:
+        limiter = trio.CapacityLimiter(8)
+        async with trio.open_nursery() as nursery:
+            for i in range(0, len(sources), 64):
+                nursery.start_soon(_open_in_thread, self, sources[i:i + 64], stager, cred, limiter)
+
+    def _open_blocking(self, sources: list[_Source], stager: Owner, cred: Credentials | None) -> None:
+        """Open each source with the caller's rights (worker thread); errors go to s.error."""
+        keep_owner = cred is not None and cred.is_root
+        roots: dict[str, int] = {}
+        with acting_as(cred):
             try:
-                sources.append(_parse_request(r))
-            except InvalidArgument as exc:
-                results.append(StageResult(str(r.get("path", "?")) if isinstance(r, dict) else "?", "error", str(exc)))
+                for s in sources:
+                    try:
+                        root_fd = None
+                        if s.root is not None and not s.follow:
+                            root_fd = roots.get(s.root)
+                            if root_fd is None:
+                                root_fd = roots[s.root] = open_root(s.root)
+                        s.opened = o = open_source(root_fd, s.root or "/", s.src, s.follow)
+                        uid, gid = (o.uid, o.gid) if keep_owner else (stager.uid, stager.gid)
+                        s.owner = Owner(0o100000 | (o.mode & 0o777), uid, gid)
+                        s.size, s.mtime_ns = o.size, o.mtime_ns
+                        if root_fd is not None and s.root is not None:
+                            rel = os.path.relpath(s.src, s.root)
+                            if [os.fsencode(p) for p in rel.split(os.sep)] == s.parts:  # a tree: keep its dirs
+                                s.dirs = [Owner(0o40000 | (m & 0o777), u if keep_owner else stager.uid,
+                                                g if keep_owner else stager.gid)
+                                          for m, u, g in dir_owners(root_fd, rel)]
+                    except SourceRefused as exc:
+                        s.error = str(exc)
+            finally:
+                for fd in roots.values():
+                    os.close(fd)
+
+    async def _stage_opened(self, sources: list[_Source], owner: Owner) -> list[StageResult]:
+        results: list[StageResult] = []
         # Already staged and unchanged (same size and source mtime) and still intact: skip.
         staged = await trio.to_thread.run_sync(self._existing, sources)
         same = [(s, item) for s, item in zip(sources, staged)
@@ -540,7 +615,7 @@ class Dataset:
             else:
                 todo.append(source)
         # Read and compress small files in parallel threads; big ones stream inside the commit.
-        small = [s for s in todo if s.size <= PREPARE_MAX]
+        small = [s for s in todo if s.size <= PREPARE_MAX]  # the size fstat gave: the request's is not trusted
         limiter = trio.CapacityLimiter(8)
         async with trio.open_nursery() as nursery:
             for i in range(0, len(small), 16):
@@ -572,6 +647,8 @@ class Dataset:
         return results
 
     def _existing(self, sources: list[_Source]) -> list[Item | None]:
+        tag = self.tag
+
         def fn(txn):
             out = []
             for s in sources:
@@ -582,7 +659,7 @@ class Dataset:
                         found = None
                         break
                     d = found[1]
-                out.append(self._item_txn(txn, STAGING, found[1]) if found and found[0] == FILE else None)
+                out.append(self._item_txn(txn, tag, found[1]) if found and found[0] == FILE else None)
             return out
         return self._read(fn)
 
@@ -591,9 +668,12 @@ class Dataset:
 
     def _read_sources_blocking(self, sources: list[_Source]) -> None:
         for s in sources:
+            assert s.opened is not None
             try:
-                with open(s.src, "rb") as f:
-                    raw = f.read()
+                raw = b"".join(read_bounded(s.opened, s.src))
+            except SourceRefused as exc:
+                s.error = str(exc)
+                continue
             except OSError as exc:
                 s.error = f"cannot read {s.src}: {exc.strerror or exc}"
                 continue
@@ -646,7 +726,35 @@ def _parse_request(r) -> _Source:
     for p in parts:
         check_name(p)
     meta = r.get("meta")
-    return _Source(path, parts, src, size, mtime_ns, json.dumps(meta).encode() if meta else b"")
+    root = r.get("root")
+    if root is not None and not (isinstance(root, str) and os.path.isabs(root)):
+        raise InvalidArgument(f"stage request for {src}: root must be an absolute path, got {root!r}")
+    if not os.path.isabs(src):
+        raise InvalidArgument(f"stage request: src must be an absolute path, got {src!r}")
+    return _Source(path, parts, src, size, mtime_ns, json.dumps(meta).encode() if meta else b"",
+                   root=root, follow=bool(r.get("follow", False)))
+
+
+def _parse_requests(requests: list) -> tuple[list[_Source], list[StageResult]]:
+    sources: list[_Source] = []
+    errors: list[StageResult] = []
+    for r in requests:
+        try:
+            sources.append(_parse_request(r))
+        except InvalidArgument as exc:
+            errors.append(StageResult(str(r.get("path", "?")) if isinstance(r, dict) else "?", "error", str(exc)))
+    return sources, errors
+
+
+def _close_all(sources: list[_Source]) -> None:
+    for s in sources:
+        if s.opened is not None:
+            s.opened.close()
+
+
+async def _open_in_thread(ds: Dataset, sources: list[_Source], stager: Owner, cred: Credentials | None,
+                       limiter: trio.CapacityLimiter) -> None:
+    await trio.to_thread.run_sync(ds._open_blocking, sources, stager, cred, limiter=limiter)
 
 
 # ----- changes ------------------------------------------------------------------------------
@@ -736,10 +844,13 @@ class PutItem(_DsChange):
         c = self.counters(txn)
         self.prepare()
         parent = self.dir_txn(txn, self.dir_id)
-        for part in self.parts[:-1]:  # missing directories on the way are made
+        dirs = self.source.dirs if self.source else []
+        owner = self.source.owner if self.source and self.source.owner else self.owner
+        for i, part in enumerate(self.parts[:-1]):  # missing directories on the way are made
             found = ds._child_txn(txn, parent.id, part)
             if found is None:
-                rec = DirRec(c.next_dir, parent.id, 0o40755, self.owner.uid, self.owner.gid, time.time_ns(), 0, part)
+                d = dirs[i] if i < len(dirs) else Owner(0o40755, owner.uid, owner.gid)
+                rec = DirRec(c.next_dir, parent.id, d.mode, d.uid, d.gid, time.time_ns(), 0, part)
                 c.next_dir += 1
                 self.add_child(txn, parent, part, DIR, rec.id)
                 txn.put(ds._dkey(rec.id), rec.pack(), db=self.db)
@@ -774,8 +885,8 @@ class PutItem(_DsChange):
             chunks, size, crc = self._stream(txn, base)
         now = time.time_ns()
         src_mtime = self.source.mtime_ns if self.source else 0
-        mode = (self.owner.mode & 0o7777) | 0o100000
-        self.item = Item(item_id, size, crc, mode, self.owner.uid, self.owner.gid, now, src_mtime, parent.id, chunks,
+        mode = (owner.mode & 0o7777) | 0o100000
+        self.item = Item(item_id, size, crc, mode, owner.uid, owner.gid, now, src_mtime, parent.id, chunks,
                          name, self.source.meta if self.source else b"", STAGING)
         txn.put(ds._ikey(STAGING, item_id), self.item.pack(), db=self.db)
         c.items += 1
@@ -789,16 +900,13 @@ class PutItem(_DsChange):
         assert s is not None
         cfg = self.ds.config
         chunks, size, crc = [], 0, 0
+        assert s.opened is not None  # opened with the caller's rights; read up to its size at open
         try:
-            with open(s.src, "rb") as f:
-                while True:
-                    raw = f.read(cfg.chunk_bytes)
-                    if not raw:
-                        break
-                    crc = zlib.crc32(raw, crc)
-                    chunks.append(self.ds.values.put_raw(txn, base + _DS.pack(len(chunks)), raw,
-                                                         cfg.compression, cfg.compression_level))
-                    size += len(raw)
+            for raw in read_bounded(s.opened, s.src, cfg.chunk_bytes):
+                crc = zlib.crc32(raw, crc)
+                chunks.append(self.ds.values.put_raw(txn, base + _DS.pack(len(chunks)), raw,
+                                                     cfg.compression, cfg.compression_level))
+                size += len(raw)
         except OSError as exc:
             raise InvalidArgument(f"cannot read {s.src}: {exc.strerror or exc}") from None
         s.crc = crc & 0xFFFFFFFF
@@ -933,10 +1041,17 @@ class Seal(_DsChange):
         c = self.counters(txn)
         if c.sealed:
             return
-        # Pass 1: sizes of the index (longest path, metadata fields).
+        # Pass 1: sizes of the index (longest path, metadata fields), and who may read it:
+        # it names every item, so group or others may read it only if every directory
+        # lets them list it (read and search).
         longest, metas = 1, {}
+        self.index_mode = _listable_by(ds._dir_txn(txn, ROOT_DIR).mode, 0o444)
         for event in self._walk(txn):
-            if event[0] == FILE:
+            if event[0] == DIR:
+                rec = ds._dir_txn(txn, event[3])
+                if rec is not None:
+                    self.index_mode = _listable_by(rec.mode, self.index_mode)
+            elif event[0] == FILE:
                 _, _, _, item_id, path = event
                 longest = max(longest, len(path))
                 item = ds._item_txn(txn, STAGING, item_id)
@@ -1015,6 +1130,7 @@ class Seal(_DsChange):
         key = f"datasets/{ds.name}".encode()
         record = json.loads(bytes(txn.get(key, db=DB_NS)))
         record.update({"sealed_ns": self.sealed_ns, "index_size": self.index_size, "fields": self.fields,
+                       "index_mode": self.index_mode,
                        "index": [c.to_json() for c in chunks]})
         txn.put(key, json.dumps(record).encode(), db=DB_NS)
 
@@ -1048,7 +1164,16 @@ class Seal(_DsChange):
         super().apply()
         if hasattr(self, "index_chunks"):
             ds.index_chunks, ds.index_size = self.index_chunks, self.index_size
-            ds.fields, ds.sealed_ns = self.fields, self.sealed_ns
+            ds.fields, ds.sealed_ns, ds.index_mode = self.fields, self.sealed_ns, self.index_mode
+
+
+def _listable_by(dir_mode: int, mode: int) -> int:
+    """`mode` (read bits) less the group and other bits of the classes that may not list
+    a directory of `dir_mode` (they need both read and search)."""
+    for shift in (3, 0):  # group, others
+        if (dir_mode >> shift) & 0o5 != 0o5:
+            mode &= ~(0o4 << shift)
+    return mode
 
 
 def _meta_fields(metas: dict[str, list]) -> list[tuple[str, str, object, str]]:

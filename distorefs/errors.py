@@ -98,11 +98,25 @@ class RecoveryFailed(DistorefsError):
     errno = _errno.EUCLEAN
 
 
+class Interrupted(DistorefsError):
+    """A request gave up waiting because its caller is gone or has a signal to take (EINTR):
+    the kernel waits for the daemon's answer even through SIGKILL (distorefs/waiting.py)."""
+
+    errno = _errno.EINTR
+
+
+class DamagedStore(DistorefsError):
+    """The store's files are damaged in a way no check or repair can read past (a truncated
+    LMDB file, unreadable pages): it is not opened for writing (EUCLEAN)."""
+
+    errno = _errno.EUCLEAN
+
+
 def from_backend(exc: BaseException) -> BaseException:
     """The core error for an error a backend raised (backends/errors.py); anything else
     is returned as it is."""
     for kind, mapped in ((_backend.Missing, NotFound), (_backend.Damaged, CorruptValue), (_backend.Full, NoSpace),
-                         (_backend.BadRequest, InvalidArgument)):
+                         (_backend.BadRequest, InvalidArgument), (_backend.Unreadable, DamagedStore)):
         if isinstance(exc, kind):
             return mapped(str(exc))
     return exc

@@ -18,3 +18,48 @@ def check_name(name: bytes) -> bytes:
     if b"/" in name or b"\0" in name:
         raise InvalidName(f"name contains '/' or NUL: {name!r}")
     return name
+
+
+def check_namespace_name(name: str) -> str:
+    """A namespace name (buffers/NAME, banks/NAME, datasets/NAME): a valid component that is
+    UTF-8 (it is stored as text and shown in stats and metrics). InvalidName otherwise;
+    `name` comes from bytes decoded with surrogateescape, so non-UTF-8 shows as surrogates."""
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidName(f"namespace name is not UTF-8: {name.encode('utf-8', 'surrogateescape')!r}") from None
+    check_name(raw)
+    return name
+
+
+# Keys in the line formats of `sample/N` and `priorities` ("KEY ..." lines): a key may hold
+# any byte but `/` and NUL, so a space, a tab, a newline or a backslash in it is written as
+# a backslash and three octal digits (as /proc/mounts does), and read back the same way;
+# a key can then neither split a line nor inject one.
+_ESCAPED = frozenset(b" \t\n\r\\\x0b\x0c")
+
+
+def escape_key(key: bytes) -> bytes:
+    """`key` as it appears in a line of `sample/N` or `priorities`."""
+    if not any(c in _ESCAPED for c in key):
+        return key
+    return b"".join(b"\\%03o" % c if c in _ESCAPED else bytes((c,)) for c in key)
+
+
+def unescape_key(text: bytes) -> bytes:
+    """The key a `sample/N` or `priorities` line names (see escape_key); a backslash not
+    followed by three octal digits stands for itself."""
+    if b"\\" not in text:
+        return text
+    out = bytearray()
+    i = 0
+    while i < len(text):
+        c = text[i]
+        digits = text[i + 1:i + 4]
+        if c == 0x5C and len(digits) == 3 and all(0x30 <= d <= 0x37 for d in digits) and int(digits, 8) < 256:
+            out.append(int(digits, 8))
+            i += 4
+        else:
+            out.append(c)
+            i += 1
+    return bytes(out)

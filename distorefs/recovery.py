@@ -65,6 +65,10 @@ def recover(path: Path, lock: StoreLock) -> Recovery:
     t0 = time.monotonic()
     report = run_passes(path, repair=True, skip=SKIPPED_PASSES)
     result = _summary(report, lock.previous, time.monotonic() - t0)
+    if report.damaged:
+        raise RecoveryFailed(
+            f"store {path} was not closed cleanly ({lock.previous}) and its LMDB file is damaged "
+            f"({report.damaged}): nothing was changed; `distorefs verify {path}` lists what is readable")
     if report.blocking:
         first = report.blocking[0]
         raise RecoveryFailed(

@@ -26,6 +26,7 @@ from .committer import Change, Overlay
 from .config import RingConfig
 from .errors import CorruptValue, DistorefsError, NoSpace, NotFound, TooLarge
 from .layout import pack_places
+from .room import plan_room
 from .names import check_name
 from .owner import Owner
 from .placement import TIER_LMDB, TIER_NAMES
@@ -230,19 +231,17 @@ class Ring:
         raise AssertionError("unreachable")
 
     async def _make_room(self, need: int, epoch: int) -> bool:
-        """Evict the oldest entries, at least a segment's worth, and give their space back
-        (sync, then unlink the segments they emptied). False if there is nothing to evict."""
+        """Evict the oldest entries whose space would hold the new value, and give it back
+        (sync, then unlink the segments they emptied). False if evicting would not make
+        room (distorefs/room.py): then nothing is evicted."""
         async with self._room_lock:
             if self._room_epoch != epoch:
                 return True  # another insert made room since our attempt: try again first
-            goal = max(2 * need, self.values.config.segment_bytes)
-            victims, total = [], 0
-            for meta in self.by_seq.values():
-                if total >= goal or len(victims) >= len(self.by_seq) - 1:
-                    break
-                victims.append(meta)
-                total += meta.stored_size
+            victims = await trio.to_thread.run_sync(plan_room, self.values, list(self.by_seq.values()), need)
+            total = sum(m.stored_size for m in victims)
             if not victims:
+                log.warning("%s/%s: disk full, and evicting its entries would not make room for %d bytes: "
+                            "ENOSPC", self.kind, self.name, need)
                 return False
             errors = await self.committer.submit_all(
                 [RemoveEntry(self, m.key, m.seq, "evictions_for_space") for m in victims])

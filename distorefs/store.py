@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable
 import trio
 
 from . import __version__
+from .backends.errors import BackendError
 from .backends.lmdbenv import LmdbEnv
 from .backends.segments import SegmentDir
 from .bank import Bank
@@ -34,11 +35,11 @@ from .checkpoints import DB_CKPT, Checkpoints
 from .committer import Change, Committer, Overlay
 from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
 from .dataset import DB_DSNODES, Dataset
-from .errors import AlreadyExists, InvalidConfig, NoSpace, NotEmpty, NotFound
+from .errors import AlreadyExists, InvalidConfig, NoSpace, NotEmpty, NotFound, from_backend
 from .lockfile import take_lock
 from .memory import MemoryPlan
 from .migrate import migrate
-from .names import check_name
+from .names import check_name, check_namespace_name
 from .namespace import ConfigureNamespace, SetNamespaceOwner, ns_key
 from .owner import Owner
 from .prefetcher import PrefetchBudget, hit_rate
@@ -79,7 +80,10 @@ class Store:
             raise
 
     def _open(self, nvme_dirs: list | None, overrides: dict | None) -> None:
-        self.env = LmdbEnv(self.path / "meta")
+        try:
+            self.env = LmdbEnv(self.path / "meta")
+        except BackendError as exc:  # a data file LMDB could not map safely: DamagedStore
+            raise from_backend(exc) from None
         for name in CATALOG_DBS:
             self.env.db(name)  # opening a db writes: do it once, before any transaction
         stored = self.env.read(lambda txn: _copy(txn.get(b"config", db=DB_META)))
@@ -90,12 +94,14 @@ class Store:
             overrides["nvme_dirs"] = self._merge_dirs(base.nvme_dirs, given.nvme_dirs)
         self.config = StoreConfig.from_dict(overrides, base) if overrides else base
         self.env.write(self._init_meta)
-        # A directory the store has used must still be there: a drive that is not mounted
-        # would otherwise be stood in for by an empty directory on another disk.
-        gone = [d.path for d in base.nvme_dirs if not Path(d.path).is_dir()]
+        # Every directory must exist, one the store has used as well as one named now: a drive
+        # that is not mounted (or a typo in fstab) would otherwise be stood in for by a new,
+        # empty directory on the root disk.
+        gone = [d.path for d in self.config.nvme_dirs if not Path(d.path).is_dir()]
         if gone:
-            raise InvalidConfig(f"NVMe director{'ies' if len(gone) > 1 else 'y'} {', '.join(gone)} of the store "
-                                f"{'are' if len(gone) > 1 else 'is'} missing (a drive not mounted?)")
+            raise InvalidConfig(f"NVMe director{'ies' if len(gone) > 1 else 'y'} {', '.join(gone)} "
+                                f"{'do' if len(gone) > 1 else 'does'} not exist (a drive not mounted, or a typo?): "
+                                f"create {'them' if len(gone) > 1 else 'it'} first")
         dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in self.config.nvme_dirs] \
             or [SegmentDir(self.path / "segments")]
         self.nvme_path = dirs[0].path
@@ -257,7 +263,7 @@ class Store:
 
     async def create(self, kind: str, name: str, owner: Owner, config=None) -> Namespace:
         """Create namespace `kind`/`name` (buffers or banks) with `config` or the defaults."""
-        check_name(name.encode("utf-8", "surrogateescape"))
+        check_namespace_name(name)
         cls = KINDS[kind]
         if config is None:
             config = self.config.default_buffer if kind == "buffers" else cls.config_type()

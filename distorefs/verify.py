@@ -60,18 +60,22 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import codec
+from .backends.errors import BackendError
 from .backends.lmdbenv import LmdbEnv
 from .backends.lmdbvalues import DB_TIERMETA, DB_VALUES
 from .backends.segments import DB_SEGMENTS, SegmentDir
 from .catalog import (DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, EntryMeta, pack_u32,
                       split_entry_key, unpack_u32)
-from .placement import TIER_LMDB, TIER_NAMES, TIER_NVME
-from .values import StoredValue, ValueLayer
 from .config import NAMESPACE_CONFIGS, StoreConfig
-from .errors import CorruptValue, DistorefsError, InvalidName, NotFound
+from .errors import CorruptValue, DamagedStore, DistorefsError, InvalidName, NotFound, from_backend
 from .lockfile import take_lock
 from .names import check_name
+from .placement import TIER_LMDB, TIER_NAMES, TIER_NVME
+from .values import StoredValue, ValueLayer
 
+# What a pass may meet in damaged metadata; it is reported and the check goes on.
+PASS_FAILURES = (BackendError, struct.error, ValueError, KeyError, IndexError, TypeError, UnicodeDecodeError,
+                 OverflowError)
 RING_KINDS = ("buffers", "banks")
 
 ERROR, LEAK, SPACE, NOTE = "error", "leak", "space", "note"
@@ -138,6 +142,7 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     passes: dict[str, str] = field(default_factory=dict)  # pass -> one-line summary
     counts: dict[str, int] = field(default_factory=dict)
+    damaged: str = ""  # the LMDB file cannot be read whole: what failed (nothing was repaired)
 
     @property
     def problems(self) -> list[Finding]:
@@ -160,7 +165,7 @@ class Report:
         return EXIT_PROBLEMS if self.unrepaired else EXIT_REPAIRED
 
     def as_dict(self) -> dict:
-        return {"store": self.store, "repair": self.repair, "exit_code": self.exit_code,
+        return {"store": self.store, "repair": self.repair, "exit_code": self.exit_code, "damaged": self.damaged,
                 "passes": self.passes, "counts": self.counts,
                 "problems": len(self.problems), "unrepaired": len(self.unrepaired),
                 "blocking": len(self.blocking),
@@ -201,7 +206,10 @@ class Check:
         self.progress = progress
         self.report = report
         self.current = ""
-        self.env = LmdbEnv(path / "meta")
+        try:
+            self.env = LmdbEnv(path / "meta")
+        except BackendError as exc:  # a data file LMDB could not map safely: DamagedStore
+            raise from_backend(exc) from None
         names = set(self.env.db_names())
         self.db_names = names
         # Open what exists (plus the tiers' own dbs, which a store always has) and no more.
@@ -314,6 +322,25 @@ class Check:
         self.values.close()
         self.env.close()
 
+    def unreadable(self) -> str:
+        """What fails when every database is read through ("" if nothing): every key and
+        metadata value, and the keys of the values database (a value's own bytes are
+        checked by its checksum whenever it is read)."""
+        for name in sorted(self.db_names):
+            db = self.env.db(name)
+            keys_only = name == DB_VALUES
+
+            def walk(txn, db=db, keys_only=keys_only) -> int:
+                n = 0
+                for _ in txn.cursor(db=db).iternext(keys=True, values=not keys_only):
+                    n += 1
+                return n
+            try:
+                self.read(walk)
+            except BackendError as exc:  # LMDB's own error, as the engine reports it
+                return f"database {name.decode(errors='replace')!r}: {exc}"
+        return ""
+
 
 def _copy(value) -> bytes | None:
     return None if value is None else bytes(value)
@@ -339,14 +366,17 @@ def verify_store(path: str | os.PathLike, *, repair: bool = False, progress: boo
     note = f"pid {os.getpid()} verify --repair: problems left"
     try:
         report = run_passes(store, repair=repair, progress=progress, on_pass=on_pass, only=only)
+    except DamagedStore:
+        lock.restore()  # refused before anything was read or written
+        raise
     except BaseException:
         if repair:  # some repairs may have run: recover again at the next open
             lock.keep_unclean(note)
         else:
             lock.restore()
         raise
-    if not repair:
-        lock.restore()
+    if not repair or report.damaged:
+        lock.restore()  # nothing was written: the store is left exactly as it was found
     elif not report.blocking and (lock.was_clean or set(report.passes) >= {p.name for p in PASSES}):
         lock.release()
     else:
@@ -366,12 +396,26 @@ def run_passes(store: Path, *, repair: bool, progress: bool = False,
     try:
         wanted = set(only) if only else None
         skipped = set(skip)
+        damage = check.unreadable()
+        if damage:
+            # A write into a damaged B-tree can lose what is still readable: report only.
+            report.damaged = damage
+            check.repair = False
+            check.current = "lmdb"
+            check.error(f"the LMDB file is damaged ({damage}): nothing was repaired; what is readable is still "
+                        f"served by a mount, and reads of what is not fail with EIO")
+            check.incomplete("the LMDB file is damaged")
         for p in PASSES:
             if (wanted is not None and p.name not in wanted) or p.name in skipped:
                 continue
             check.current = p.name
             before = len(report.findings)
-            summary = p.fn(check) or "ok"
+            try:
+                summary = p.fn(check) or "ok"
+            except PASS_FAILURES as exc:  # damage the pass cannot read past: say so and go on
+                check.error(f"the pass stopped at unreadable data: {type(exc).__name__}: {exc}")
+                check.incomplete(f"pass {p.name} stopped")
+                summary = "stopped: unreadable data"
             report.passes[p.name] = summary
             if on_pass is not None:
                 on_pass(p.name, summary, report.findings[before:])

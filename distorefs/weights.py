@@ -285,8 +285,10 @@ class WeightsTree:
         self._published.set()
         self._published = trio.Event()
 
-    async def wait_newer(self, path: str, version: int, nonblocking: bool) -> int:
-        """Wait until the file at `path` has a version above `version`; return it."""
+    async def wait_newer(self, path: str, version: int, nonblocking: bool, abandoned=None) -> int:
+        """Wait until the file at `path` has a version above `version`; return it (Interrupted
+        once `abandoned()` says the caller gave up, distorefs/waiting.py)."""
+        from .waiting import wait_event
         from .errors import WouldBlock
         while True:
             try:
@@ -298,7 +300,7 @@ class WeightsTree:
                 return current
             if nonblocking:
                 raise WouldBlock(f"weights/{path} is at version {current}")
-            await self._published.wait()
+            await wait_event(self._published, abandoned, f"weights/{path}: waiting for a version")
 
 
 def _key(node_id: int) -> bytes:

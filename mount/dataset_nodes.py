@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 import pyfuse3
 
 from distorefs.dataset import DIR, FILE, ROOT_DIR, SEALED, Dataset, DirRec, Item
-from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, ReadOnly
+from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted,
+                              ReadOnly)
 from distorefs.names import check_name
 from distorefs.owner import Owner
+from distorefs.sources import Credentials, check_can_act_for
 
 from .handles import BytesReader, ConfigWriter, Handle, StagingWriter, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
@@ -49,9 +51,9 @@ class DatasetDir(Node):
 
         self.entries = {
             b"config.json": lambda: intern(("config", i), lambda: RenderedFile(
-                fs, lambda: ds.config.to_json(), owner=ds.owner, write=configure)),
+                fs, lambda: ds.config.to_json(), owner=lambda: ds.owner, write=configure)),
             b"stats.json": lambda: intern(("stats", i), lambda: RenderedFile(
-                fs, lambda: _json(ds.stats()), owner=ds.owner)),
+                fs, lambda: _json(ds.stats()), owner=lambda: ds.owner)),
             b"items": lambda: intern(("dsdir", i, ROOT_DIR), lambda: ItemsDir(fs, ds, ROOT_DIR)),
             b"order": lambda: intern(("dsorder", i), lambda: OrderFile(fs, ds)),
             b"index.npy": lambda: intern(("dsindex", i), lambda: IndexFile(fs, ds)),
@@ -79,6 +81,17 @@ class DatasetDir(Node):
     def xattrs(self) -> dict[bytes, bytes]:
         return {b"state": b"sealed" if self.ds.sealed else b"open",
                 b"items": b"%d" % self.ds.counters.items}
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        """chmod/chown of datasets/NAME set the dataset's mode and owner (kept in the store);
+        its control files follow them. Times are accepted and not kept (touch works)."""
+        if fields.update_size:
+            raise IsADirectory("datasets/NAME is a directory")
+        if fields.update_mode or fields.update_uid or fields.update_gid:
+            await self.fs.store.set_owner("datasets", self.ds.name,
+                                          mode=attr.st_mode if fields.update_mode else None,
+                                          uid=attr.st_uid if fields.update_uid else None,
+                                          gid=attr.st_gid if fields.update_gid else None)
 
     async def setxattr(self, name: bytes, value: bytes) -> None:
         if name != b"sealed":
@@ -374,7 +387,7 @@ class OrderFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
-        return make_attrs(self.ino, stat.S_IFREG | 0o664, len(self.ds.order_npy()), o.uid, o.gid,
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o664), len(self.ds.order_npy()), o.uid, o.gid,
                           time.time_ns(), NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
@@ -400,7 +413,9 @@ class IndexFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
-        return make_attrs(self.ino, stat.S_IFREG | 0o444, self.ds.index_size, o.uid, o.gid, self.ds.sealed_ns,
+        # It names every item: readable by a class of users only if every directory is.
+        mode = o.mode & self.ds.index_mode
+        return make_attrs(self.ino, stat.S_IFREG | mode, self.ds.index_size, o.uid, o.gid, self.ds.sealed_ns,
                           self.fs.store.config.entry_timeout)
 
     async def open(self, flags: int, ctx) -> Handle:
@@ -422,7 +437,12 @@ class IndexReader(Handle):
 class StageFile(Node):
     """.stage: `distorefs stage` writes JSON lines naming source files; the daemon copies
     them in and each write returns once they are committed and verified. Reading the
-    handle gives one result line per file: "ok|skip|error<TAB>path[<TAB>message]"."""
+    handle gives one result line per file: "ok|skip|error<TAB>path<TAB>size<TAB>message";
+    on a sealed dataset nothing is written and each line says "same" or "differs".
+
+    Who may stage: whoever may open .stage for writing (the dataset's owner, or root: the
+    kernel checks its 0600 mode). The daemon opens the sources with that caller's uid, gid
+    and groups (distorefs/sources.py), never with its own rights."""
 
     def __init__(self, fs: "Filesystem", ds: Dataset) -> None:
         super().__init__(fs)
@@ -433,19 +453,18 @@ class StageFile(Node):
         return make_attrs(self.ino, stat.S_IFREG | 0o600, 0, o.uid, o.gid, time.time_ns(), NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
-        if ctx.uid not in (0, self.fs.uid):
-            # The daemon reads the sources with its own rights: only its user may ask.
-            raise NotPermitted("only the user running the daemon can stage")
-        self.ds._writable()
-        return StageHandle(self.ds, Owner(0o100644, ctx.uid, ctx.gid))
+        cred = Credentials.of_caller(ctx.pid, ctx.uid, ctx.gid)
+        check_can_act_for(cred)
+        return StageHandle(self.ds, Owner(0o100000 | (0o666 & ~ctx.umask), ctx.uid, ctx.gid), cred)
 
 
 class StageHandle(Handle):
     direct_io = True
 
-    def __init__(self, ds: Dataset, owner: Owner) -> None:
+    def __init__(self, ds: Dataset, owner: Owner, cred: Credentials) -> None:
         self.ds = ds
         self.owner = owner
+        self.cred = cred
         self.partial = b""
         self.results = bytearray()
 
@@ -458,10 +477,11 @@ class StageHandle(Handle):
             if line.strip():
                 try:
                     requests.append(json.loads(line))
-                except ValueError:
+                except (ValueError, RecursionError):
                     raise InvalidArgument(f"stage: not a JSON line: {line[:200]!r}") from None
         if requests:
-            for r in await self.ds.stage(requests, self.owner):
+            stage = self.ds.compare_sealed if self.ds.sealed else self.ds.stage
+            for r in await stage(requests, self.owner, self.cred):
                 self.results += f"{r.status}\t{r.path}\t{r.size}\t{r.message}\n".encode("utf-8", "surrogateescape")
         return len(buf)
 

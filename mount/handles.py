@@ -6,11 +6,13 @@ batch or fetch a value) and at flush (to commit), never per read or write chunk.
 
 from __future__ import annotations
 
+import json
 import os
 
 from distorefs.batch import Batch, BatchFile
 from distorefs.buffer import Buffer
 from distorefs.errors import InvalidArgument, NotPermitted, TooLarge
+from distorefs.names import unescape_key
 
 
 class Handle:
@@ -143,11 +145,24 @@ class EntryWriter(StagingWriter):
 
 
 class ConfigWriter(StagingWriter):
-    """config.json: the JSON written is validated and applied at close (EINVAL keeps the old)."""
+    """config.json: the JSON written is validated and applied (EINVAL keeps the old) by the
+    write() after which it is a complete JSON object, so `echo '{...}' > config.json` sees
+    the error (shells ignore close()); otherwise at close. `early` False: at close only."""
 
-    def __init__(self, apply, initial: bytes, limit: int = 1 << 20) -> None:
+    def __init__(self, apply, initial: bytes, limit: int = 1 << 20, early: bool = False) -> None:
         super().__init__(initial, limit, True)
         self._apply = apply
+        self.early = early
+
+    async def write(self, off: int, buf: bytes) -> int:
+        n = await super().write(off, buf)
+        if self.early and complete_json_object(self.data):
+            try:
+                await self._commit()
+            except Exception as exc:
+                self.failed = exc  # close() reports it again; nothing is applied
+                raise
+        return n
 
     async def apply(self, data: bytes) -> None:
         await self._apply(data)
@@ -192,8 +207,18 @@ def parse_priorities(text: bytes) -> list[tuple[bytes, float]]:
             value = float(parts[1])
         except ValueError:
             raise InvalidArgument(f"priorities line {number}: bad priority {parts[1][:40]!r}") from None
-        pairs.append((parts[0], value))
+        pairs.append((unescape_key(parts[0]), value))
     return pairs
+
+
+def complete_json_object(data: bytes | bytearray) -> bool:
+    """Whether `data` is one whole JSON object (only tried when it ends like one)."""
+    if not bytes(data[-64:]).rstrip().endswith(b"}"):
+        return False
+    try:
+        return isinstance(json.loads(bytes(data)), dict)
+    except (ValueError, RecursionError):
+        return False  # not (yet) a document: judged at close
 
 
 def wants_write(flags: int) -> bool:

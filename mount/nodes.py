@@ -11,7 +11,7 @@ import json
 import os
 import stat
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import pyfuse3
 import trio
@@ -24,6 +24,7 @@ from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFo
 from distorefs.names import check_name
 from distorefs.owner import Owner
 
+from .callers import abandoned_by
 from .handles import (BytesReader, ConfigWriter, EntryWriter, Handle, PrioritiesWriter, SampleReader,
                       wants_read, wants_write)
 
@@ -109,6 +110,11 @@ class Node:
     def xattrs(self) -> dict[bytes, bytes]:
         return {}
 
+    async def read_xattrs(self) -> dict[bytes, bytes]:
+        """xattrs() for getxattr/listxattr; a node whose attributes cost work in proportion to
+        its size computes them off the event loop here."""
+        return self.xattrs()
+
     async def setxattr(self, name: bytes, value: bytes) -> None:
         raise NotPermitted(f"attribute {name!r} is read-only")
 
@@ -146,7 +152,7 @@ class StaticDir(Node):
 class RenderedFile(Node):
     """A read-only control file rendered at open (stats.json, config.json, version)."""
 
-    def __init__(self, fs: "Filesystem", render, size_known: bool = True, owner: Owner | None = None,
+    def __init__(self, fs: "Filesystem", render, size_known: bool = True, owner: Callable[[], Owner] | None = None,
                  write=None) -> None:
         super().__init__(fs)
         self.render = render
@@ -157,14 +163,17 @@ class RenderedFile(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         size = len(self.render()) if self.size_known else 0
         mode = 0o644 if self.write_fn else 0o444
-        uid, gid = (self.owner.uid, self.owner.gid) if self.owner else (self.fs.uid, self.fs.gid)
+        owner = self.owner() if self.owner is not None else None  # the namespace's, as it is now
+        if owner is not None:  # a namespace's files follow its mode (chmod 0700 hides them)
+            mode &= owner.mode
+        uid, gid = (owner.uid, owner.gid) if owner else (self.fs.uid, self.fs.gid)
         return make_attrs(self.ino, stat.S_IFREG | mode, size, uid, gid, time.time_ns(), NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
             if self.write_fn is None:
                 raise NotPermitted("read-only file")
-            return ConfigWriter(self.write_fn, b"" if flags & os.O_TRUNC else self.render())
+            return ConfigWriter(self.write_fn, b"" if flags & os.O_TRUNC else self.render(), early=True)
         return BytesReader(self.render(), cacheable=False)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
@@ -234,9 +243,9 @@ class RingDir(Node):
 
         self.entries = {
             b"config.json": lambda: intern(("config", nsid), lambda: RenderedFile(
-                fs, lambda: ns.config.to_json(), owner=ns.owner, write=configure)),
+                fs, lambda: ns.config.to_json(), owner=lambda: ns.owner, write=configure)),
             b"stats.json": lambda: intern(("stats", nsid), lambda: RenderedFile(
-                fs, lambda: _json(ns.stats()), owner=ns.owner)),
+                fs, lambda: _json(ns.stats()), owner=lambda: ns.owner)),
             b"entries": lambda: intern(("entries", nsid), lambda: EntriesDir(fs, ns)),
         }
 
@@ -292,7 +301,8 @@ class AtDir(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.bank.owner
-        return make_attrs(self.ino, stat.S_IFDIR | 0o555, 0, o.uid, o.gid, self.bank.ctime_ns, DIR_LONG, nlink=2)
+        return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o555), 0, o.uid, o.gid, self.bank.ctime_ns, DIR_LONG,
+                          nlink=2)
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
         text = name.decode("ascii", "replace")
@@ -324,7 +334,7 @@ class PrioritiesFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
-        return make_attrs(self.ino, stat.S_IFREG | 0o644, 0, o.uid, o.gid, time.time_ns(), NO_CACHE)
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o644), 0, o.uid, o.gid, time.time_ns(), NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
@@ -351,7 +361,8 @@ class DrawDir(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
-        return make_attrs(self.ino, stat.S_IFDIR | 0o555, 0, o.uid, o.gid, self.buf.ctime_ns, DIR_LONG, nlink=2)
+        return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o555), 0, o.uid, o.gid, self.buf.ctime_ns, DIR_LONG,
+                          nlink=2)
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
         text = name.decode("ascii", "replace")
@@ -391,7 +402,7 @@ class DrawFile(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         size = self.sizes.get(ctx.pid if ctx is not None else self.pid, 0)
-        return make_attrs(self.ino, stat.S_IFREG | 0o444, size, o.uid, o.gid, time.time_ns(), NO_CACHE,
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o444), size, o.uid, o.gid, time.time_ns(), NO_CACHE,
                           entry_timeout=DIR_LONG)
 
     def released(self, handle: Handle) -> None:
@@ -403,10 +414,11 @@ class DrawFile(Node):
         if wants_write(flags):
             raise NotPermitted("sample files are read-only")
         nonblocking = bool(flags & os.O_NONBLOCK)
+        abandoned = abandoned_by(ctx.pid)  # the wait for min_size_to_sample ends if the caller does
         if self.npz:
-            batch, content = await self.buf.sample_npz(self.n, nonblocking)
+            batch, content = await self.buf.sample_npz(self.n, nonblocking, abandoned)
         else:
-            batch = await self.buf.sample(self.n, nonblocking)
+            batch = await self.buf.sample(self.n, nonblocking, abandoned)
             content = BatchFile([Blob(batch.manifest())])
         self.sizes[ctx.pid] = content.size
         handle = SampleReader(self.buf, batch, content)
@@ -592,8 +604,9 @@ def build_tree(fs: "Filesystem") -> StaticDir:
     """The fixed part of the tree; `buffers/` and `banks/` grow below it."""
     from .inodes import ROOT_INODE
     store = fs.store
+    from .control import CallerStatsFile
     ctl = StaticDir(fs, {
-        b"stats.json": RenderedFile(fs, lambda: _json(fs.stats())),
+        b"stats.json": CallerStatsFile(fs, lambda stats: _json(stats)),
         b"config.json": RenderedFile(fs, lambda: store.config.to_json()),
         b"version": RenderedFile(fs, lambda: f"distorefs {__version__}\n".encode()),
     })
@@ -604,7 +617,7 @@ def build_tree(fs: "Filesystem") -> StaticDir:
     ctl.entries[b"wait"] = WaitFile(fs)
     # Added after `wait`: the enumeration below gives fixed inodes in this order.
     from distorefs.metrics import prometheus_text
-    ctl.entries[b"metrics"] = RenderedFile(fs, lambda: prometheus_text(fs.stats()).encode())
+    ctl.entries[b"metrics"] = CallerStatsFile(fs, lambda stats: prometheus_text(stats).encode())
     last_gc: dict = {}
 
     async def collect(_text: bytes) -> None:

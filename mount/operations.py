@@ -19,6 +19,8 @@ import pyfuse3
 import trio
 
 from distorefs.errors import DistorefsError, NotFound
+
+from .badinput import BAD_INPUT, bad_input_log
 from distorefs.ring import Ring
 from distorefs.catalog import EntryMeta
 from distorefs.store import Store
@@ -42,7 +44,10 @@ def _translate(fn):
         except pyfuse3.FUSEError:
             raise
         except DistorefsError as exc:
-            log.debug("%s%r: %s", fn.__name__, args[:2], exc)
+            if isinstance(exc, BAD_INPUT):
+                bad_input_log.note(fn.__name__, exc)
+            else:
+                log.debug("%s%r: %s", fn.__name__, args[:2], exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except OSError as exc:
             log.warning("%s%r: %s", fn.__name__, args[:2], exc)
@@ -310,14 +315,14 @@ class Filesystem(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if not name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(errno.ENODATA)
-        value = self.inodes.get(inode).xattrs().get(name[len(XATTR_PREFIX):])
+        value = (await self.inodes.get(inode).read_xattrs()).get(name[len(XATTR_PREFIX):])
         if value is None:
             raise pyfuse3.FUSEError(errno.ENODATA)
         return value
 
     @_translate
     async def listxattr(self, inode, ctx):
-        return [XATTR_PREFIX + k for k in self.inodes.get(inode).xattrs()]
+        return [XATTR_PREFIX + k for k in await self.inodes.get(inode).read_xattrs()]
 
     @_translate
     async def setxattr(self, inode, name, value, ctx):

@@ -133,7 +133,30 @@ def _fs_of(path: Path) -> dict:
             "free_gb": round(st.f_bavail * st.f_frsize / 1e9, 1)}
 
 
+# Dropping the page cache is the whole host's (every other user's cache goes too): only
+# when asked (`distorefs bench ... --drop-caches`). Otherwise "cold" reads are warm-ish.
+DROP_CACHES = False
+
+# Mounts a benchmark made and has not unmounted yet: taken down on SIGINT/SIGTERM too.
+LIVE_MOUNTS: set = set()
+
+
+def unmount_all() -> None:
+    """Unmount every mount a benchmark of this process made and still holds."""
+    for m in list(LIVE_MOUNTS):
+        try:
+            m.umount()
+        except Exception as exc:  # noqa: BLE001 - the next one must still go
+            print(f"warning: could not unmount {m.mnt}: {exc}", file=sys.stderr)
+        LIVE_MOUNTS.discard(m)
+
+
 def _drop_caches(notes: list[str]) -> bool:
+    if not DROP_CACHES:
+        msg = "page cache not dropped (pass --drop-caches; it drops the whole host's): cold numbers are warm-ish"
+        if msg not in notes:
+            notes.append(msg)
+        return False
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -174,12 +197,14 @@ class DistorefsMount:
     def mount(self, *options: str) -> None:
         """Mount; `options` are store settings (KEY=VALUE, as for -o)."""
         self.mnt.mkdir(parents=True, exist_ok=True)
+        LIVE_MOUNTS.add(self)
         r = _cli("mount", *[a for o in options for a in ("-o", o)], str(self.store), str(self.mnt))
         if r.returncode != 0:
             raise RuntimeError(f"distorefs mount failed: {r.stderr.strip() or r.stdout.strip()}")
         self.pid = _daemon_pid(self.store)
 
     def umount(self) -> None:
+        LIVE_MOUNTS.discard(self)
         if not _is_mounted(self.mnt):
             return
         pid = self.pid
@@ -204,6 +229,7 @@ class BindfsMount:
 
     def mount(self) -> None:
         self.mnt.mkdir(parents=True, exist_ok=True)
+        LIVE_MOUNTS.add(self)
         self.proc = subprocess.Popen(["bindfs", "-f", str(self.src), str(self.mnt)], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 20
@@ -215,6 +241,7 @@ class BindfsMount:
             time.sleep(0.05)
 
     def umount(self) -> None:
+        LIVE_MOUNTS.discard(self)
         if self.proc is None:
             return
         if _is_mounted(self.mnt):

@@ -75,8 +75,12 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
         raise click.ClickException(f"mount point {mountpoint} is not a directory")
     overrides = _parse_config(config)
     dirs = [_parse_nvme_dir(d) for d in nvme_dirs]
+    # The daemon works from `/` like any daemon (it holds no directory busy, and imports
+    # never see what the caller's directory holds): every path is made absolute first.
+    store, mountpoint = os.path.abspath(store), os.path.abspath(mountpoint)
     if foreground:
         from distorefs.mount.daemon import serve
+        os.chdir("/")
         handler = logging.StreamHandler() if ready_fd is None else logging.FileHandler(Path(store) / "daemon.log")
         logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, handlers=[handler],
                             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
@@ -91,10 +95,13 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
         raise click.ClickException(f"{mountpoint} is already a distorefs mount of {existing.store}")
     Path(store).mkdir(mode=0o700, parents=True, exist_ok=True)
     read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, "-m", "distorefs.tools.cli", "mount", "--foreground", "--ready-fd", str(write_fd),
-           str(store), str(mountpoint)]
-    for d in nvme_dirs:
-        cmd += ["--nvme-dir", d]
+    # -P (3.11+): the working directory is not put on sys.path, so a `distorefs/` folder there
+    # (a checkout) cannot shadow the installed package; and the daemon starts in `/`.
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    cmd = [sys.executable, *safe_path, "-m", "distorefs.tools.cli", "mount", "--foreground", "--ready-fd",
+           str(write_fd), str(store), str(mountpoint)]
+    for d in dirs:
+        cmd += ["--nvme-dir", f"{d['path']}:{d['capacity_bytes']}" if d["capacity_bytes"] else d["path"]]
     if allow_other:
         cmd.append("--allow-other")
     if debug:
@@ -104,7 +111,7 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
     log_path = Path(store) / "daemon.log"
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_file,
-                                stderr=log_file, start_new_session=True)
+                                stderr=log_file, start_new_session=True, cwd="/")
     os.close(write_fd)
     message = _read_ready(read_fd, timeout)
     if message != "ready":
@@ -156,7 +163,15 @@ def umount(mountpoint, lazy, timeout, force) -> None:
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(info.mountpoint)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        raise click.ClickException(f"fusermount3 failed: {result.stderr.strip()}")
+        from .mounts import holders
+        if "busy" not in result.stderr.lower():
+            raise click.ClickException(f"fusermount3 failed: {result.stderr.strip()}")
+        held = holders(info.mountpoint)
+        who = "; ".join(f"pid {h.pid} ({h.command}): {h.what}" for h in held[:10]) or "a process this user cannot see"
+        raise click.ClickException(
+            f"{info.mountpoint} is busy, held by {who}{' ...' if len(held) > 10 else ''}. Stop those, or "
+            f"`distorefs umount --lazy {info.mountpoint}` to detach it now (the daemon flushes and exits once "
+            f"the last of them lets go)")
     if pid is not None:
         deadline = time.monotonic() + timeout
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
@@ -172,19 +187,26 @@ def umount(mountpoint, lazy, timeout, force) -> None:
 
 
 @main.command()
-def status() -> None:
-    """List mounted stores with their daemon PID, health and uptime."""
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for each mount to answer.")
+def status(timeout) -> None:
+    """List mounted stores with their daemon PID, health and uptime. A mount that does not
+    answer within --timeout (a hung or stopped daemon) is reported as not responding."""
+    from .mounts import read_with_timeout
     found = mounts()
     if not found:
         click.echo("no distorefs mounts")
         return
     for m in found:
         try:
-            stats = json.loads((m.mountpoint / ".distorefs" / "stats.json").read_bytes())
+            stats = json.loads(read_with_timeout(m.mountpoint / ".distorefs" / "stats.json", timeout))
             health = "ok" if not stats.get("corrupt_reads") else f"{stats['corrupt_reads']} corrupt reads"
             uptime = f"{stats['uptime_s']:.0f}s"
+        except TimeoutError:
+            health, uptime = f"not responding (no answer in {timeout:g} s)", "-"
         except OSError as exc:
             health, uptime = f"unreachable ({exc.strerror})", "-"
+        except ValueError:
+            health, uptime = "unreadable stats", "-"
         click.echo(f"{m.mountpoint}  store={m.store}  pid={m.pid}  health={health}  uptime={uptime}")
 
 
@@ -205,16 +227,30 @@ def demo(mountpoint, actors, seconds) -> None:
 @click.option("--jobs", "-j", default=8, show_default=True, help="Batches in flight at once.")
 @click.option("--no-seal", is_flag=True, help="Leave the dataset writable (seal later with `distorefs seal`).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def stage_cmd(src, dest, jobs, no_seal, quiet) -> None:
+@click.option("--follow-symlinks", is_flag=True,
+              help="Stage what every symlink names, even outside SRC (default: only links that stay inside).")
+@click.option("--allow-outside", is_flag=True, help="Let a list file name files outside its own directory.")
+def stage_cmd(src, dest, jobs, no_seal, quiet, follow_symlinks, allow_outside) -> None:
     """Copy SRC (a directory tree, a list of paths, or a CSV with a `path` column) into
-    DEST = MNT/datasets/NAME, verifying every file; a rerun resumes. Then seal it."""
+    DEST = MNT/datasets/NAME, verifying every file; a rerun resumes. Then seal it.
+    Sources are read with your rights; a rerun on a sealed dataset only compares."""
     from .stage import stage
     t0 = time.monotonic()
     try:
-        report = stage(src, dest, jobs=jobs, seal=not no_seal, progress=not quiet)
+        report = stage(src, dest, jobs=jobs, seal=not no_seal, progress=not quiet,
+                       follow_symlinks=follow_symlinks, allow_outside=allow_outside)
     except (OSError, RuntimeError) as exc:
         raise click.ClickException(str(exc))
     elapsed = time.monotonic() - t0
+    if report.identical:
+        click.echo(f"{dest}: already staged, identical ({report.files} files); sealed")
+        return
+    if report.sealed and (report.differs or report.errors):
+        for line in (report.errors + report.differs)[:20]:
+            click.echo(f"  differs: {line}", err=True)
+        raise click.ClickException(f"{dest} is sealed and does not match {src} "
+                                   f"({len(report.differs) + len(report.errors)} differences): stage into a new "
+                                   f"dataset")
     click.echo(f"{report.files} files, {report.bytes / 1e6:.1f} MB in {elapsed:.1f} s "
                f"({report.bytes / 1e6 / max(elapsed, 1e-9):.1f} MB/s, {report.files / max(elapsed, 1e-9):.0f} files/s): "
                f"{report.ok} copied, {report.skipped} already staged, {len(report.errors)} failed"
@@ -262,12 +298,29 @@ BENCHMARKS = {
 
 
 def _bench_command(name: str, doc: str, quick_help: str, workdir_help: str) -> None:
-    def command(out, quick, workdir) -> None:
+    def command(out, quick, workdir, drop_caches) -> None:
         import importlib
+        import signal
+        from . import bench_buffers
+        bench_buffers.DROP_CACHES = drop_caches
+
+        def interrupted(signum, frame):
+            raise SystemExit(128 + signum)  # unwinds through the benchmark's own cleanup
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, interrupted)
         module = importlib.import_module(f"{__package__}.bench_{name}")
-        module.run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+        try:
+            module.run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+            bench_buffers.unmount_all()
 
     command.__doc__ = doc
+    command = click.option("--drop-caches", is_flag=True,
+                           help="Drop the host's page cache before cold reads (root; every process on the host "
+                                "loses its cache). Without it cold reads may be served from memory.")(command)
     command = click.option("--workdir", default=None, type=click.Path(file_okay=False),
                            help=f"Where {workdir_help} go (default: a temp dir under the current one).")(command)
     command = click.option("--quick", is_flag=True, help=quick_help)(command)

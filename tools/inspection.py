@@ -409,7 +409,7 @@ def verify_cmd(store, repair, as_json, quiet) -> None:
     """Check a store that is not mounted: every value's checksum, every index against the
     data, segment files accounted for, leaked space. Exit 0 clean, 1 problems found and
     all repaired, 4 problems left, 8 the check could not run."""
-    from distorefs.errors import NotFound, StoreLocked
+    from distorefs.errors import DamagedStore, NotFound, StoreLocked
     from distorefs.verify import EXIT_FAILED, verify_store
 
     marks = {"error": "ERROR", "leak": "LEAK", "space": "space", "note": "note"}
@@ -426,8 +426,8 @@ def verify_cmd(store, repair, as_json, quiet) -> None:
     try:
         report = verify_store(store, repair=repair, progress=not quiet and not as_json and sys.stderr.isatty(),
                               on_pass=on_pass)
-    except (StoreLocked, NotFound) as exc:
-        click.echo(f"distorefs verify: {exc}", err=True)
+    except (StoreLocked, NotFound, DamagedStore) as exc:
+        click.echo(f"distorefs verify: cannot check: {exc}", err=True)
         raise SystemExit(EXIT_FAILED)
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))

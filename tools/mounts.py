@@ -84,3 +84,74 @@ def abort_connection(conn: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def read_with_timeout(path: Path, timeout: float) -> bytes:
+    """The content of `path`, read by a child process given `timeout` seconds: a hung FUSE
+    daemon leaves its callers in uninterruptible sleep, so the read must not be ours. On
+    TimeoutError the child is killed and left behind (it ends once the mount answers or
+    is aborted); OSError with the child's message if the read fails."""
+    import subprocess
+    proc = subprocess.Popen(["cat", "--", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # not waited for: it may not die until the mount answers
+        raise TimeoutError(f"{path}: no answer in {timeout} s") from None
+    if proc.returncode != 0:
+        message = err.decode(errors="replace").strip().rsplit(": ", 1)[-1]
+        raise OSError(0, message or "read failed")
+    return out
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int
+    command: str
+    what: str  # "working directory", "open file PATH", ...
+
+
+def holders(mountpoint: str | os.PathLike) -> list[Holder]:
+    """Processes that keep a mount busy: a working or root directory, an open file or a
+    mapping below it (from /proc, whose links are read without touching the mount)."""
+    root = str(Path(mountpoint))
+    inside = lambda p: p == root or p.startswith(root + "/")  # noqa: E731
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        try:
+            command = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        what = None
+        for link, label in (("cwd", "working directory"), ("root", "root directory")):
+            try:
+                if inside(os.readlink(entry / link)):
+                    what = label
+                    break
+            except OSError:
+                pass
+        if what is None:
+            try:
+                for fd in (entry / "fd").iterdir():
+                    target = os.readlink(fd)
+                    if inside(target):
+                        what = f"open file {target}"
+                        break
+            except OSError:
+                pass
+        if what is None:
+            try:
+                for line in (entry / "maps").read_text().splitlines():
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and inside(parts[5].removesuffix(" (deleted)")):
+                        what = f"mapped file {parts[5]}"
+                        break
+            except OSError:
+                pass
+        if what is not None:
+            found.append(Holder(pid, command, what))
+    return found

@@ -6,7 +6,14 @@ index.npy). The copying itself is done by the daemon, which reads the source fil
 its own threads: this process writes batches of JSON lines (source, relative path, size,
 mtime) to the dataset's `.stage` control file and reads back one result per file once
 the batch is committed and verified. Several batches are in flight at once (`jobs`).
-A rerun skips what is staged already and intact, so an interrupted stage resumes.
+A rerun skips what is staged already and intact, so an interrupted stage resumes; a rerun
+against a sealed dataset compares instead ("already staged, identical", or what differs).
+
+What is read, and as whom (the daemon enforces it, distorefs/sources.py): sources are
+opened with the rights of the user running this command; a symlink is followed only if
+it stays inside the source tree (`follow_symlinks` follows every link); only regular files
+are staged. A list file may name only files below its own directory unless
+`allow_outside` is given.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ SEAL_XATTR = "user.distorefs.sealed"
 STATE_XATTR = "user.distorefs.state"
 
 
+class StageError(RuntimeError):
+    """The stage cannot start (a wrong destination, a list naming files it may not)."""
+
+
 @dataclass
 class Source:
     src: str
@@ -34,11 +45,17 @@ class Source:
     size: int
     mtime_ns: int
     meta: dict | None = None
+    root: str | None = None  # the tree or list directory the daemon keeps the source beneath
+    follow: bool = False
 
     def line(self) -> bytes:
         r = {"src": self.src, "path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
         if self.meta:
             r["meta"] = self.meta
+        if self.root is not None:
+            r["root"] = self.root
+        if self.follow:
+            r["follow"] = True
         return (json.dumps(r) + "\n").encode()
 
 
@@ -50,12 +67,17 @@ class StageReport:
     bytes: int = 0
     files: int = 0
     sealed: bool = False
+    identical: bool = False  # a sealed dataset the source matches: nothing to do
+    differs: list[str] = field(default_factory=list)  # a sealed dataset: sources it does not match
 
 
-def walk(root: str, workers: int = 8) -> Iterator[Source]:
-    """Every regular file under `root`, listing directories in parallel (metadata servers
-    of Lustre/Ceph answer many requests at once far better than one after another)."""
-    root = os.path.abspath(root)
+def walk(root: str, workers: int = 8, refused: list[str] | None = None) -> Iterator[Source]:
+    """Every regular file under `root` (and every symlink that does not name a directory:
+    the daemon follows it only if it stays inside the tree), listing directories in
+    parallel (metadata servers of Lustre/Ceph answer many requests at once far better than
+    one after another). FIFOs, devices and sockets go to `refused`; links to directories
+    are not descended."""
+    root = os.path.realpath(root)
     out: queue.Queue = queue.Queue()
     pending = [1]
     lock = threading.Lock()
@@ -69,9 +91,13 @@ def walk(root: str, workers: int = 8) -> Iterator[Source]:
                             with lock:
                                 pending[0] += 1
                             pool.submit(scan, entry.path)
-                        elif entry.is_file():
-                            st = entry.stat()
-                            out.put(Source(entry.path, os.path.relpath(entry.path, root), st.st_size, st.st_mtime_ns))
+                        elif entry.is_file(follow_symlinks=False) or (entry.is_symlink() and not entry.is_dir()):
+                            st = entry.stat(follow_symlinks=False)
+                            out.put(Source(entry.path, os.path.relpath(entry.path, root), st.st_size,
+                                           st.st_mtime_ns, root=root))
+                        elif not entry.is_symlink() and refused is not None:
+                            with lock:
+                                refused.append(f"{entry.path}: not a regular file: refused")
                     except OSError as exc:
                         out.put(exc)
         except OSError as exc:
@@ -93,9 +119,11 @@ def walk(root: str, workers: int = 8) -> Iterator[Source]:
             yield item
 
 
-def read_list(list_file: str) -> list[Source]:
-    """Sources named by a text file (one path per line) or a CSV/TSV with a `path` column."""
-    base = os.path.dirname(os.path.abspath(list_file))
+def read_list(list_file: str, allow_outside: bool = False) -> list[Source]:
+    """Sources named by a text file (one path per line) or a CSV/TSV with a `path` column.
+    Paths are relative to the list's directory and must stay below it (StageError naming
+    those that do not) unless `allow_outside`."""
+    base = os.path.realpath(os.path.dirname(os.path.abspath(list_file)))
     with open(list_file, newline="") as f:
         text = f.read()
     first = text.split("\n", 1)[0]
@@ -108,11 +136,17 @@ def read_list(list_file: str) -> list[Source]:
     else:
         rows = [(line.strip(), None) for line in text.splitlines() if line.strip() and not line.startswith("#")]
     paths = [os.path.normpath(os.path.join(base, p)) for p, _ in rows]
+    if not allow_outside:
+        outside = [p for (p, _), path in zip(rows, paths) if os.path.commonpath([base, path]) != base]
+        if outside:
+            raise StageError(f"{list_file} names {len(outside)} file(s) outside its directory {base} (e.g. "
+                             f"{', '.join(outside[:3])}); pass --allow-outside to stage them")
     common = os.path.commonpath([os.path.dirname(p) for p in paths]) if paths else base
     sources = []
     for path, (_, meta) in zip(paths, rows):
-        st = os.stat(path)
-        sources.append(Source(path, os.path.relpath(path, common), st.st_size, st.st_mtime_ns, meta))
+        st = os.stat(path, follow_symlinks=False)
+        sources.append(Source(path, os.path.relpath(path, common), st.st_size, st.st_mtime_ns, meta,
+                              root=None if allow_outside else base))
     return sources
 
 
@@ -138,15 +172,32 @@ def batches(sources, max_files: int = 256, max_bytes: int = 64 << 20) -> Iterato
         yield batch
 
 
-def stage(src: str, dest: str, *, jobs: int = 8, seal: bool = True, progress: bool = True) -> StageReport:
-    """Stage `src` into the dataset directory `dest` (MNT/datasets/NAME), then seal it."""
-    dest_path = Path(dest)
+def check_destination(dest: str) -> Path:
+    """`dest` must be MNT/datasets/NAME of a distorefs mount (StageError saying what it is
+    instead): anything else would get a stray `.stage` file."""
+    path = Path(os.path.abspath(dest))
+    datasets, mount = path.parent, path.parent.parent
+    if datasets.name != "datasets" or not (mount / ".distorefs" / "version").is_file():
+        raise StageError(f"{dest} is not a dataset of a distorefs mount: the destination must be "
+                         f"MNT/datasets/NAME (MNT a distorefs mount point)")
+    if path.exists() and not path.is_dir():
+        raise StageError(f"{dest} exists and is not a dataset directory")
+    return path
+
+
+def stage(src: str, dest: str, *, jobs: int = 8, seal: bool = True, progress: bool = True,
+          follow_symlinks: bool = False, allow_outside: bool = False) -> StageReport:
+    """Stage `src` into the dataset directory `dest` (MNT/datasets/NAME), then seal it. A
+    sealed `dest` is compared with `src` instead (report.identical, report.differs)."""
+    dest_path = check_destination(dest)
+    refused: list[str] = []
+    sources = read_list(src, allow_outside) if os.path.isfile(src) else list(walk(src, refused=refused))
+    for s in sources:
+        s.follow = follow_symlinks
     if not dest_path.exists():
         os.mkdir(dest_path)
-    if is_sealed(dest):
-        raise RuntimeError(f"{dest} is sealed already")
-    sources = read_list(src) if os.path.isfile(src) else list(walk(src))
-    report = StageReport(files=len(sources), bytes=sum(s.size for s in sources))
+    sealed = is_sealed(dest)
+    report = StageReport(files=len(sources), bytes=sum(s.size for s in sources), errors=list(refused))
     control = str(dest_path / ".stage")
     lock = threading.Lock()
     bar = tqdm(total=report.bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
@@ -169,8 +220,10 @@ def stage(src: str, dest: str, *, jobs: int = 8, seal: bool = True, progress: bo
                 status, path, size, message = (line.split("\t", 3) + ["", "", ""])[:4]
                 if status == "ok":
                     report.ok += 1
-                elif status == "skip":
+                elif status in ("skip", "same"):
                     report.skipped += 1
+                elif status == "differs":
+                    report.differs.append(f"{path}: {message}")
                 else:
                     report.errors.append(f"{path}: {message}")
             bar.update(sum(s.size for s in batch))
@@ -183,6 +236,13 @@ def stage(src: str, dest: str, *, jobs: int = 8, seal: bool = True, progress: bo
                 future.result()
     finally:
         bar.close()
+    if sealed:
+        items = int(os.getxattr(dest, "user.distorefs.items") or 0)
+        report.sealed = True
+        report.identical = not report.errors and not report.differs and items == len(sources)
+        if items != len(sources) and not report.differs:
+            report.differs.append(f"the dataset holds {items} items, the source {len(sources)} files")
+        return report
     if seal and not report.errors:
         seal_dataset(dest)
         report.sealed = True

@@ -58,3 +58,55 @@ def buf(fs, request):
     return fs.buffer(name)
 
 
+
+
+@pytest.fixture
+def temp_user():
+    """A user made for this test (useradd) and removed after it (userdel): (name, uid, gid)."""
+    import os
+    import pwd
+    import shutil
+    import subprocess
+    import uuid
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("needs root and useradd")
+    name = f"dfs{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", "--user-group", name],
+                   check=True, capture_output=True)
+    try:
+        pw = pwd.getpwnam(name)
+        yield name, pw.pw_uid, pw.pw_gid
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+@pytest.fixture
+def shared_mount(tmp_path_factory):
+    """A factory of --allow-other mounts under a directory every user can reach (pytest's
+    own tmp dirs are 0700), removed afterwards."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+    if not have_fuse():
+        pytest.skip("needs /dev/fuse and fusermount3")
+    root = Path(tempfile.mkdtemp(prefix="distorefs-shared-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    made: list[Mount] = []
+
+    def make(*options: str) -> Mount:
+        m = Mount(root / f"m{len(made)}", options)
+        os.chmod(m.root, 0o755)
+        os.chmod(m.mnt, 0o755)
+        made.append(m)
+        m.mount_allow_other()
+        return m
+
+    try:
+        yield make
+    finally:
+        for m in made:
+            m.cleanup()
+        for m in made:
+            assert not is_mounted(m.mnt)
+        shutil.rmtree(root, ignore_errors=True)

@@ -63,8 +63,11 @@ class Mount:
 
     # ----- lifecycle -----------------------------------------------------------------
 
-    def mount(self, *extra: str) -> subprocess.CompletedProcess:
-        args = list(CLI) + ["mount"]
+    def mount_allow_other(self) -> subprocess.CompletedProcess:
+        return self.mount(flags=("--allow-other",))
+
+    def mount(self, *extra: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        args = list(CLI) + ["mount", *flags]
         for opt in self.options + extra:
             args += ["-o", opt]
         args += [str(self.store), str(self.mnt)]
@@ -232,6 +235,61 @@ def verify_payload(data: bytes, key: str | None = None) -> bool:
     if key is not None and not body.startswith((key + "|").encode()):
         return False
     return True
+
+
+def as_user(user: str, *cmd: str, cwd: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `cmd` as `user` (runuser: its uid, gid and groups), output captured as text."""
+    return subprocess.run(["runuser", "-u", user, "--", *cmd], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+def in_child_as(uid: int, gid: int, fn, *args, timeout: float = 120):
+    """fn(*args) in a forked child that runs as uid/gid (no other groups); its result (JSON)
+    comes back, an exception in it becomes an AssertionError here. For steps that need
+    Python as another user: the interpreter under /root is not theirs to start."""
+    import traceback
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to the user, run, report, never return into pytest
+        code = 0
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            out = {"ok": fn(*args)}
+        except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+            out = {"error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", None),
+                   "trace": traceback.format_exc()}
+            code = 1
+        try:
+            os.write(write_fd, json.dumps(out, default=str).encode())
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            chunk = os.read(read_fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise AssertionError("the child did not finish in time")
+    finally:
+        os.close(read_fd)
+        os.waitpid(pid, 0)
+    out = json.loads(b"".join(chunks) or b'{"error": "no answer"}')
+    if "error" in out:
+        raise ChildFailed(out["error"], out.get("errno"), out.get("trace", ""))
+    return out["ok"]
+
+
+class ChildFailed(AssertionError):
+    def __init__(self, message: str, errno_: int | None, trace: str) -> None:
+        super().__init__(f"{message}\n{trace}")
+        self.errno = errno_
 
 
 def assert_errno(expected, fn, *args, **kwargs):

@@ -27,7 +27,7 @@ def test_bank_tree_and_config(fs, bank):
     config = get_config(bank)
     assert "sampler" not in config and config["capacity"] > 0
     f = open(bank / "config.json", "wb", buffering=0)
-    f.write(b'{"sampler": "uniform"}')  # banks do not sample
+    assert_errno(errno.EINVAL, f.write, b'{"sampler": "uniform"}')  # banks do not sample
     assert_errno(errno.EINVAL, f.close)
     assert get_config(bank) == config
     assert not (bank / "sample").exists() and not (bank / "priorities").exists()

@@ -123,8 +123,11 @@ def test_config_invalid_keeps_old(buf):
     ]
     for text in bad:
         f = open(buf / "config.json", "wb", buffering=0)
-        f.write(text)
-        err = assert_errno(errno.EINVAL, f.close)
+        if text.rstrip().endswith(b"}"):  # a whole JSON object is judged by this write() already
+            assert_errno(errno.EINVAL, f.write, text)
+        else:
+            f.write(text)
+        err = assert_errno(errno.EINVAL, f.close)  # and close() says it again
         assert err is not None
         assert get_config(buf) == before, text
     # and a good write still works afterwards

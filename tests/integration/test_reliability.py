@@ -88,6 +88,9 @@ def _wait_request(mnt, text: bytes, read: bool):
             f.read()
 
 
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
 def bad_inputs(mnt: Path, buf: Path, bank: Path, empty: Path, model: Path, other: Path):
     """(label, call, expected errnos): every one must fail with one of them and change nothing."""
     long = "L" * 256
@@ -140,6 +143,24 @@ def bad_inputs(mnt: Path, buf: Path, bank: Path, empty: Path, model: Path, other
          E.EINVAL),
         ("bank config: compression level 99", lambda: _config(bank / "config.json",
                                                                b'{"compression_level": 99}'), E.EINVAL),
+        # hostile input (issue 15)
+        ("buffer config: JSON nested 100,000 deep", lambda: _config(buf / "config.json", DEEP), E.EINVAL),
+        ("weights config: JSON nested 100,000 deep", lambda: _config(mnt / "weights" / "config.json", DEEP),
+         E.EINVAL),
+        ("checkpoints config: JSON nested 100,000 deep", lambda: _config(mnt / "checkpoints" / "config.json", DEEP),
+         E.EINVAL),
+        ("buffer config: min_size_to_sample above capacity",
+         lambda: _config(buf / "config.json", b'{"capacity": 5, "min_size_to_sample": 6}'), E.EINVAL),
+        ("buffer name not UTF-8", lambda: os.mkdir(os.path.join(os.fsencode(mnt / "buffers"), b"bad\xff\xfe")),
+         E.EINVAL),
+        ("bank name not UTF-8", lambda: os.mkdir(os.path.join(os.fsencode(mnt / "banks"), b"\xc3\x28")), E.EINVAL),
+        ("dataset name not UTF-8", lambda: os.mkdir(os.path.join(os.fsencode(mnt / "datasets"), b"\xff")),
+         E.EINVAL),
+        ("priority 1e308 (its sum overflows)", lambda: _priorities(buf, b"keep0 1e308\n"), E.EINVAL),
+        ("priority xattr 1e300", lambda: os.setxattr(buf / "entries" / "keep1", "user.distorefs.priority",
+                                                     b"1e300"), E.EINVAL),
+        ("buffer config: initial_priority 1e300", lambda: _config(buf / "config.json",
+                                                                   b'{"initial_priority": 1e300}'), E.EINVAL),
         # priorities
         ("priority 1e400 (inf)", lambda: _priorities(buf, b"keep0 1e400\n"), E.EINVAL),
         ("priority -0.0001", lambda: _priorities(buf, b"keep1 -0.0001\n"), E.EINVAL),

@@ -70,6 +70,8 @@ def store_stats(m) -> dict:
 def test_buffer_far_larger_than_memory(fresh_mount, tmp_path):
     dirs = [{"path": str(tmp_path / "nvme0"), "capacity_bytes": 700 * MiB},
             {"path": str(tmp_path / "nvme1"), "capacity_bytes": 700 * MiB}]
+    for d in dirs:
+        os.mkdir(d["path"])
     m = fresh_mount(f"memory_bytes={64 * MiB}", f"lmdb_bytes={128 * MiB}", f"segment_bytes={16 * MiB}",
                     "sync_interval=0.3", "nvme_dirs=" + json.dumps(dirs))
     idle = _daemon_memory(m.pid)

@@ -1,0 +1,37 @@
+"""Bounded waits: no wait a request makes in the daemon is unbounded.
+
+pyfuse3 delivers no FUSE interrupts, and once a request has reached the daemon the kernel
+waits for its answer even through SIGKILL (the caller sits in D state). So a request that
+waits (for `min_size_to_sample` entries, for a weights version) wakes every `TICK` seconds
+and asks `abandoned()` whether its caller still wants the answer; when it does not (the
+process is gone or exiting, or has a signal pending that it can take: SIGKILL, or a
+handled signal such as Python's SIGINT) the wait ends with Interrupted (EINTR), so the
+kernel lets the signal be delivered. A live caller with no signal pending keeps waiting:
+it never sees a spurious EINTR. The core knows nothing of processes: the FUSE layer
+passes `abandoned` (distorefs/mount/callers.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import trio
+
+from .errors import Interrupted
+
+TICK = 0.5  # seconds between two looks at the caller
+
+Abandoned = Callable[[], bool]
+
+
+async def wait_event(event: trio.Event, abandoned: Abandoned | None, what: str) -> None:
+    """Wait for `event`, or for at most TICK seconds (the caller re-checks its condition
+    and waits again); Interrupted if the caller gave up meanwhile."""
+    with trio.move_on_after(TICK):
+        await event.wait()
+        return
+    if abandoned is not None and abandoned():
+        raise Interrupted(f"{what}: the caller was interrupted while waiting")
+
+
+__all__ = ["TICK", "Abandoned", "wait_event"]

@@ -1,0 +1,59 @@
+"""Benchmarks are good neighbours (issue 15): the host's page cache is dropped only when
+asked (--drop-caches), and an interrupted benchmark (SIGTERM, SIGINT) unmounts what it
+mounted."""
+
+from __future__ import annotations
+
+import io
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from distorefs.tools import bench_buffers
+from distorefs_it import CLI
+
+
+def _mounts_under(root: Path) -> list[str]:
+    with open("/proc/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[1].startswith(str(root))]
+
+
+def test_page_cache_is_dropped_only_when_asked(monkeypatch):
+    opened: list[str] = []
+
+    def fake_open(path, *args, **kwargs):
+        opened.append(str(path))
+        return io.StringIO()  # never the real /proc/sys/vm/drop_caches
+
+    monkeypatch.setattr(bench_buffers, "open", fake_open, raising=False)
+    monkeypatch.setattr(bench_buffers.os, "sync", lambda: None)
+    monkeypatch.setattr(bench_buffers, "DROP_CACHES", False, raising=False)
+    notes: list[str] = []
+    assert bench_buffers._drop_caches(notes) is False
+    assert "/proc/sys/vm/drop_caches" not in opened
+    assert any("--drop-caches" in n for n in notes), notes
+    monkeypatch.setattr(bench_buffers, "DROP_CACHES", True)
+    assert bench_buffers._drop_caches([]) is True
+    assert opened == ["/proc/sys/vm/drop_caches"]
+
+
+def test_an_interrupted_benchmark_unmounts_what_it_mounted(tmp_path):
+    work = tmp_path / "work"
+    proc = subprocess.Popen(CLI + ["bench", "datasets", "--quick", "--workdir", str(work), "--out",
+                                   str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not _mounts_under(work) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert _mounts_under(work), f"the benchmark never mounted: {proc.poll()}"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert not _mounts_under(work), f"left mounted: {_mounts_under(work)}\n{out[-2000:]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for mnt in _mounts_under(work):  # only what this test's benchmark left (under its own dir)
+            subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)

@@ -1,0 +1,71 @@
+"""Operating the mount (issue 15): the daemon starts the same from any directory and
+works from `/`; `distorefs status` answers despite a hung mount; `distorefs umount` of a
+busy mount says who holds it and suggests --lazy."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from distorefs_it import CLI, Mount, is_mounted
+
+DISTOREFS = str(Path(sys.executable).parent / "distorefs")  # the installed command
+
+
+def test_mount_from_a_directory_holding_a_distorefs_folder(tmp_path):
+    work = tmp_path / "checkout"
+    (work / "distorefs").mkdir(parents=True)  # like the repository root
+    (work / "distorefs" / "__init__.py").write_text("raise ImportError('the checkout, not the package')\n")
+    (work / "mnt").mkdir()
+    res = subprocess.run([DISTOREFS, "mount", "store", "mnt"], cwd=work, capture_output=True, text=True, timeout=90)
+    m = Mount(work)  # the same store and mount point, for cleanup
+    pid = re.search(r"daemon pid (\d+)", res.stdout)
+    if pid:
+        m.pids.add(int(pid.group(1)))
+    try:
+        assert res.returncode == 0, res
+        m.pid = int(pid.group(1))
+        assert os.readlink(f"/proc/{m.pid}/cwd") == "/"
+        assert (work / "mnt" / ".distorefs" / "version").read_text().startswith("distorefs")
+        assert (work / "store" / "daemon.log").exists()
+        m.umount()
+    finally:
+        m.cleanup()
+
+
+def test_status_answers_while_a_mount_hangs(fresh_mount):
+    m = fresh_mount()
+    os.kill(m.pid, signal.SIGSTOP)  # a hung daemon: every request to it waits
+    try:
+        status = subprocess.Popen(CLI + ["status"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = status.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(m.pid, signal.SIGCONT)  # let the stuck status go before failing
+            status.communicate(timeout=60)
+            raise AssertionError("distorefs status hung on a mount that does not answer") from None
+        assert status.returncode == 0, err
+        line = [x for x in out.splitlines() if str(m.mnt) in x]
+        assert line and "not responding" in line[0], out
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    res = subprocess.run(CLI + ["status"], capture_output=True, text=True, timeout=60)
+    assert [x for x in res.stdout.splitlines() if str(m.mnt) in x and "health=ok" in x], res.stdout
+
+
+def test_umount_of_a_busy_mount_says_who_holds_it(fresh_mount):
+    m = fresh_mount()
+    sleeper = subprocess.Popen(["sleep", "300"], cwd=m.mnt / "buffers")
+    try:
+        res = subprocess.run(CLI + ["umount", str(m.mnt)], capture_output=True, text=True, timeout=60)
+        assert res.returncode != 0 and is_mounted(m.mnt)
+        assert f"pid {sleeper.pid} (sleep)" in res.stderr and "--lazy" in res.stderr, res.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    m.umount()
