@@ -59,6 +59,10 @@ class Buffer(RingNamespace):
                                                             spawn=services.spawn, lag=4096)
         self.ring.place = self._place
         self._presampled: dict[int, deque] = {}
+        # Entries drawn since their times-sampled counts were last written: written behind,
+        # SAMPLED_FLUSH_S after the first draw, in one commit (a crash loses at most those).
+        self._sampled: dict[int, EntryMeta] = {}
+        self._sampled_due = False
         self._refilling: set[int] = set()
         self._changed = trio.Event()
         self._waiting = 0  # tasks waiting for min_size_to_sample
@@ -165,9 +169,30 @@ class Buffer(RingNamespace):
                       self.places.take(slots) if self.layout is not None and len(slots) else None)
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(metas)
-        self.committer.submit_nowait(RecordSampled(self, metas))
+        self._record_sampled(metas)
         self._schedule_presample(n)
         return batch
+
+    def _record_sampled(self, metas: list[EntryMeta]) -> None:
+        sampled = self._sampled
+        for m in metas:
+            sampled[m.seq] = m
+        if len(sampled) >= SAMPLED_FLUSH_ENTRIES:
+            self.flush_sampled()
+        elif not self._sampled_due:
+            self._sampled_due = True
+            self.spawn(self._flush_sampled_later)
+
+    async def _flush_sampled_later(self) -> None:
+        await trio.sleep(SAMPLED_FLUSH_S)
+        self.flush_sampled()
+
+    def flush_sampled(self) -> None:
+        """Queue the times-sampled counts not written yet (the store calls it at shutdown)."""
+        self._sampled_due = False
+        if self._sampled:
+            metas, self._sampled = list(self._sampled.values()), {}
+            self.committer.submit_nowait(RecordSampled(self, metas))
 
     async def sample_npz(self, n: int, nonblocking: bool = False,
                          abandoned: Abandoned | None = None) -> tuple[Batch, BatchFile]:
@@ -224,7 +249,11 @@ class Buffer(RingNamespace):
                     return
                 metas = [self.ring.slot_meta[s] for s in slots.tolist()]
                 queue.append((slots, np.array([m.seq for m in metas], dtype=np.int64)))
-                self.ring.prefetcher.extend({(m.seq, m.gen): None for m in metas})
+                cached = self.ring.values.cache.peek
+                ns = self.ns_id
+                # only what the memory tier does not hold already needs reading ahead
+                self.ring.prefetcher.extend({(m.seq, m.gen): None for m in metas
+                                             if cached((ns, m.seq, m.gen)) is None})
         finally:
             self._refilling.discard(n)
 
@@ -233,6 +262,14 @@ class Buffer(RingNamespace):
     async def set_priorities(self, pairs: list[tuple[bytes, float]], strict: bool = False) -> int:
         """Set priorities; unknown keys (evicted since they were sampled) are skipped and
         counted, or raise NotFound if `strict`. Returns how many were applied."""
+        pending, count = self.queue_priorities(pairs, strict)
+        if pending is not None:
+            await pending.wait()
+        return count
+
+    def queue_priorities(self, pairs: list[tuple[bytes, float]], strict: bool = False):
+        """Check the priorities now (InvalidArgument, NotFound if `strict`) and queue their
+        commit: (something to `await .wait()` on, or None when no key is known; how many)."""
         for key, value in pairs:
             check_priority(key, value)
         metas, values = [], []
@@ -245,9 +282,9 @@ class Buffer(RingNamespace):
                 continue
             metas.append(meta)
             values.append(value)
-        if metas:
-            await self.committer.submit(SetPriorities(self, metas, values))
-        return len(metas)
+        if not metas:
+            return None, 0
+        return self.committer.enqueue(SetPriorities(self, metas, values)), len(metas)
 
     def priorities_text(self) -> bytes:
         prio = self.sampler.priority
@@ -286,6 +323,8 @@ class Buffer(RingNamespace):
 
 
 BUILD_INLINE = 1024  # a batch of more entries is described in a worker thread
+SAMPLED_FLUSH_S = 0.5  # times-sampled counts are written this long after a draw...
+SAMPLED_FLUSH_ENTRIES = 8192  # ... or once this many entries wait to be written
 log = logging.getLogger(__name__)
 
 

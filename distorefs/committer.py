@@ -89,6 +89,11 @@ class _Pending:
         self.done = trio.Event()
         self.error: BaseException | None = None
 
+    async def wait(self) -> None:
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+
 
 class Committer:
     def __init__(self, write_txn) -> None:
@@ -122,6 +127,10 @@ class Committer:
         for p in pending:
             await p.done.wait()
         return [p.error for p in pending]
+
+    def enqueue(self, change: Change) -> "_Pending":
+        """Queue `change` now and wait for it later (`await pending.wait()` raises its error)."""
+        return self._enqueue(change, waited=True)
 
     def submit_nowait(self, change: Change) -> None:
         """Queue `change` without waiting; a failure is logged."""

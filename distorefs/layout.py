@@ -110,7 +110,7 @@ _HEADERS: dict[bytes, "tuple[str, tuple[int, ...]] | str"] = {}
 
 def _npy(buf: memoryview, start: int, end: int, name: str) -> tuple[Field, int]:
     """The field an .npy file at buf[start:end] holds, and where its array bytes start."""
-    if end - start < 10 or bytes(buf[start:start + 6]) != NPY_MAGIC:
+    if end - start < 10 or buf[start:start + 6] != NPY_MAGIC:
         raise NotStackable(f"{name}: not an .npy array")
     major = buf[start + 6]
     if major == 1:
@@ -158,11 +158,13 @@ def _zip_members(buf: memoryview) -> list[tuple[str, int, int, int]]:
     """(name, method, data start, data size) of each member of a ZIP archive, from its
     central directory (ZIP64 included)."""
     n = len(buf)
-    tail = bytes(buf[max(0, n - (1 << 16) - _EOCD.size):])
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or at + _EOCD.size > len(tail):
-        raise NotStackable("not a ZIP archive (no end of central directory)")
-    eocd = n - len(tail) + at
+    eocd = n - _EOCD.size
+    if eocd < 0 or buf[eocd:eocd + 4] != b"PK\x05\x06":  # no archive comment: the usual case
+        tail = bytes(buf[max(0, n - (1 << 16) - _EOCD.size):])  # else look for it before a comment
+        at = tail.rfind(b"PK\x05\x06")
+        if at < 0 or at + _EOCD.size > len(tail):
+            raise NotStackable("not a ZIP archive (no end of central directory)")
+        eocd = n - len(tail) + at
     _, _, _, _, count, cd_size, cd_off, _ = _EOCD.unpack_from(buf, eocd)
     if cd_off == 0xFFFFFFFF or count == 0xFFFF:
         loc = eocd - _EOCD64_LOCATOR.size
@@ -177,7 +179,7 @@ def _zip_members(buf: memoryview) -> list[tuple[str, int, int, int]]:
     out = []
     pos = cd_off
     for _ in range(count):
-        if pos + _CDIR.size > n or bytes(buf[pos:pos + 4]) != b"PK\x01\x02":
+        if pos + _CDIR.size > n or buf[pos:pos + 4] != b"PK\x01\x02":
             raise NotStackable("bad ZIP central directory")
         (_, _, _, flags, method, _, _, _, csize, usize, nlen, elen, clen, _, _, _, lho) = _CDIR.unpack_from(buf, pos)
         name = bytes(buf[pos + _CDIR.size:pos + _CDIR.size + nlen]).decode("utf-8", "replace")
@@ -187,7 +189,7 @@ def _zip_members(buf: memoryview) -> list[tuple[str, int, int, int]]:
         pos += _CDIR.size + nlen + elen + clen
         if flags & 1:
             raise NotStackable(f"{name}: encrypted")
-        if lho + _LOCAL.size > n or bytes(buf[lho:lho + 4]) != b"PK\x03\x04":
+        if lho + _LOCAL.size > n or buf[lho:lho + 4] != b"PK\x03\x04":
             raise NotStackable(f"{name}: bad local header")
         lname, lextra = _LOCAL.unpack_from(buf, lho)[9:11]
         start = lho + _LOCAL.size + lname + lextra
@@ -218,10 +220,10 @@ def parse(data: bytes | memoryview) -> tuple[Layout, tuple[int, ...]]:
     """The layout of an entry and the offset of each field's array bytes in it (in the
     layout's field order). NotStackable, with the reason, for anything else."""
     buf = memoryview(data).cast("B")
-    if bytes(buf[:6]) == NPY_MAGIC:
+    if buf[:6] == NPY_MAGIC:
         field, off = _npy(buf, 0, len(buf), "data")
         return Layout("npy", (field,)), (off,)
-    if bytes(buf[:2]) != b"PK":
+    if buf[:2] != b"PK":
         raise NotStackable("neither an .npy nor an .npz file (use raw mode for other data)")
     fields, offsets = [], []
     for name, method, start, size in _zip_members(buf):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from .errors import InvalidName
 
 MAX_NAME_BYTES = 255
@@ -37,11 +39,12 @@ def check_namespace_name(name: str) -> str:
 # a backslash and three octal digits (as /proc/mounts does), and read back the same way;
 # a key can then neither split a line nor inject one.
 _ESCAPED = frozenset(b" \t\n\r\\\x0b\x0c")
+_NEEDS_ESCAPE = re.compile(rb"[ \t\n\r\\\x0b\x0c]")
 
 
 def escape_key(key: bytes) -> bytes:
     """`key` as it appears in a line of `sample/N` or `priorities`."""
-    if not any(c in _ESCAPED for c in key):
+    if _NEEDS_ESCAPE.search(key) is None:  # the common case, at C speed
         return key
     return b"".join(b"\\%03o" % c if c in _ESCAPED else bytes((c,)) for c in key)
 

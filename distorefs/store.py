@@ -210,6 +210,8 @@ class Store:
             finally:
                 with trio.CancelScope(shield=True):
                     await self.checkpoints.drain()  # what checkpoint writers handed over
+                    for buf in self.buffers.values():
+                        buf.flush_sampled()  # times-sampled counts written behind
                     await self.committer.drain()
                     await self.sync()
                 nursery.cancel_scope.cancel()

@@ -178,13 +178,17 @@ class PrioritiesWriter(Handle):
     def __init__(self, buffer: Buffer) -> None:
         self.buffer = buffer
         self.partial = b""
+        self.queued: list = []  # commits of this handle's writes, waited for at close
 
     async def write(self, off: int, buf: bytes) -> int:
         text = self.partial + buf
         cut = text.rfind(b"\n") + 1
         pairs = parse_priorities(text[:cut])
         if pairs:
-            await self.buffer.set_priorities(pairs)
+            # checked now (EINVAL fails this write), committed behind it: close() waits
+            pending, _ = self.buffer.queue_priorities(pairs)
+            if pending is not None:
+                self.queued.append(pending)
         self.partial = text[cut:]
         return len(buf)
 
@@ -192,6 +196,9 @@ class PrioritiesWriter(Handle):
         if self.partial.strip():
             line, self.partial = self.partial, b""
             await self.buffer.set_priorities(parse_priorities(line))
+        queued, self.queued = self.queued, []
+        for pending in queued:  # what close() acknowledges is committed
+            await pending.wait()
 
 
 def parse_priorities(text: bytes) -> list[tuple[bytes, float]]:

@@ -333,8 +333,10 @@ class PrioritiesFile(Node):
         self.buf = buf
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        # Always size 0 (a read renders the current priorities): nothing to re-ask the daemon
+        # for, so the kernel keeps name and attributes (a chmod of the buffer invalidates them).
         o = self.buf.owner
-        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o644), 0, o.uid, o.gid, time.time_ns(), NO_CACHE)
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o644), 0, o.uid, o.gid, self.buf.ctime_ns, DIR_LONG)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
@@ -402,8 +404,9 @@ class DrawFile(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         size = self.sizes.get(ctx.pid if ctx is not None else self.pid, 0)
-        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o444), size, o.uid, o.gid, time.time_ns(), NO_CACHE,
-                          entry_timeout=DIR_LONG)
+        # Cached until the next open of this process drops them (below): np.load's stat and
+        # seeks then cost one GETATTR per batch, not one each.
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o444), size, o.uid, o.gid, self.buf.ctime_ns, DIR_LONG)
 
     def released(self, handle: Handle) -> None:
         pid = getattr(handle, "pid", None)
@@ -423,8 +426,9 @@ class DrawFile(Node):
         self.sizes[ctx.pid] = content.size
         handle = SampleReader(self.buf, batch, content)
         handle.pid = ctx.pid
-        try:  # attributes only: no page or inode lock is taken, safe while this OPEN is pending
-            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, self.ino, True)
+        try:  # attributes only: takes no page or inode lock, so it is safe (and quick) inline,
+            # while this OPEN is pending; the next stat or seek asks for the new batch's size
+            pyfuse3.invalidate_inode(self.ino, True)
         except OSError:
             pass  # the kernel does not know the inode (yet): nothing cached to drop
         return handle
