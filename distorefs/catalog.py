@@ -100,6 +100,12 @@ class EntryMeta:
     def tier(self) -> int:
         return self.value.tier
 
+    def same_content(self, other: "EntryMeta | None") -> bool:
+        """Whether `other` is this entry with the same content (moved between tiers,
+        renamed, or given new attributes since), not a rewrite of it."""
+        return other is not None and other.seq == self.seq and other.value.checksum == self.value.checksum \
+            and other.value.size == self.value.size
+
     def pack(self) -> bytes:
         v = self.value
         return _REC.pack(v.size, v.stored_size, v.checksum, v.codec, v.tier, self.mode, self.uid, self.gid,

@@ -129,14 +129,14 @@ class Ring:
     def cached(self, meta: EntryMeta) -> bytes | None:
         return self.values.cache.get(self._cache_key(meta))
 
-    async def read(self, meta: EntryMeta) -> bytes:
+    async def read(self, meta: EntryMeta, follow_rewrites: bool = True) -> bytes:
         """The whole decoded value of `meta` (memory tier first, then its disk tier).
 
         If the entry was rewritten while its value was being read, the current version is
-        returned; if it was removed, NotFound. Only a current value that does not verify
-        is corruption (EIO, logged, counted).
+        returned (NotFound without `follow_rewrites`); if it was removed, NotFound. Only a
+        current value that does not verify is corruption (EIO, logged, counted).
         """
-        value = await self._load(meta)
+        value = await self._load(meta, follow_rewrites)
         self.counters["reads"] += 1
         self.counters["read_bytes"] += len(value)
         return value
@@ -160,9 +160,9 @@ class Ring:
                 raise self.values.report_corrupt(result) from None
             if current is None or current.seq != meta.seq:
                 raise NotFound(f"{self._what(meta)} was removed while being read") from None
-            if not follow_rewrites:
+            if not follow_rewrites and not meta.same_content(current):
                 raise NotFound(f"{self._what(meta)} was rewritten while being read") from None
-            meta = current  # rewritten meanwhile: read the new version
+            meta = current  # moved meanwhile (or rewritten: read the new version)
         raise NotFound(f"{self._what(meta)} keeps changing; try again")
 
     async def read_many(self, metas: list[EntryMeta], follow_rewrites: bool = True) -> list[bytes]:

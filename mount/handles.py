@@ -52,9 +52,10 @@ class BytesReader(Handle):
 
 class SampleReader(Handle):
     """`sample/N` or `batch/N.npz`: a batch fixed for the life of the handle, its file
-    gathered from the entries' values at each READ (distorefs/batch.py)."""
-
-    direct_io = True
+    gathered from the entries' values at each READ (distorefs/batch.py). Read through the
+    page cache (its inode has no other open batch, and an open without keep_cache starts
+    the cache empty), so the kernel's read-ahead asks for 1 MiB at a time, not the
+    reader's 128-256 KiB pieces."""
 
     def __init__(self, buffer: Buffer, batch: Batch, content: BatchFile) -> None:
         self.buffer = buffer

@@ -7,6 +7,7 @@ typed exceptions, turned into errno by `operations`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import stat
@@ -310,7 +311,7 @@ class AtDir(Node):
             raise NotFound(f"not a position: {text!r}")
         meta = self.bank.at(int(text))
         entries = self.fs.inodes.intern(("entries", self.bank.ns_id), lambda: EntriesDir(self.fs, self.bank))
-        return entries.entry_node(meta.key)
+        return entries.entry_node(meta)
 
 
 class BufferDir(RingDir):
@@ -352,7 +353,9 @@ class PrioritiesFile(Node):
 class DrawDir(Node):
     """sample/ or batch/: every name N (or N.npz) is a file that draws a batch when opened.
     Each process gets an inode of its own for a name (see DrawFile), so the kernel must look
-    the name up on every open (names_move)."""
+    the name up on every open (names_move). A process that opens the name while its inode
+    is still open elsewhere gets another one: one inode never has two batches open, so its
+    page cache (each open starts it empty) only ever holds the batch being read."""
 
     names_move = True
 
@@ -360,6 +363,7 @@ class DrawDir(Node):
         super().__init__(fs)
         self.buf = buf
         self.npz = npz
+        self._spare = itertools.count(1)
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
@@ -378,8 +382,12 @@ class DrawDir(Node):
         self.buf.check_batch_size(n)
         kind = "batchfile" if self.npz else "samplefile"
         pid = ctx.pid if ctx is not None else 0
-        return self.fs.inodes.intern((kind, self.buf.ns_id, n, pid),
+        node = self.fs.inodes.intern((kind, self.buf.ns_id, n, pid),
                                      lambda: DrawFile(self.fs, self.buf, n, self.npz, pid))
+        if node.open_handles:  # its batch is still being read: this open gets an inode of its own
+            node = self.fs.inodes.intern((kind, self.buf.ns_id, n, pid, next(self._spare)),
+                                         lambda: DrawFile(self.fs, self.buf, n, self.npz, pid))
+        return node
 
 
 class DrawFile(Node):
@@ -435,42 +443,74 @@ class DrawFile(Node):
 
 
 class EntriesDir(Node):
-    """entries/: one file per entry, listed in FIFO order (readdir offsets are sequence numbers)."""
+    """entries/: one file per entry, listed in FIFO order (readdir offsets are sequence numbers).
+
+    Each name resolves to an inode of its entry's committed version (`EntryNode`); a writer
+    of an existing entry gets a private inode of its own, which becomes the name's version
+    when its write commits."""
 
     def __init__(self, fs: "Filesystem", buf: Buffer) -> None:
         super().__init__(fs)
         self.buf = buf
+        self._private = itertools.count()
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.buf.ctime_ns,
                           DIR_LONG, nlink=2)
 
-    def entry_node(self, key: bytes) -> "EntryNode":
-        return self.fs.inodes.intern(("entry", self.buf.ns_id, key), lambda: EntryNode(self.fs, self, key))
+    def name_key(self, name: bytes) -> tuple:
+        """The inode-table key of the version `name` resolves to."""
+        return ("entry", self.buf.ns_id, name)
+
+    def entry_node(self, meta: EntryMeta) -> "EntryNode":
+        """The inode of the entry's current version (made when first asked for)."""
+        node = self.fs.inodes.node_of(self.name_key(meta.key))
+        if node is not None and node.version is not None and node.version.same_content(meta):
+            return node
+        if node is not None:
+            self.fs.inodes.unname(self.name_key(meta.key))  # an older version, or a create that lost a race
+        return self.fs.inodes.intern(self.name_key(meta.key), lambda: EntryNode(self.fs, self, meta.key, meta))
+
+    def private_node(self, name: bytes, base: EntryMeta | None) -> "EntryNode":
+        """A writer's own inode for `name` (rewriting `base`, or creating it anew)."""
+        node = self.fs.inodes.intern(("entrywriter", self.buf.ns_id, name, next(self._private)),
+                                     lambda: EntryNode(self.fs, self, name, None, base=base))
+        node.private = True
+        return node
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
         check_name(name)
-        node = self.fs.inodes.node_of(("entry", self.buf.ns_id, name))
-        if node is not None and node.meta() is None and not node.writers:
-            node = None
-        if node is None:
-            self.buf.ring.get(name)  # raises NotFound: pending entries of other writers stay invisible
-            node = self.entry_node(name)
-        return node
+        pid = ctx.pid if ctx is not None else 0
+        meta = self.buf.ring.by_key.get(name)
+        if meta is not None and self.fs.redirected(self.name_key(name), pid):
+            return self.private_node(name, meta)  # the retry of a writer refused on the shared inode
+        node = self.fs.inodes.node_of(self.name_key(name))
+        if node is not None and node.version is None and node.writers:
+            return node  # being created by a writer (other openers get ENOENT)
+        if meta is None:
+            raise NotFound(f"no entry {name!r}")  # pending entries of other writers stay invisible
+        return self.entry_node(meta)
 
     def children(self, start: int):
         for meta in self.buf.ring.iter_from(start):
-            yield meta.key, self.entry_node(meta.key), meta.seq + 1
+            yield meta.key, self.entry_node(meta), meta.seq + 1
 
     async def create(self, name: bytes, mode: int, flags: int, ctx) -> tuple[Node, Handle]:
         self.buf.ring.check_insert(name, 0)
-        if flags & os.O_EXCL and name in self.buf.ring.by_key:
-            raise AlreadyExists(f"entry {name!r} exists")
-        node = self.entry_node(name)
+        existing = self.buf.ring.by_key.get(name)
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise AlreadyExists(f"entry {name!r} exists")
+            node = self.private_node(name, existing)  # committed meanwhile: a rewrite
+        else:
+            node = self.fs.inodes.node_of(self.name_key(name))
+            if node is None or node.version is not None or not node.writers:
+                if node is not None:
+                    self.fs.inodes.unname(self.name_key(name))
+                node = self.fs.inodes.intern(self.name_key(name), lambda: EntryNode(self.fs, self, name, None))
         owner = Owner(stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
-        handle = node.writer(b"", flags, owner)
-        return node, handle
+        return node, node.writer(b"", flags, owner)
 
     async def unlink(self, name: bytes) -> None:
         await self.buf.ring.delete(name)
@@ -486,38 +526,64 @@ class EntriesDir(Node):
 
 
 class EntryNode(Node):
-    """entries/KEY: reads return the committed value; writes stage and commit at close."""
+    """entries/KEY as one committed version (`version`): its content never changes, so the
+    kernel may keep its pages (keep_cache) and attributes; a rewrite commits as a new
+    inode and this one only loses its name, readers of it reading on. Before its first
+    commit (a create, or a writer's private inode) `version` is None and the writer's
+    staged bytes are what it holds."""
 
-    def __init__(self, fs: "Filesystem", parent: EntriesDir, key: bytes) -> None:
+    private = False  # a writer's own inode: its name is not cached by the kernel
+
+    def __init__(self, fs: "Filesystem", parent: EntriesDir, key: bytes, version: EntryMeta | None,
+                 base: EntryMeta | None = None) -> None:
         super().__init__(fs)
         self.parent = parent
         self.name = key
         self.buf = parent.buf
+        self.version = version
+        self.base = base  # the version a private writer's inode rewrites
         self.writers: list[EntryWriter] = []
-        self.last: EntryMeta | None = None
 
-    def meta(self) -> EntryMeta | None:
-        if self.key is None:
-            return None  # removed: the name now belongs to someone else, or no one
-        meta = self.buf.ring.by_key.get(self.name)
-        if meta is not None:
-            self.last = meta
+    def current(self) -> bool:
+        """Whether this version is the one the name has now."""
+        return self.key is not None and self.version is not None and \
+            self.version.same_content(self.buf.ring.by_key.get(self.name))
+
+    def latest(self) -> EntryMeta | None:
+        """The version's record as the ring has it now (its value may have moved between
+        tiers since this inode was made), or the version as it was if it is not current."""
+        meta = self.committed()
+        if meta is not None and self.key is not None:
+            now = self.buf.ring.by_key.get(self.name)
+            if meta.same_content(now):
+                self.version = meta = now
         return meta
 
+    def committed(self) -> EntryMeta | None:
+        """The version, adopting the one a writer's commit just made: that commit is
+        applied before the writer's close resumes, and an open can come in between."""
+        if self.version is None and self.key is not None and not self.private and not self.writers:
+            self.version = self.buf.ring.by_key.get(self.name)
+        return self.version
+
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
-        meta = self.meta()
         timeout = self.fs.store.config.entry_timeout
         if self.writers:
             w = self.writers[-1]
             o = w.owner
-            # The kernel tracks the size of what it writes itself; the name is stable.
-            return make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, time.time_ns(), timeout)
-        if meta is None:
-            meta = self.last
+            # The kernel tracks the size of what it writes itself.
+            return make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, time.time_ns(), NO_CACHE,
+                              entry_timeout=NO_CACHE if self.private else timeout)
+        if self.private and self.version is None:  # a writer's inode before its open: what it rewrites
+            meta = self.base
             if meta is None:
                 raise NotFound("entry is gone")
-            return make_attrs(self.ino, meta.mode, meta.size, meta.uid, meta.gid, meta.mtime_ns, NO_CACHE, nlink=0)
-        return make_attrs(self.ino, meta.mode, meta.size, meta.uid, meta.gid, meta.mtime_ns, timeout)
+            return make_attrs(self.ino, meta.mode, meta.size, meta.uid, meta.gid, meta.mtime_ns, NO_CACHE)
+        meta = self.committed()
+        if meta is None:
+            raise NotFound("entry is gone")
+        nlink = 1 if self.current() else 0
+        return make_attrs(self.ino, meta.mode, meta.size, meta.uid, meta.gid, meta.mtime_ns, timeout, nlink=nlink)
 
     def writer(self, initial: bytes, flags: int, owner: Owner, fresh: bool = True) -> EntryWriter:
         w = EntryWriter(self, initial, self.buf.ring.config.max_entry_bytes, wants_read(flags), owner, fresh)
@@ -525,27 +591,49 @@ class EntryNode(Node):
         return w
 
     async def commit(self, data: bytes, owner: Owner) -> None:
+        """A writer of this inode closed: its bytes become the entry's next version, and
+        this inode the one its name resolves to."""
         if self.key is None:
             raise NotFound("entry was removed while open for writing")
-        meta = self.meta()
-        if meta is not None:  # a rewrite keeps the entry's owner and mode
-            owner = Owner(meta.mode, meta.uid, meta.gid)
-        await self.buf.insert(self.name, data, owner)
+        current = self.buf.ring.by_key.get(self.name)
+        if current is not None:  # a rewrite keeps the entry's owner and mode
+            owner = Owner(current.mode, current.uid, current.gid)
+        elif self.base is not None:
+            raise NotFound("entry was removed while open for writing")
+        meta = await self.buf.insert(self.name, data, owner)
+        self.version, self.base = meta, None
+        if self.private and self.key is not None:  # the rewrite is the name's version now
+            self.fs.inodes.rekey(self.key, self.parent.name_key(self.name))
 
     def writer_closed(self, w: EntryWriter) -> None:
         if w in self.writers:
             self.writers.remove(w)
 
     async def open(self, flags: int, ctx) -> Handle:
-        meta = self.meta()
+        if wants_write(flags):
+            pid = ctx.pid if ctx is not None else 0
+            if self.writers or (self.version is None and self.base is None):
+                return self.writer(b"", flags, self.writers[-1].owner if self.writers else
+                                   Owner(0o100644, ctx.uid, ctx.gid), bool(flags & os.O_TRUNC))
+            if self.version is not None and self.current():
+                # never write into (or truncate) the inode readers share: a private one
+                if not self.fs.take_redirect(self.parent.name_key(self.name), pid):
+                    self.fs.redirect_writer(self.parent.name_key(self.name), pid)
+            base = self.base or self.latest()
+            if base is None:
+                raise NotFound("no such entry (not committed yet, or removed)")
+            self.fs.take_redirect(self.parent.name_key(self.name), pid)
+            initial = b"" if flags & os.O_TRUNC else await self.buf.ring.read(base)
+            w = self.writer(initial, flags, Owner(base.mode, base.uid, base.gid), bool(flags & os.O_TRUNC))
+            if not self.private:
+                w.direct_io = True  # the kernel did not look up again: keep the shared pages clean
+            return w
+        meta = self.latest()
         if meta is None:
             raise NotFound("no such entry (not committed yet, or removed)")
-        if wants_write(flags):
-            initial = b"" if flags & os.O_TRUNC else await self.buf.ring.read(meta)
-            return self.writer(initial, flags, Owner(meta.mode, meta.uid, meta.gid), bool(flags & os.O_TRUNC))
-        # direct_io: a rewrite's O_TRUNC open zeroes the kernel's size of this inode for
-        # every reader; with direct_io each handle reads its own snapshot whatever happens.
-        return BytesReader(await self.buf.ring.read(meta), cacheable=False)
+        # The version's bytes are taken now (a snapshot: an eviction or rewrite after the
+        # open cannot take them away); the kernel keeps the pages it reads for later opens.
+        return BytesReader(await self.buf.ring.read(meta, follow_rewrites=False), cacheable=True)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
         if fields.update_size:
@@ -554,8 +642,8 @@ class EntryNode(Node):
             elif self.writers:
                 self.writers[-1].truncate(attr.st_size)
             else:
-                meta = self.meta()
-                if meta is None:
+                meta = self.latest()
+                if meta is None or not self.current():
                     raise NotFound("entry is gone")
                 value = await self.buf.ring.read(meta)
                 size = attr.st_size
@@ -568,16 +656,17 @@ class EntryNode(Node):
         mtime = attr.st_mtime_ns if fields.update_mtime else None
         if mode is None and uid is None and gid is None and mtime is None:
             return
-        if self.meta() is None:
+        if self.version is None or self.writers:
             for w in self.writers:  # not committed yet: the attributes go in with the commit
                 o = w.owner
                 w.owner = Owner(o.mode if mode is None else mode, o.uid if uid is None else uid,
                                 o.gid if gid is None else gid)
-            return
+            if self.version is None:
+                return
         await self.buf.ring.set_attrs(self.name, mode=mode, uid=uid, gid=gid, mtime_ns=mtime)
 
     def xattrs(self) -> dict[bytes, bytes]:
-        meta = self.meta()
+        meta = self.latest()
         if meta is None:
             return {}
         attrs = {
@@ -588,7 +677,7 @@ class EntryNode(Node):
             b"compression": meta.value.codec_name.encode(),
             b"checksum": b"crc32:%08x" % meta.checksum,
         }
-        if isinstance(self.buf, Buffer):
+        if isinstance(self.buf, Buffer) and self.current():
             s = self.buf.sampler
             attrs[b"priority"] = b"%.9g" % s.priority[meta.slot]
             attrs[b"times_sampled"] = b"%d" % s.times[meta.slot]

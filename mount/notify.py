@@ -70,6 +70,10 @@ class Invalidator(_Sender):
     def inode(self, ino: int) -> None:
         self._put(pyfuse3.invalidate_inode, ino)
 
+    def attributes(self, ino: int) -> None:
+        """Only the attributes (the pages of an immutable version stay valid)."""
+        self._put(pyfuse3.invalidate_inode, ino, True)
+
 
 class PageCachePusher(_Sender):
     """Pushes prefetched values into the kernel page cache (`notify_store`). Values waiting

@@ -18,7 +18,7 @@ from collections import Counter
 import pyfuse3
 import trio
 
-from distorefs.errors import DistorefsError, NotFound
+from distorefs.errors import DistorefsError, NotFound, Stale
 
 from .badinput import BAD_INPUT, bad_input_log
 from distorefs.ring import Ring
@@ -77,7 +77,7 @@ class Filesystem(pyfuse3.Operations):
         self.pusher: PageCachePusher | None = None
         self.pending_weights: dict = {}  # (dir id, name) -> writer of a created, unpublished file
         self.pending_items: dict = {}  # (dataset id, dir id, name) -> node of a created, uncommitted item
-        self.writer_redirects: dict = {}  # (file id, pid) -> True: its next lookup gets a private inode
+        self.writer_redirects: dict = {}  # (file key, pid) -> True: its next lookup gets a private inode
         self.root = build_tree(self)
         store.listeners.append(self._entry_changed)
 
@@ -104,27 +104,50 @@ class Filesystem(pyfuse3.Operations):
             s["memory"]["held_bytes"] += self.pusher.queued_bytes
         return s
 
+    # ----- writers of shared, cached inodes -----------------------------------------
+
+    def redirect_writer(self, key, pid: int) -> None:
+        """An open for writing reached an inode whose pages readers share (a published
+        version): refuse it with ESTALE so the kernel looks the name up again, and answer
+        that lookup of process `pid` with a private inode (`take_redirect`). The kernel's
+        atomic O_TRUNC would otherwise zero the size every reader of the shared inode sees."""
+        self.writer_redirects[(key, pid)] = True
+        raise Stale("redirecting a writer to a private inode")
+
+    def redirected(self, key, pid: int) -> bool:
+        """Whether the lookup of `key` by `pid` is the retry of a redirected writer."""
+        return (key, pid) in self.writer_redirects
+
+    def take_redirect(self, key, pid: int) -> bool:
+        """The redirected writer's open arrived (True if it had been redirected)."""
+        return self.writer_redirects.pop((key, pid), None) is not None
+
     # ----- the core tells us an entry changed or went away ---------------------------
 
     def _entry_changed(self, ring: Ring, old: EntryMeta, new: EntryMeta | None) -> None:
+        """An entry was removed, renamed, given new attributes or rewritten. Its inode is
+        one committed version (mount/nodes.py, EntryNode): a new content is a new inode,
+        so the old one only loses its name; readers that have it keep reading it."""
         key = ("entry", ring.ns_id, old.key)
         ino = self.inodes.ino_of(key)
         if ino is None:
             return
         node = self.inodes.get(ino)
-        if new is None:
-            if node.writers:
-                return  # a writer holds the name: its close recreates the entry
+        if node.version is None:
+            return  # a created entry not committed yet: not the version that changed
+        parent = self.inodes.ino_of(("entries", ring.ns_id))
+        if new is None or not old.same_content(new):  # removed, or rewritten: the name leaves this version
             self.inodes.unname(key)
-            parent = self.inodes.ino_of(("entries", ring.ns_id))
             if self.invalidator and parent is not None:
-                self.invalidator.entry(parent, old.key, ino)
-        elif new.key != old.key:
+                self.invalidator.entry(parent, old.key, ino if new is None else 0)
+            return
+        node.version = new
+        if new.key != old.key:
             self.inodes.rekey(key, ("entry", ring.ns_id, new.key))
             node.name = new.key
-        if self.invalidator and (new is None or new.checksum != old.checksum or new.size != old.size
-                                 or new.mode != old.mode or new.uid != old.uid or new.gid != old.gid):
-            self.invalidator.inode(ino)
+        if self.invalidator and (new.mode != old.mode or new.uid != old.uid or new.gid != old.gid
+                                 or new.mtime_ns != old.mtime_ns):
+            self.invalidator.attributes(ino)
 
     # ----- helpers -------------------------------------------------------------------
 
@@ -156,8 +179,10 @@ class Filesystem(pyfuse3.Operations):
             return self._entry(parent)
         node = await parent.lookup(name, ctx)
         attrs = self._entry(node)
-        if getattr(parent, "names_move", False):
-            attrs.entry_timeout = 0  # at/I names another entry as the ring moves
+        if getattr(parent, "names_move", False) or getattr(node, "private", False):
+            # at/I names another entry as the ring moves; a writer's private inode must
+            # not be what other processes find under the name
+            attrs.entry_timeout = 0
         return attrs
 
     async def forget(self, inode_list):

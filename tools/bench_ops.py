@@ -33,9 +33,6 @@ import io
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -43,7 +40,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .bench_buffers import BindfsMount, DistorefsMount, _is_mounted, print_report, start_run
+from .bench_buffers import LIVE_MOUNTS, BindfsMount, DistorefsMount, _is_mounted, print_report, start_run
+from .floorfs import FloorMount
 
 SYSTEMS = ("floor", "distorefs", "bindfs")
 FRAME = (16, 84, 84)  # uint8: 112,896 bytes + 128 of header
@@ -102,44 +100,13 @@ def _npz_bytes(arrays: dict) -> bytes:
 
 # ----- the systems -------------------------------------------------------------------------------
 
-class Floor:
-    name = "floor"
-
+class Floor(FloorMount):
     def __init__(self, root: Path) -> None:
-        self.mnt = root / "floor"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        super().__init__(root / "floor")
 
     def mount(self) -> None:
-        self.mnt.mkdir(parents=True, exist_ok=True)
-        ready = self.mnt.parent / "floor.ready"
-        ready.unlink(missing_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "distorefs.tools.floorfs", str(self.mnt),
-                                      "--ready-file", str(ready)], stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while not (ready.exists() and _is_mounted(self.mnt)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the floor filesystem did not mount")
-            time.sleep(0.02)
-
-    def umount(self) -> None:
-        if self.proc is None:
-            return
-        if _is_mounted(self.mnt):
-            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()  # our own floor process
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def requests(self) -> Counter:
-        with open(self.mnt / ".requests", "rb") as f:
-            return Counter(json.loads(f.read()))
+        LIVE_MOUNTS.add(self)  # taken down on SIGINT/SIGTERM with the others
+        super().mount()
 
 
 class Distorefs:
@@ -434,7 +401,6 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     systems = {"floor": Floor(root), "distorefs": Distorefs(root), "bindfs": Bindfs(root)}
     res: dict[str, Any] = {}
     errors: list[str] = []
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for s in systems.values():
             s.mount()
@@ -465,11 +431,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
                                           if k in ("mount", "memory", "commits", "prefetch")}
         except OSError as exc:
             errors.append(f"stats: {exc}")
-    except KeyboardInterrupt:
-        errors.append("interrupted")
-        raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
         for s in systems.values():
             try:
                 s.umount()

@@ -12,6 +12,8 @@ It counts the requests it answers by type; reading the file `.requests` in its r
 returns the counts as JSON (that read adds its own LOOKUP/OPEN/READ/FLUSH/RELEASE).
 
     python -m distorefs.tools.floorfs MOUNTPOINT [--ready-file PATH]
+
+`FloorMount` starts and stops one for a benchmark.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import errno
 import json
 import os
 import stat
+import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pyfuse3
 import trio
@@ -216,6 +220,54 @@ class FloorFs(pyfuse3.Operations):
     async def release(self, fh):
         self.requests["release"] += 1
         self.snapshots.pop(fh, None)
+
+
+def _is_mounted(mnt: Path) -> bool:
+    target = str(mnt.resolve())
+    with open("/proc/mounts") as f:
+        return any(line.split()[1].replace("\\040", " ") == target for line in f)
+
+
+class FloorMount:
+    """A floor filesystem mounted at `mnt` in a child process of ours."""
+
+    name = "floor"
+
+    def __init__(self, mnt: Path) -> None:
+        self.mnt = Path(mnt)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def mount(self) -> None:
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        ready = self.mnt.parent / f"{self.mnt.name}.ready"
+        ready.unlink(missing_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "distorefs.tools.floorfs", str(self.mnt),
+                                      "--ready-file", str(ready)], stdin=subprocess.DEVNULL, cwd="/")
+        deadline = time.monotonic() + 30
+        while not (ready.exists() and _is_mounted(self.mnt)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the floor filesystem did not mount")
+            time.sleep(0.02)
+
+    def umount(self) -> None:
+        if self.proc is None:
+            return
+        if _is_mounted(self.mnt):
+            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # our own floor process
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def requests(self) -> Counter:
+        with open(self.mnt / CONTROL.decode(), "rb") as f:
+            return Counter(json.loads(f.read()))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,110 @@
+"""What the kernel serves without the daemon (issue 12, part 4): committed entry versions
+from the page cache, batch files read ahead in large READs, and the rules that keep that
+correct (a version's inode never changes content; one inode never has two batches open).
+Requests are counted by the mount itself (stats.json mount.requests)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+
+import numpy as np
+
+from distorefs_it import get_stats, read_entry, set_config, write_entry, xattr
+
+
+def requests(fs) -> dict:
+    return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]["requests"]
+
+
+def _reads(fs, fn) -> int:
+    before = requests(fs).get("read", 0)
+    fn()
+    return requests(fs).get("read", 0) - before
+
+
+def reads_during(fs, fn) -> int:
+    """READ requests the daemon answered while `fn` ran (less what reading the counts costs)."""
+    return _reads(fs, fn) - _reads(fs, lambda: None)
+
+
+def npy(a) -> bytes:
+    out = io.BytesIO()
+    np.save(out, a)
+    return out.getvalue()
+
+
+def test_a_second_read_of_an_entry_is_served_by_the_page_cache(fs, buf):
+    data = os.urandom(300_000)
+    write_entry(buf, "cached", data)
+    assert read_entry(buf, "cached") == data
+    assert reads_during(fs, lambda: read_entry(buf, "cached")) == 0  # no READ reached the daemon
+    assert read_entry(buf, "cached") == data
+
+
+def test_a_rewrite_is_a_new_inode_and_old_readers_keep_theirs(buf):
+    write_entry(buf, "r", b"one" * 1000)
+    ino1 = os.stat(buf / "entries" / "r").st_ino
+    assert read_entry(buf, "r") == b"one" * 1000  # its pages are in the kernel now
+    with open(buf / "entries" / "r", "rb") as old:
+        write_entry(buf, "r", b"two" * 500)
+        assert old.read() == b"one" * 1000
+        assert os.fstat(old.fileno()).st_size == 3000
+    assert os.stat(buf / "entries" / "r").st_ino != ino1
+    assert read_entry(buf, "r") == b"two" * 500  # not the old version's cached pages
+
+
+def test_an_entry_moved_between_tiers_keeps_its_inode_and_attributes(fresh_mount):
+    m = fresh_mount("lmdb_bytes=1048576", "sync_interval=0.1")
+    buf = m.buffer("t", {"compression": "none"})
+    payloads = {f"e{i:03d}": os.urandom(100_000) for i in range(40)}  # 4 MB: most must leave LMDB
+    for key, data in payloads.items():
+        write_entry(buf, key, data)
+    os.setxattr(buf / "entries" / "e000", "user.distorefs.priority", b"7.5")
+    inode = os.stat(buf / "entries" / "e000").st_ino
+    deadline = time.monotonic() + 30
+    while xattr(buf / "entries" / "e000", "tier") != "nvme" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert xattr(buf / "entries" / "e000", "tier") == "nvme"  # demoted by the tier mover
+    assert os.stat(buf / "entries" / "e000").st_ino == inode
+    assert float(xattr(buf / "entries" / "e000", "priority")) == 7.5
+    for key, data in payloads.items():
+        assert read_entry(buf, key) == data
+    assert get_stats(buf)["entries"] == 40
+
+
+def test_a_batch_is_read_in_few_requests(fs, buf):
+    frames = [np.full((16, 84, 84), i, np.uint8) for i in range(64)]
+    for i, a in enumerate(frames):
+        write_entry(buf, f"f{i:02d}.npy", npy(a))
+    set_config(buf, {"sampler": "fifo"})
+
+    def load():
+        with np.load(buf / "batch" / "64.npz") as z:
+            assert z["data"].tobytes() == np.stack(frames).tobytes()
+    load()
+    # 7 MB: the kernel reads ahead in 1 MiB READs (direct I/O would take the reader's
+    # 128-256 KiB pieces: 60 and more)
+    assert reads_during(fs, load) <= 20
+
+
+def test_one_process_with_two_batches_open_reads_each_whole(buf):
+    for i in range(200):
+        write_entry(buf, f"k{i:03d}.npy", npy(np.full(5000, i, np.int64)))
+    set_config(buf, {"sampler": "uniform"})
+    with open(buf / "batch" / "50.npz", "rb") as a, open(buf / "batch" / "50.npz", "rb") as b:
+        assert os.fstat(a.fileno()).st_ino != os.fstat(b.fileno()).st_ino
+        parts_a, parts_b = [], []
+        while True:  # interleaved, in pieces: each handle must read its own batch
+            x, y = a.read(65536), b.read(65536)
+            parts_a.append(x)
+            parts_b.append(y)
+            if not x and not y:
+                break
+    for raw in (b"".join(parts_a), b"".join(parts_b)):
+        with np.load(io.BytesIO(raw)) as z:
+            keys, data = z["keys"], z["data"]
+            assert [int(k[1:4]) for k in keys] == [int(row[0]) for row in data]
+            assert all((row == row[0]).all() for row in data)
