@@ -27,7 +27,7 @@ import trio
 from .batch import Batch, BatchFile, batch_file
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
-from .config import BufferConfig, check_priority
+from .config import MAX_PRIORITY, BufferConfig, check_priority
 from .errors import InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
 from .layout import Layout, NotStackable, SlotPlaces, parse, place
 from .namespace import update_record
@@ -158,9 +158,8 @@ class Buffer(RingNamespace):
             self.counters["presampled_used"] += 1
         ring = self.ring
 
-        def valid(slot: int, seq: int) -> bool:
-            meta = ring.slot_meta[slot]
-            return meta is not None and meta.seq == seq
+        def valid(slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+            return ring.slot_seq[slots] == seqs  # still the entry it held when drawn ahead
 
         slots, spent = self.sampler.select(n, self._order, hint, valid)
         probs, weights = self.sampler.probabilities(slots, spent)
@@ -248,7 +247,7 @@ class Buffer(RingNamespace):
                 if len(slots) == 0:
                     return
                 metas = [self.ring.slot_meta[s] for s in slots.tolist()]
-                queue.append((slots, np.array([m.seq for m in metas], dtype=np.int64)))
+                queue.append((slots, self.ring.slot_seq[slots]))
                 cached = self.ring.values.cache.peek
                 ns = self.ns_id
                 # only what the memory tier does not hold already needs reading ahead
@@ -270,8 +269,11 @@ class Buffer(RingNamespace):
     def queue_priorities(self, pairs: list[tuple[bytes, float]], strict: bool = False):
         """Check the priorities now (InvalidArgument, NotFound if `strict`) and queue their
         commit: (something to `await .wait()` on, or None when no key is known; how many)."""
-        for key, value in pairs:
-            check_priority(key, value)
+        if pairs:
+            given = np.fromiter((v for _, v in pairs), dtype=np.float64, count=len(pairs))
+            if not (np.isfinite(given).all() and (given >= 0).all() and (given <= MAX_PRIORITY).all()):
+                for key, value in pairs:
+                    check_priority(key, value)  # says which
         metas, values = [], []
         for key, value in pairs:
             meta = self.ring.by_key.get(key)

@@ -17,6 +17,7 @@ import struct
 import time
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
+import numpy as np
 import trio
 from sortedcontainers import SortedDict
 
@@ -66,6 +67,7 @@ class Ring:
         self.tier_count = {t: 0 for t in TIER_NAMES}
         self.tier_bytes = {t: 0 for t in TIER_NAMES}
         self.slot_meta: list[EntryMeta | None] = []
+        self.slot_seq = np.zeros(0, dtype=np.int64)  # seq of each slot's entry, -1 when free (vectorised checks)
         self._free_slots: list[int] = []
         self.counters = {"inserts": 0, "rewrites": 0, "deletes": 0, "evictions": 0,
                          "reads": 0, "read_bytes": 0, "inserted_bytes": 0}
@@ -294,6 +296,7 @@ class Ring:
         meta.gen = self.values.next_gen()
         meta.slot = self._take_slot()
         self.slot_meta[meta.slot] = meta
+        self.slot_seq[meta.slot] = meta.seq
         if not indexed:
             self.by_seq[meta.seq] = meta
         self.by_key[meta.key] = meta
@@ -338,6 +341,7 @@ class Ring:
         del self.by_seq[meta.seq]
         del self.by_key[meta.key]
         self.slot_meta[meta.slot] = None
+        self.slot_seq[meta.slot] = -1
         self._free_slots.append(meta.slot)
         self._account(meta, -1)
         self.counters[reason] = self.counters.get(reason, 0) + 1
@@ -359,6 +363,7 @@ class Ring:
             old = len(self.slot_meta)
             new = max(1024, old * 2)
             self.slot_meta.extend([None] * (new - old))
+            self.slot_seq = np.concatenate([self.slot_seq, np.full(new - old, -1, dtype=np.int64)])
             self._free_slots.extend(range(new - 1, old - 1, -1))
             if self.observer is not None:
                 self.observer.slots_grown(new)

@@ -128,12 +128,27 @@ class Sampler:
     def select(self, n: int, order, hint=None, valid=None) -> tuple[np.ndarray, np.ndarray]:
         """Draw a batch of n, count the draws, and return (slots, slots now exhausted).
 
-        `hint` is a pre-drawn (slots, seqs) pair; `valid(slot, seq)` tells whether a hinted
-        slot still holds the entry it held when drawn. An entry is never handed out more
-        than `max_times_sampled` times: once spent it leaves the trees and is redrawn.
+        `hint` is a pre-drawn (slots, seqs) pair; `valid(slots, seqs)` tells (a bool array)
+        whether each hinted slot still holds the entry it held when drawn. An entry is never
+        handed out more than `max_times_sampled` times: once spent it leaves the trees and
+        is redrawn.
         """
         self._flush()
         limit = self.config.max_times_sampled
+        if hint is not None:
+            hslots, hseqs = hint
+            keep = valid(hslots, hseqs) & ~self.exhausted[hslots]
+            hint = (hslots[keep], hseqs[keep])
+        if not limit and self.config.sampler not in ("fifo", "lifo"):
+            # Nothing to count against a limit: the whole batch in a few numpy calls.
+            parts = [hint[0][:n]] if hint is not None else []
+            have = len(parts[0]) if parts else 0
+            if have < n:
+                parts.append(self.draw(n - have, order))
+            slots = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+            if len(slots):
+                np.add.at(self.times, slots, 1)
+            return slots, np.zeros(0, dtype=np.int64)
         out: list[int] = []
         budget: dict[int, int] = {}
 
@@ -149,9 +164,9 @@ class Sampler:
             out.append(slot)
 
         if hint is not None:
-            for slot, seq in zip(*hint):
-                if len(out) < n and valid(int(slot), int(seq)) and not self.exhausted[slot]:
-                    accept(int(slot))
+            for slot in hint[0].tolist():
+                if len(out) < n and not self.exhausted[slot]:
+                    accept(slot)
         deterministic = self.config.sampler in ("fifo", "lifo")
         while len(out) < n and self.drawable_count() > 0:
             before = len(out)

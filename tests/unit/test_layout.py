@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from distorefs.backends.lmdbenv import LmdbEnv
-from distorefs.batch import Batch, Blob, BatchFile, Member, _array_member, batch_file, zip_parts
+from distorefs.batch import Batch, Blob, BatchFile, Member, Stacked, _array_member, batch_file, zip_parts
 from distorefs.catalog import DB_ENTRIES, DB_META, DB_NS, EntryMeta, pack_u32
 from distorefs.codec import checksums
 from distorefs.config import BufferConfig
@@ -176,15 +176,17 @@ def test_raw_batch_concatenates():
 
 
 def test_reads_at_any_offset_are_slices_of_the_whole():
-    arrays = [np.arange(1000 * i, 1000 * i + 999, dtype=np.int32) for i in range(9)]
+    # 9 x 160 KB: the data member is gathered from slices of the entries at each read
+    arrays = [np.arange(40_000 * i, 40_000 * i + 39_999, dtype=np.int32) for i in range(9)]
     entries = [npy(a) for a in arrays]
     layout, _ = parse(entries[0])
     f = batch_file(*_batch(entries, layout), layout)
     whole = bytes(f)
     rng = np.random.default_rng(0)
+    assert any(isinstance(p, Stacked) for p in f.parts)
     for _ in range(300):
         off = int(rng.integers(0, f.size + 10))
-        size = int(rng.integers(0, 20000))
+        size = int(rng.integers(0, 400_000))
         assert bytes(f.read(off, size)) == whole[off:off + size]
 
 
