@@ -280,6 +280,8 @@ def bench() -> None:
 
 # name: (what it measures, what --quick does, what goes in --workdir)
 BENCHMARKS = {
+    "rl": ("A DQN learner fed by actors through the mount, in process (cpprb) and on Reverb; Reverb's own "
+           "113 KB rows.", "Shorter runs, smaller buffers (a smoke run).", "the stores and plain files"),
     "ops": ("FUSE requests and daemon CPU per operation, every path, vs a minimal pyfuse3 filesystem and bindfs.",
             "Fewer operations and smaller files (a smoke run).", "the store, the floor and bindfs directories"),
     "buffers": ("Replay-buffer insert/sample/read throughput vs plain files, bindfs and cpprb.",

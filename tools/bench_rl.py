@@ -1,0 +1,642 @@
+"""RL workloads end to end: a DQN learner fed by actors, through the mount and in process.
+
+`distorefs bench rl [--quick] [--out DIR] [--workdir DIR]` runs, in one go:
+
+a) The DQN loop: 2 actor processes step a small environment, insert each transition
+   (obs, action, reward, next_obs, done) and re-read the published Q-network every 200
+   steps, paced at 100 environment steps per second each (as a simulator would pace them:
+   an unpaced actor would measure how fast a queue fills, not a learner); one learner draws prioritized batches of 64, takes a gradient step of a numpy
+   MLP, writes 64 priorities back, publishes its weights every 100 steps and saves a
+   checkpoint every 1,000. Learner steps per second:
+   - distorefs: entries/ via np.savez, batch/64.npz via np.load, a `priorities` write per
+     step, weights/ and checkpoints/ on the mount;
+   - in-process: the learner owns a cpprb PrioritizedReplayBuffer, actors send their
+     transitions through multiprocessing queues, weights and checkpoints are files on the
+     same disk (the fastest a single-node learner gets);
+   - Reverb (dm-reverb, when installed: `pip install 'distorefs[reverb]'`): a prioritized
+     table in a server on localhost, actors with trajectory writers, the learner's client
+     samples and mutates priorities.
+   Target (issue 12): distorefs >= 0.5x in-process.
+
+b) Reverb's own ground, 113 KB uint8 entries in a prioritized buffer: `sample 256`
+   idle, the same while 4 writer processes insert, and a learner loop (sample 64 +
+   priority updates) while 2 writers insert; distorefs (np.save into entries/, np.load of
+   batch/N.npz, a `priorities` write per step) against Reverb. Target: >= 1.0x Reverb.
+
+Client processes are started with `spawn`; numpy uses one thread per process. Writes
+OUT/rl.json and OUT/rl.png; prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .bench_buffers import DistorefsMount, _is_mounted, print_report, start_run
+
+OBS = 8
+ACTIONS = 4
+HIDDEN = 512  # a 1.35 ms gradient step here: in process ~630 steps/s, as the DQN issue 12 measured
+BATCH = 64
+FRAME = (113_024 - 128,)  # uint8: a 113 KB .npy, as in Reverb's measurement
+
+
+def _params(quick: bool) -> dict:
+    if quick:
+        return {"seconds": 4.0, "warmup": 300, "env_cost": 20, "actor_hz": 100, "reverb_seconds": 3.0, "frames": 600}
+    return {"seconds": 20.0, "warmup": 1000, "env_cost": 20, "actor_hz": 100, "reverb_seconds": 10.0, "frames": 3000}
+
+
+def _one_thread() -> None:
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = "1"
+
+
+# ----- the agent (plain numpy) ----------------------------------------------------------------
+
+class QNet:
+    """A 2-layer MLP Q-network with a target copy, trained by SGD on weighted TD errors."""
+
+    def __init__(self, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.w1 = (rng.standard_normal((OBS, HIDDEN)) / np.sqrt(OBS)).astype(np.float32)
+        self.w2 = (rng.standard_normal((HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
+        self.w3 = (rng.standard_normal((HIDDEN, ACTIONS)) / np.sqrt(HIDDEN)).astype(np.float32)
+        self.target = self.weights()
+
+    def weights(self) -> np.ndarray:
+        return np.concatenate([self.w1.ravel(), self.w2.ravel(), self.w3.ravel()])
+
+    def load(self, flat: np.ndarray) -> None:
+        a, b = OBS * HIDDEN, OBS * HIDDEN + HIDDEN * HIDDEN
+        self.w1 = flat[:a].reshape(OBS, HIDDEN)
+        self.w2 = flat[a:b].reshape(HIDDEN, HIDDEN)
+        self.w3 = flat[b:].reshape(HIDDEN, ACTIONS)
+
+    def q(self, obs: np.ndarray, flat: np.ndarray | None = None) -> np.ndarray:
+        w1, w2, w3 = (self.w1, self.w2, self.w3) if flat is None else self._split(flat)
+        return np.maximum(np.maximum(obs @ w1, 0) @ w2, 0) @ w3
+
+    def _split(self, flat):
+        a, b = OBS * HIDDEN, OBS * HIDDEN + HIDDEN * HIDDEN
+        return flat[:a].reshape(OBS, HIDDEN), flat[a:b].reshape(HIDDEN, HIDDEN), flat[b:].reshape(HIDDEN, ACTIONS)
+
+    def step(self, obs, action, reward, next_obs, done, weights, lr: float = 1e-3) -> np.ndarray:
+        """One SGD step on importance-weighted TD errors; returns the TD errors."""
+        h1 = np.maximum(obs @ self.w1, 0)
+        h2 = np.maximum(h1 @ self.w2, 0)
+        q = h2 @ self.w3
+        target = reward + 0.99 * (1 - done) * self.q(next_obs, self.target).max(axis=1)
+        idx = np.arange(len(action))
+        td = (q[idx, action] - target).astype(np.float32)
+        g = np.zeros_like(q)
+        g[idx, action] = td * weights / len(action)
+        gw3 = h2.T @ g
+        g2 = (g @ self.w3.T) * (h2 > 0)
+        gw2 = h1.T @ g2
+        g1 = (g2 @ self.w2.T) * (h1 > 0)
+        gw1 = obs.T @ g1
+        self.w1 -= lr * gw1
+        self.w2 -= lr * gw2
+        self.w3 -= lr * gw3
+        return td
+
+
+def _env_step(rng: np.random.Generator, state: np.ndarray, action: int, cost: int) -> tuple[np.ndarray, float, bool]:
+    """A toy environment whose step costs some CPU, as a simulator's does."""
+    for _ in range(cost):
+        state = np.tanh(state * 1.01 + 0.01 * (action - 1.5))
+    nxt = (state + rng.standard_normal(OBS).astype(np.float32) * 0.1).astype(np.float32)
+    return nxt, float(-np.abs(nxt).sum()), bool(rng.random() < 0.01)
+
+
+def _npz(**arrays) -> bytes:
+    import io
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
+
+
+# ----- the DQN loop: actors and learner per system --------------------------------------------
+
+def _actor(system: str, cfg: dict, stop, counter, errors) -> None:
+    _one_thread()
+    try:
+        rng = np.random.default_rng(cfg["seed"])
+        net = QNet(1)
+        flat = net.weights()
+        state = rng.standard_normal(OBS).astype(np.float32)
+        writer = _Writer(system, cfg)
+        n = 0
+        period = 1.0 / cfg["actor_hz"]
+        due = time.perf_counter()
+        while not stop.is_set():
+            due += period
+            pause = due - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+            if n % 200 == 0:
+                flat = writer.weights() if n else flat
+            q = net.q(state[None, :], flat)[0]
+            action = int(q.argmax()) if rng.random() > 0.1 else int(rng.integers(ACTIONS))
+            nxt, reward, done = _env_step(rng, state, action, cfg["env_cost"])
+            writer.insert(n, state, action, reward, nxt, done)
+            state = rng.standard_normal(OBS).astype(np.float32) if done else nxt
+            n += 1
+            with counter.get_lock():
+                counter.value += 1
+        writer.close()
+    except Exception as exc:
+        errors.put(f"actor {system}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+
+
+class _Writer:
+    """How an actor of each system hands over a transition and reads the weights."""
+
+    def __init__(self, system: str, cfg: dict) -> None:
+        self.system, self.cfg = system, cfg
+        if system == "reverb":
+            import reverb
+            self.client = reverb.Client(f"localhost:{cfg['port']}")
+            self.writer = self.client.trajectory_writer(num_keep_alive_refs=1)
+
+    def insert(self, n: int, obs, action, reward, nxt, done) -> None:
+        cfg = self.cfg
+        if self.system == "distorefs":
+            with open(f"{cfg['buffer']}/entries/a{cfg['seed']}-{n:08d}.npz", "wb") as f:
+                f.write(_npz(obs=obs, action=np.int64(action), reward=np.float32(reward), next_obs=nxt,
+                             done=np.float32(done)))
+        elif self.system == "in-process":
+            cfg["queue"].put((obs, action, reward, nxt, done))
+        else:
+            self.writer.append({"obs": obs, "action": np.int64(action), "reward": np.float32(reward),
+                                "next_obs": nxt, "done": np.float32(done)})
+            self.writer.create_item("dqn", priority=1.0, trajectory={
+                k: self.writer.history[k][-1] for k in ("obs", "action", "reward", "next_obs", "done")})
+
+    def weights(self) -> np.ndarray:
+        return np.load(self.cfg["weights"])
+
+    def close(self) -> None:
+        if self.system == "reverb":
+            self.writer.flush()
+            self.writer.close()
+
+
+def _learner(system: str, cfg: dict, result) -> None:
+    _one_thread()
+    out: dict[str, Any] = {"steps": 0, "seconds": 0.0, "error": None}
+    try:
+        net = QNet(0)
+        source = _Source(system, cfg)
+        source.wait_for(cfg["warmup"])
+        np.save(cfg["weights"], net.weights())
+        t0 = time.perf_counter()
+        deadline = t0 + cfg["seconds"]
+        steps = 0
+        while time.perf_counter() < deadline:
+            b = source.sample(BATCH)
+            td = net.step(b["obs"], b["action"].astype(np.int64), b["reward"], b["next_obs"], b["done"],
+                          b["weights"].astype(np.float32))
+            source.update(b["keys"], np.abs(td) + 1e-3)
+            steps += 1
+            if steps % 100 == 0:
+                net.target = net.weights()
+                source.publish(net.weights(), cfg["weights"])
+            if steps % 1000 == 0:
+                source.checkpoint(steps, net.weights())
+        out.update(steps=steps, seconds=time.perf_counter() - t0, inserted=source.inserted())
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+    result.put(out)
+
+
+class _Source:
+    """How the learner of each system samples, updates priorities, publishes, checkpoints."""
+
+    def __init__(self, system: str, cfg: dict) -> None:
+        self.system, self.cfg = system, cfg
+        if system == "in-process":
+            from cpprb import PrioritizedReplayBuffer
+            self.rb = PrioritizedReplayBuffer(100_000, {"obs": {"shape": OBS, "dtype": np.float32},
+                                                        "action": {"dtype": np.int64},
+                                                        "reward": {"dtype": np.float32},
+                                                        "next_obs": {"shape": OBS, "dtype": np.float32},
+                                                        "done": {"dtype": np.float32}}, alpha=0.6)
+            self.added = 0
+        elif system == "reverb":
+            import reverb
+            self.client = reverb.Client(f"localhost:{cfg['port']}")
+
+    def _drain(self) -> None:
+        q = self.cfg["queue"]
+        while True:
+            try:
+                obs, action, reward, nxt, done = q.get_nowait()
+            except queue.Empty:
+                return
+            self.rb.add(obs=obs, action=action, reward=reward, next_obs=nxt, done=float(done))
+            self.added += 1
+
+    def wait_for(self, n: int) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.system == "in-process":
+                self._drain()
+                have = self.added
+            elif self.system == "distorefs":
+                have = json.loads(Path(self.cfg["buffer"], "stats.json").read_bytes())["entries"]
+            else:
+                have = self.client.server_info()["dqn"].current_size
+            if have >= n:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.system}: fewer than {n} transitions after 120 s")
+
+    def sample(self, n: int) -> dict:
+        if self.system == "distorefs":
+            with np.load(f"{self.cfg['buffer']}/batch/{n}.npz") as z:
+                return {k: z[k] for k in ("obs", "action", "reward", "next_obs", "done", "keys", "weights")}
+        if self.system == "in-process":
+            self._drain()
+            s = self.rb.sample(n, beta=0.4)
+            return {"obs": s["obs"], "action": s["action"].ravel(), "reward": s["reward"].ravel(),
+                    "next_obs": s["next_obs"], "done": s["done"].ravel(), "keys": s["indexes"],
+                    "weights": s["weights"]}
+        samples = list(self.client.sample("dqn", num_samples=n))
+        info = [s[0].info for s in samples]
+        # a step's data come flattened as tf.nest does it: the dict's keys in sorted order
+        fields = sorted(("obs", "action", "reward", "next_obs", "done"))
+        cols = {f: [s[0].data[j] for s in samples] for j, f in enumerate(fields)}
+        probs = np.array([i.probability for i in info])
+        w = (len(info) * probs) ** -0.4
+        return {"obs": np.stack(cols["obs"]), "action": np.array(cols["action"]), "reward": np.array(cols["reward"]),
+                "next_obs": np.stack(cols["next_obs"]), "done": np.array(cols["done"]), "keys": [i.key for i in info],
+                "weights": w / w.max()}
+
+    def update(self, keys, priorities: np.ndarray) -> None:
+        if self.system == "distorefs":
+            with open(f"{self.cfg['buffer']}/priorities", "w") as f:
+                f.write("".join(f"{k} {p:.6g}\n" for k, p in zip(keys, priorities.tolist())))
+        elif self.system == "in-process":
+            self.rb.update_priorities(keys, priorities)
+        else:
+            self.client.mutate_priorities("dqn", updates=dict(zip(keys, priorities.tolist())))
+
+    def publish(self, flat: np.ndarray, path: str) -> None:
+        tmp = path + ".tmp.npy" if self.system != "distorefs" else None
+        if tmp:  # a plain file system: write then rename, or actors read torn weights
+            np.save(tmp, flat)
+            os.replace(tmp, path)
+        else:
+            np.save(path, flat)  # published whole at close
+
+    def checkpoint(self, step: int, flat: np.ndarray) -> None:
+        d = Path(self.cfg["checkpoints"]) / f"step-{step:07d}"
+        d.mkdir(parents=True, exist_ok=True)
+        np.save(d / "q.npy", flat)
+
+    def inserted(self) -> int:
+        if self.system == "in-process":
+            return self.added
+        return 0
+
+
+def _dqn(system: str, root: Path, p: dict, ctx) -> dict:
+    cfg: dict[str, Any] = {"seconds": p["seconds"], "warmup": p["warmup"], "env_cost": p["env_cost"],
+                           "actor_hz": p["actor_hz"]}
+    mount = server = None
+    try:
+        if system == "distorefs":
+            mount = DistorefsMount(root / "store", root / "mnt")
+            mount.mount()
+            buf = mount.mnt / "buffers" / "dqn"
+            buf.mkdir()
+            (buf / "config.json").write_text(json.dumps({"capacity": 100_000, "sampler": "prioritized"}))
+            (mount.mnt / "weights" / "dqn").mkdir(parents=True)
+            (mount.mnt / "checkpoints" / "dqn").mkdir(parents=True)
+            cfg.update(buffer=str(buf), weights=str(mount.mnt / "weights" / "dqn" / "q.npy"),
+                       checkpoints=str(mount.mnt / "checkpoints" / "dqn"))
+        else:
+            (root / "plain").mkdir(parents=True, exist_ok=True)
+            cfg.update(weights=str(root / "plain" / "q.npy"), checkpoints=str(root / "plain" / "ckpt"))
+            if system == "in-process":
+                cfg["queue"] = ctx.Queue()
+            else:
+                server = _ReverbServer(ctx, {"dqn": "prioritized"}, 100_000)
+                cfg["port"] = server.port
+        np.save(cfg["weights"], QNet(0).weights())
+        stop, counter, errors, result = ctx.Event(), ctx.Value("q", 0), ctx.Queue(), ctx.Queue()
+        actors = [ctx.Process(target=_actor, args=(system, {**cfg, "seed": i}, stop, counter, errors))
+                  for i in range(2)]
+        for a in actors:
+            a.start()
+        learner = ctx.Process(target=_learner, args=(system, cfg, result))
+        learner.start()
+        out = result.get(timeout=p["seconds"] + 240)
+        stop.set()
+        for proc in actors + [learner]:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()  # our own worker
+        errs = []
+        while not errors.empty():
+            errs.append(errors.get())
+        if out["error"]:
+            errs.append(out["error"])
+        steps_s = out["steps"] / out["seconds"] if out["seconds"] else 0.0
+        res = {"learner_steps_per_s": round(steps_s, 1), "steps": out["steps"], "seconds": round(out["seconds"], 2),
+               "actor_steps": counter.value}
+        if errs:
+            res["errors"] = errs[:3]
+        return res
+    finally:
+        if mount is not None:
+            mount.umount()
+        if server is not None:
+            server.stop()
+
+
+class _ReverbServer:
+    """A Reverb server in a process of its own (its C++ threads then compete for the cores
+    as a separate server would)."""
+
+    def __init__(self, ctx, tables: dict[str, str], max_size: int) -> None:
+        ready = ctx.Queue()
+        self.proc = ctx.Process(target=_reverb_server, args=(tables, max_size, ready))
+        self.proc.start()
+        self.port = ready.get(timeout=120)
+
+    def stop(self) -> None:
+        self.proc.terminate()  # our own server process
+        self.proc.join(timeout=30)
+
+
+def _reverb_server(tables: dict[str, str], max_size: int, ready) -> None:
+    import reverb
+    made = []
+    for name, sampler in tables.items():
+        made.append(reverb.Table(name=name, sampler=reverb.selectors.Prioritized(0.6) if sampler == "prioritized"
+                                 else reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(),
+                                 max_size=max_size, rate_limiter=reverb.rate_limiters.MinSize(1)))
+    server = reverb.Server(tables=made)
+    ready.put(server.port)
+    server.wait()
+
+
+def _have_reverb() -> str | None:
+    try:
+        import reverb  # noqa: F401
+        return None
+    except Exception as exc:  # not installed, or its TensorFlow cannot load
+        return f"{type(exc).__name__}: {exc}"
+
+
+# ----- b) Reverb's own ground: 113 KB entries --------------------------------------------------
+
+def _frames_writer(system: str, cfg: dict, stop, counter, errors) -> None:
+    _one_thread()
+    try:
+        rng = np.random.default_rng(cfg["seed"])
+        frame = rng.integers(0, 256, size=FRAME, dtype=np.uint8)
+        if system == "reverb":
+            import reverb
+            client = reverb.Client(f"localhost:{cfg['port']}")
+            writer = client.trajectory_writer(num_keep_alive_refs=1)
+        n = 0
+        while not stop.is_set() and n < cfg.get("cap", 1 << 40):
+            frame[:8] = np.frombuffer(n.to_bytes(8, "little"), np.uint8)
+            if system == "distorefs":
+                np.save(f"{cfg['buffer']}/entries/w{cfg['seed']}-{n:08d}.npy", frame)
+            else:
+                writer.append({"frame": frame})
+                writer.create_item("frames", priority=1.0, trajectory={"frame": writer.history["frame"][-1]})
+            n += 1
+            with counter.get_lock():
+                counter.value += 1
+        if system == "reverb":
+            writer.flush()
+            writer.close()
+    except Exception as exc:
+        errors.put(f"writer {system}: {type(exc).__name__}: {exc}")
+
+
+def _frames_reader(system: str, cfg: dict, result) -> None:
+    _one_thread()
+    out: dict[str, Any] = {"entries": 0, "steps": 0, "seconds": 0.0, "error": None}
+    try:
+        n, update = cfg["n"], cfg["update"]
+        if system == "reverb":
+            import reverb
+            client = reverb.Client(f"localhost:{cfg['port']}")
+        t0 = time.perf_counter()
+        deadline = t0 + cfg["seconds"]
+        while time.perf_counter() < deadline:
+            if system == "distorefs":
+                with np.load(f"{cfg['buffer']}/batch/{n}.npz") as z:
+                    frames, keys = z["data"], z["keys"]
+                if update:
+                    with open(f"{cfg['buffer']}/priorities", "w") as f:
+                        f.write("".join(f"{k} {1.0 + (i % 7)}\n" for i, k in enumerate(keys)))
+            else:
+                samples = list(client.sample("frames", num_samples=n))
+                frames = np.stack([s[0].data[0] for s in samples])
+                if update:
+                    client.mutate_priorities("frames", updates={s[0].info.key: 1.0 + (i % 7)
+                                                                for i, s in enumerate(samples)})
+            assert frames.shape[0] == n
+            out["entries"] += n
+            out["steps"] += 1
+        out["seconds"] = time.perf_counter() - t0
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+    result.put(out)
+
+
+def _frames(system: str, root: Path, p: dict, ctx) -> dict:
+    """sample 256 idle / with 4 writers / learner loop 64 + priorities with 2 writers."""
+    mount = server = None
+    res: dict[str, Any] = {}
+    try:
+        cfg: dict[str, Any] = {}
+        if system == "distorefs":
+            mount = DistorefsMount(root / "store-frames", root / "mnt-frames")
+            mount.mount()
+            buf = mount.mnt / "buffers" / "frames"
+            buf.mkdir()
+            (buf / "config.json").write_text(json.dumps({"capacity": 1_000_000, "sampler": "prioritized"}))
+            cfg["buffer"] = str(buf)
+        else:
+            server = _ReverbServer(ctx, {"frames": "prioritized"}, 1_000_000)
+            cfg["port"] = server.port
+        stop, counter, errors = ctx.Event(), ctx.Value("q", 0), ctx.Queue()
+        per = p["frames"] // 4
+        fill = [ctx.Process(target=_frames_writer, args=(system, {**cfg, "seed": 100 + i, "cap": per}, stop, counter,
+                                                         errors)) for i in range(4)]
+        t0 = time.perf_counter()
+        for w in fill:
+            w.start()
+        for w in fill:
+            w.join(timeout=600)
+        res["fill_entries_per_s"] = round(counter.value / (time.perf_counter() - t0), 1)
+        for label, writers, n, update in (("sample_256_idle", 0, 256, False),
+                                          ("sample_256_with_4_writers", 4, 256, False),
+                                          ("learner_64_with_2_writers", 2, 64, True)):
+            stop = ctx.Event()
+            counter = ctx.Value("q", 0)
+            ws = [ctx.Process(target=_frames_writer, args=(system, {**cfg, "seed": 200 + i}, stop, counter, errors))
+                  for i in range(writers)]
+            for w in ws:
+                w.start()
+            result = ctx.Queue()
+            reader = ctx.Process(target=_frames_reader, args=(system, {**cfg, "n": n, "update": update,
+                                                                       "seconds": p["reverb_seconds"]}, result))
+            c0 = counter.value
+            reader.start()
+            out = result.get(timeout=p["reverb_seconds"] + 240)
+            inserted = counter.value - c0
+            stop.set()
+            for w in ws + [reader]:
+                w.join(timeout=60)
+                if w.is_alive():
+                    w.kill()  # our own worker
+            secs = out["seconds"] or 1e-9
+            res[label] = {"entries_per_s": round(out["entries"] / secs, 1), "steps_per_s": round(out["steps"] / secs, 1),
+                          "writer_inserts_per_s": round(inserted / secs, 1)}
+            if out["error"]:
+                res[label]["error"] = out["error"]
+        errs = []
+        while not errors.empty():
+            errs.append(errors.get())
+        if errs:
+            res["errors"] = errs[:3]
+        return res
+    finally:
+        if mount is not None:
+            mount.umount()
+        if server is not None:
+            server.stop()
+
+
+# ----- report ---------------------------------------------------------------------------------
+
+def _ratio(a, b) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def format_table(res: dict) -> str:
+    lines = [f"{'measure':58s} {'distorefs':>10s} {'in-process':>11s} {'Reverb':>9s} {'vs base':>8s} {'target':>8s}"]
+    dqn = res.get("dqn", {})
+    d = (dqn.get("distorefs") or {}).get("learner_steps_per_s")
+    i = (dqn.get("in-process") or {}).get("learner_steps_per_s")
+    r = (dqn.get("reverb") or {}).get("learner_steps_per_s")
+
+    def cell(v, fmt="{:,.1f}"):
+        return "-" if v is None else fmt.format(v)
+    lines.append(f"{'DQN learner, batch 64 + 64 priorities, 2 actors (steps/s)':58s} {cell(d):>10s} {cell(i):>11s} "
+                 f"{cell(r):>9s} {cell(_ratio(d, i), '{:.2f}x'):>8s} {'>= 0.5x':>8s}")
+    frames = res.get("frames", {})
+    for label, key, text in (("sample_256_idle", "entries_per_s", "sample 256 of 113 KB, idle (entries/s)"),
+                             ("sample_256_with_4_writers", "entries_per_s",
+                              "sample 256 of 113 KB, 4 writers inserting (entries/s)"),
+                             ("learner_64_with_2_writers", "steps_per_s",
+                              "learner 64 + priorities, 2 writers (steps/s)")):
+        dv = ((frames.get("distorefs") or {}).get(label) or {}).get(key)
+        rv = ((frames.get("reverb") or {}).get(label) or {}).get(key)
+        lines.append(f"{text:58s} {cell(dv):>10s} {'-':>11s} {cell(rv):>9s} {cell(_ratio(dv, rv), '{:.2f}x'):>8s} "
+                     f"{'>= 1.0x':>8s}")
+    for system in ("distorefs", "reverb"):
+        f = frames.get(system) or {}
+        if f:
+            lines.append(f"  {system} fill: {f.get('fill_entries_per_s')} inserts/s of 113 KB by 4 writers; writers "
+                         f"during the sampling rows: " + ", ".join(
+                             f"{k}: {(f.get(k) or {}).get('writer_inserts_per_s')}/s"
+                             for k in ("sample_256_with_4_writers", "learner_64_with_2_writers")))
+    return "\n".join(lines)
+
+
+def _plot(res: dict, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    systems = ["distorefs", "in-process", "reverb"]
+    vals = [((res.get("dqn") or {}).get(s) or {}).get("learner_steps_per_s") or 0 for s in systems]
+    ax1.bar(systems, vals, color=["#1f77b4", "#7f7f7f", "#d62728"])
+    ax1.set_title("DQN learner loop (steps/s)")
+    labels = ["sample_256_idle", "sample_256_with_4_writers", "learner_64_with_2_writers"]
+    x = np.arange(len(labels))
+    for j, s in enumerate(("distorefs", "reverb")):
+        f = (res.get("frames") or {}).get(s) or {}
+        v = [((f.get(label) or {}).get("entries_per_s") or 0) for label in labels]
+        ax2.bar(x + (j - 0.5) * 0.4, v, 0.4, label=s)
+    ax2.set_xticks(x, ["sample 256\nidle", "sample 256\n4 writers", "learner 64\n2 writers"])
+    ax2.set_title("113 KB entries (entries/s)")
+    ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
+    r = start_run(out, workdir)
+    out, root, notes, machine = r.out, r.root, r.notes, r.machine
+    p = _params(quick)
+    _one_thread()  # before the workers start: numpy sets its thread pool up when imported
+    ctx = mp.get_context("spawn")
+    reverb_missing = _have_reverb()
+    if reverb_missing:
+        notes.append(f"Reverb not measured ({reverb_missing}); install it with pip install 'distorefs[reverb]'")
+    print(f"distorefs bench rl{' --quick' if quick else ''}: workdir {root}, {machine['cpus']} CPUs", flush=True)
+    res: dict[str, Any] = {"dqn": {}, "frames": {}}
+    errors: list[str] = []
+    try:
+        for system in ("in-process", "distorefs") + (() if reverb_missing else ("reverb",)):
+            try:
+                res["dqn"][system] = _dqn(system, root / f"dqn-{system}", p, ctx)
+                print(f"  DQN loop {system:10s}: {res['dqn'][system]}", flush=True)
+            except Exception as exc:
+                errors.append(f"DQN {system}: {type(exc).__name__}: {exc}")
+        for system in ("distorefs",) + (() if reverb_missing else ("reverb",)):
+            try:
+                res["frames"][system] = _frames(system, root / f"frames-{system}", p, ctx)
+                print(f"  113 KB {system:10s}: {res['frames'][system]}", flush=True)
+            except Exception as exc:
+                errors.append(f"113 KB {system}: {type(exc).__name__}: {exc}")
+    finally:
+        if not any(_is_mounted(m) for m in root.rglob("mnt*") if m.is_dir()):
+            shutil.rmtree(root, ignore_errors=True)
+    for part in ("dqn", "frames"):
+        for system, v in res[part].items():
+            errors.extend(f"{part} {system}: {e}" for e in v.get("errors", []))
+    d = (res["dqn"].get("distorefs") or {}).get("learner_steps_per_s")
+    i = (res["dqn"].get("in-process") or {}).get("learner_steps_per_s")
+    goals = [{"goal": "DQN learner loop via files >= 0.5x in-process", "value": f"{_ratio(d, i)}x",
+              "met": None if _ratio(d, i) is None else _ratio(d, i) >= 0.5}]
+    for label, key in (("sample_256_idle", "entries_per_s"), ("sample_256_with_4_writers", "entries_per_s"),
+                       ("learner_64_with_2_writers", "steps_per_s")):
+        dv = ((res["frames"].get("distorefs") or {}).get(label) or {}).get(key)
+        rv = ((res["frames"].get("reverb") or {}).get(label) or {}).get(key)
+        goals.append({"goal": f"{label.replace('_', ' ')} >= 1.0x Reverb", "value": f"{_ratio(dv, rv)}x",
+                      "met": None if _ratio(dv, rv) is None else _ratio(dv, rv) >= 1.0})
+    table = format_table(res)
+    result = {"benchmark": "rl", "quick": quick, "params": p, "machine": machine, "results": res, "goals": goals,
+              "notes": notes, "errors": errors, "table": table}
+    (out / "rl.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    try:
+        _plot(res, out / "rl.png", f"distorefs RL workloads ({machine['cpus']} CPUs{', quick' if quick else ''})")
+    except Exception as exc:
+        errors.append(f"plot: {exc}")
+    print_report(table, goals, notes, errors)
+    print(f"wrote {out / 'rl.json'} and {out / 'rl.png'}")
+    return result
