@@ -57,6 +57,11 @@ class SampleReader(Handle):
     the cache empty), so the kernel's read-ahead asks for 1 MiB at a time, not the
     reader's 128-256 KiB pieces."""
 
+    # One gather buffer for every batch READ, reused (no fresh 1 MiB, page-faulted, per
+    # READ). Shared safely: the event loop thread fills it and pyfuse3 replies from it
+    # before any other task runs (no await between the gather and the reply).
+    scratch = bytearray(1 << 20)  # the kernel's largest READ (max_pages 256)
+
     def __init__(self, buffer: Buffer, batch: Batch, content: BatchFile) -> None:
         self.buffer = buffer
         self.batch = batch
@@ -65,7 +70,7 @@ class SampleReader(Handle):
         self.pid = 0
 
     async def read(self, off: int, size: int):
-        return self.content.read(off, size)  # pyfuse3 replies from any buffer
+        return self.content.read(off, size, SampleReader.scratch)
 
     async def release(self) -> None:
         self.buffer.release(self.batch)

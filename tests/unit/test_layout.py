@@ -188,6 +188,14 @@ def test_reads_at_any_offset_are_slices_of_the_whole():
         off = int(rng.integers(0, f.size + 10))
         size = int(rng.integers(0, 400_000))
         assert bytes(f.read(off, size)) == whole[off:off + size]
+    # the same reads gathered into a reused buffer (too small for some: those get new bytes)
+    scratch = bytearray(300_000)
+    for _ in range(300):
+        off = int(rng.integers(0, f.size + 10))
+        size = int(rng.integers(0, 400_000))
+        got = f.read(off, size, scratch)
+        assert bytes(got) == whole[off:off + size]
+        scratch[:] = b"\xee" * len(scratch)  # the next read must not depend on what was left
 
 
 def test_zip64_archives_load():
