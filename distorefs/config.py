@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from .errors import InvalidArgument, InvalidConfig
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
+MIN_LEVEL = -100  # zstd's fast (negative) levels trade ratio for speed; below this they barely compress
 COMPRESSIONS = ("zstd", "none")
 
 T = TypeVar("T", bound="_Config")
@@ -121,8 +122,9 @@ class RingConfig(_Config):
         _require(self.max_entry_bytes >= 1, f"max_entry_bytes must be >= 1, got {self.max_entry_bytes}")
         _require(self.compression in COMPRESSIONS,
                  f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
-        _require(1 <= self.compression_level <= 22,
-                 f"compression_level must be in 1..22, got {self.compression_level}")
+        _require(MIN_LEVEL <= self.compression_level <= 22 and self.compression_level != 0,
+                 f"compression_level must be in {MIN_LEVEL}..-1 (zstd's fast levels) or 1..22, "
+                 f"got {self.compression_level}")
 
 
 @dataclass
@@ -195,8 +197,9 @@ class DatasetConfig(_Config):
     def validate(self) -> None:
         _require(self.compression in COMPRESSIONS,
                  f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
-        _require(1 <= self.compression_level <= 22,
-                 f"compression_level must be in 1..22, got {self.compression_level}")
+        _require(MIN_LEVEL <= self.compression_level <= 22 and self.compression_level != 0,
+                 f"compression_level must be in {MIN_LEVEL}..-1 (zstd's fast levels) or 1..22, "
+                 f"got {self.compression_level}")
         _require(64 << 10 <= self.chunk_bytes <= 256 << 20,
                  f"chunk_bytes must be in 64 KiB..256 MiB, got {self.chunk_bytes}")
         _require(self.max_item_bytes >= 1, f"max_item_bytes must be >= 1, got {self.max_item_bytes}")

@@ -48,6 +48,7 @@ BIG_SHAPE = (448, 84, 84)     # uint8, 3,161,088 bytes + 128: ~3 MB .npy
 SAMPLE_N = 64
 BATCH_N = 256
 SYSTEMS = ("distorefs", "plain", "bindfs", "floor")
+LEVELS = (-10, -5, -1, 1, 3)  # zstd levels compared by the levels phase (negative: zstd's fast levels)
 OTHER_LOAD_MAX = 0.3  # cores of other work tolerated during a timed phase before it is retried
 
 # The targets of issue 12 ("The file path at the binding's floor"): (row key, value, unit, what).
@@ -645,7 +646,33 @@ class Bench:
         out["distorefs_cache"] = self.store_stats().get("memory", {}).get("cache")
         self.res["big"] = out
 
-    # e) sum-tree
+    # e) zstd levels: what each level costs the daemon per insert and what it saves on disk
+    def levels(self) -> None:
+        p = self.p
+        out: dict[str, Any] = {}
+        for level in LEVELS:
+            name = f"level{level}".replace("-", "m")
+            self._make_buffer(name, {"capacity": 1_000_000, "sampler": "uniform", "compression": "zstd",
+                                     "compression_level": level})
+            d = self.dfs.mnt / "buffers" / name / "entries"
+
+            def tasks(attempt: int, d=d) -> list[dict]:
+                return [{"kind": "insert", "dir": str(d), "prefix": f"a{attempt}x{i}-", "seed": 7 + i,
+                         "shape": SMALL_SHAPE, "cap": p["insert_cap"] // p["procs"]}
+                        for i in range(p["procs"])]
+            r = self.measure(tasks, p["insert_s"], "distorefs")
+            st = self.buffer_stats(name)
+            server = r.get("server_cpu_cores")
+            r["compression_ratio"] = st.get("compression_ratio")
+            r["server_cpu_us_per_entry"] = (round(server / r["ops_per_s"] * 1e6, 1)
+                                            if server is not None and r["ops_per_s"] else None)
+            out[str(level)] = r
+            self.log(f"  level {level:3d}: {r['ops_per_s']:7.0f} entries/s, ratio x{r['compression_ratio']}, "
+                     f"daemon {r['server_cpu_us_per_entry']} us CPU/entry ({_cpu_text(r)})")
+            shutil.rmtree(self.dfs.mnt / "buffers" / name, ignore_errors=True)
+        self.res["levels"] = out
+
+    # f) sum-tree
     def sumtree(self) -> None:
         try:
             from . import bench_sumtree
@@ -901,7 +928,8 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
                               "targets": {k: v[3] for k, v in TARGETS.items()}}
     try:
         bench.setup()
-        for name, phase in (("insert", bench.insert), ("reads", bench.reads), ("big", bench.big)):
+        for name, phase in (("insert", bench.insert), ("reads", bench.reads), ("big", bench.big),
+                            ("levels", bench.levels)):
             print(f"[{name}]", flush=True)
             try:
                 phase()
@@ -965,6 +993,11 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     print(f"entries: {SMALL_SHAPE} uint8 .npy ({int(np.prod(SMALL_SHAPE)) + 128:,} B), zstd ratio in distorefs: "
           f"{ratio}; 3 MB entries: {BIG_SHAPE} uint8. plain = files in a directory on the same file system; "
           f"bindfs = C FUSE passthrough of that directory. Warm = data in memory (page cache / memory tier).")
+    levels = bench.res.get("levels") or {}
+    if levels:
+        print(f"zstd levels, insert 110 KB .npy with {p['procs']} writers: " + "; ".join(
+            f"{lv}: {r['ops_per_s']:,.0f}/s x{r.get('compression_ratio')} {r.get('server_cpu_us_per_entry')} us"
+            for lv, r in levels.items()))
     for n in notes:
         print(f"note: {n}")
     for e in bench.errors:

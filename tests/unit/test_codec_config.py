@@ -52,6 +52,23 @@ def test_corruption_detected(flip):
             codec.decode(bytes(bad), enc.codec, enc.size, enc.checksum)
 
 
+@pytest.mark.parametrize("level", [-100, -5, -1, 1, 3, 22])
+def test_zstd_levels_fast_and_normal(level):
+    """zstd's fast (negative) levels are accepted and round-trip; a faster level stores more."""
+    cfg = BufferConfig.from_json(json.dumps({"compression_level": level}).encode(), BufferConfig())
+    assert cfg.compression_level == level
+    raw = frames()
+    enc = codec.encode(raw, "zstd", level)
+    assert enc.codec == codec.ZSTD
+    assert codec.decode(enc.stored, enc.codec, enc.size, enc.checksum) == raw
+
+
+def test_fast_level_trades_ratio():
+    rng = np.random.default_rng(2)
+    raw = (rng.normal(128, 20, 200_000).clip(0, 255).astype(np.uint8) // 4 * 4).tobytes()
+    assert len(codec.encode(raw, "zstd", -10).stored) > len(codec.encode(raw, "zstd", 3).stored)
+
+
 def test_buffer_config_defaults_and_merge():
     base = BufferConfig()
     merged = BufferConfig.from_json(b'{"capacity": 10, "sampler": "prioritized"}', base)
@@ -72,6 +89,9 @@ def test_buffer_config_defaults_and_merge():
     (b'{not json', "JSON"),
     (b'{"max_times_sampled": -1}', "max_times_sampled"),
     (b'{"alpha": NaN}', "alpha"),
+    (b'{"compression_level": 0}', "compression_level"),
+    (b'{"compression_level": 23}', "compression_level"),
+    (b'{"compression_level": -101}', "compression_level"),
 ])
 def test_invalid_buffer_config_names_the_problem(text, word):
     with pytest.raises(InvalidConfig, match=word):
