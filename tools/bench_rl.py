@@ -14,8 +14,9 @@ a) The DQN loop: 2 actor processes step a small environment, insert each transit
      transitions through multiprocessing queues, weights and checkpoints are files on the
      same disk (the fastest a single-node learner gets);
    - Reverb (dm-reverb, when installed: `pip install 'distorefs[reverb]'`): a prioritized
-     table in a server on localhost, actors with trajectory writers, the learner's client
-     samples and mutates priorities.
+     table in a server on localhost, actors with trajectory writers (flushed every 32
+     items, as Reverb asks), the learner reads batches from a TrajectoryDataset as Acme
+     does (about twice Client.sample()'s rate) and mutates priorities with its client.
    Target (issue 12): distorefs >= 0.5x in-process.
 
 b) Reverb's own ground, 113 KB uint8 entries in a prioritized buffer: `sample 256`
@@ -48,6 +49,7 @@ ACTIONS = 4
 HIDDEN = 512  # a 1.35 ms gradient step here: in process ~630 steps/s, as the DQN issue 12 measured
 BATCH = 64
 FRAME = (113_024 - 128,)  # uint8: a 113 KB .npy, as in Reverb's measurement
+REVERB_IN_FLIGHT = 32  # items a Reverb writer leaves unconfirmed before flush() waits (Reverb asks writers to flush)
 
 
 def _params(quick: bool) -> dict:
@@ -59,6 +61,7 @@ def _params(quick: bool) -> dict:
 def _one_thread() -> None:
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow (under Reverb) prints its banner per process
 
 
 # ----- the agent (plain numpy) ----------------------------------------------------------------
@@ -182,6 +185,7 @@ class _Writer:
                                 "next_obs": nxt, "done": np.float32(done)})
             self.writer.create_item("dqn", priority=1.0, trajectory={
                 k: self.writer.history[k][-1] for k in ("obs", "action", "reward", "next_obs", "done")})
+            self.writer.flush(block_until_num_items=REVERB_IN_FLIGHT)
 
     def weights(self) -> np.ndarray:
         return np.load(self.cfg["weights"])
@@ -236,6 +240,7 @@ class _Source:
         elif system == "reverb":
             import reverb
             self.client = reverb.Client(f"localhost:{cfg['port']}")
+            self.batches = None
 
     def _drain(self) -> None:
         q = self.cfg["queue"]
@@ -272,16 +277,13 @@ class _Source:
             return {"obs": s["obs"], "action": s["action"].ravel(), "reward": s["reward"].ravel(),
                     "next_obs": s["next_obs"], "done": s["done"].ravel(), "keys": s["indexes"],
                     "weights": s["weights"]}
-        samples = list(self.client.sample("dqn", num_samples=n))
-        info = [s[0].info for s in samples]
-        # a step's data come flattened as tf.nest does it: the dict's keys in sorted order
-        fields = sorted(("obs", "action", "reward", "next_obs", "done"))
-        cols = {f: [s[0].data[j] for s in samples] for j, f in enumerate(fields)}
-        probs = np.array([i.probability for i in info])
-        w = (len(info) * probs) ** -0.4
-        return {"obs": np.stack(cols["obs"]), "action": np.array(cols["action"]), "reward": np.array(cols["reward"]),
-                "next_obs": np.stack(cols["next_obs"]), "done": np.array(cols["done"]), "keys": [i.key for i in info],
-                "weights": w / w.max()}
+        if self.batches is None:
+            self.batches = _reverb_batches(self.cfg["port"], "dqn", {
+                "obs": ("float32", (OBS,)), "action": ("int64", ()), "reward": ("float32", ()),
+                "next_obs": ("float32", (OBS,)), "done": ("float32", ())}, n)
+        s = next(self.batches)
+        w = (n * s.info.probability) ** -0.4
+        return {**s.data, "keys": s.info.key.tolist(), "weights": w / w.max()}
 
     def update(self, keys, priorities: np.ndarray) -> None:
         if self.system == "distorefs":
@@ -381,6 +383,18 @@ class _ReverbServer:
         self.proc.join(timeout=30)
 
 
+def _reverb_batches(port: int, table: str, spec: dict[str, tuple[str, tuple]], n: int):
+    """Batches of n items as a Reverb learner reads them (Acme's way): a TrajectoryDataset,
+    streaming samples ahead, batched by tf.data; about twice Client.sample()'s rate here."""
+    import reverb
+    import tensorflow as tf
+    ds = reverb.TrajectoryDataset(server_address=f"localhost:{port}", table=table,
+                                  dtypes={k: tf.dtypes.as_dtype(d) for k, (d, _) in spec.items()},
+                                  shapes={k: tf.TensorShape(shape) for k, (_, shape) in spec.items()},
+                                  max_in_flight_samples_per_worker=2 * n)
+    return ds.batch(n, drop_remainder=True).prefetch(1).as_numpy_iterator()
+
+
 def _reverb_server(tables: dict[str, str], max_size: int, ready) -> None:
     import reverb
     made = []
@@ -403,7 +417,7 @@ def _have_reverb() -> str | None:
 
 # ----- b) Reverb's own ground: 113 KB entries --------------------------------------------------
 
-def _frames_writer(system: str, cfg: dict, stop, counter, errors) -> None:
+def _frames_writer(system: str, cfg: dict, stop, counter, errors, ready=None) -> None:
     _one_thread()
     try:
         rng = np.random.default_rng(cfg["seed"])
@@ -412,6 +426,8 @@ def _frames_writer(system: str, cfg: dict, stop, counter, errors) -> None:
             import reverb
             client = reverb.Client(f"localhost:{cfg['port']}")
             writer = client.trajectory_writer(num_keep_alive_refs=1)
+        if ready is not None:  # the fill is timed from when every writer is connected (TensorFlow imports slowly)
+            ready.wait(timeout=300)
         n = 0
         while not stop.is_set() and n < cfg.get("cap", 1 << 40):
             frame[:8] = np.frombuffer(n.to_bytes(8, "little"), np.uint8)
@@ -420,6 +436,7 @@ def _frames_writer(system: str, cfg: dict, stop, counter, errors) -> None:
             else:
                 writer.append({"frame": frame})
                 writer.create_item("frames", priority=1.0, trajectory={"frame": writer.history["frame"][-1]})
+                writer.flush(block_until_num_items=REVERB_IN_FLIGHT)
             n += 1
             with counter.get_lock():
                 counter.value += 1
@@ -438,6 +455,7 @@ def _frames_reader(system: str, cfg: dict, result) -> None:
         if system == "reverb":
             import reverb
             client = reverb.Client(f"localhost:{cfg['port']}")
+            batches = _reverb_batches(cfg["port"], "frames", {"frame": ("uint8", FRAME)}, n)
         t0 = time.perf_counter()
         deadline = t0 + cfg["seconds"]
         while time.perf_counter() < deadline:
@@ -448,11 +466,11 @@ def _frames_reader(system: str, cfg: dict, result) -> None:
                     with open(f"{cfg['buffer']}/priorities", "w") as f:
                         f.write("".join(f"{k} {1.0 + (i % 7)}\n" for i, k in enumerate(keys)))
             else:
-                samples = list(client.sample("frames", num_samples=n))
-                frames = np.stack([s[0].data[0] for s in samples])
+                s = next(batches)
+                frames = s.data["frame"]
                 if update:
-                    client.mutate_priorities("frames", updates={s[0].info.key: 1.0 + (i % 7)
-                                                                for i, s in enumerate(samples)})
+                    client.mutate_priorities("frames", updates={k: 1.0 + (i % 7)
+                                                                for i, k in enumerate(s.info.key.tolist())})
             assert frames.shape[0] == n
             out["entries"] += n
             out["steps"] += 1
@@ -480,11 +498,13 @@ def _frames(system: str, root: Path, p: dict, ctx) -> dict:
             cfg["port"] = server.port
         stop, counter, errors = ctx.Event(), ctx.Value("q", 0), ctx.Queue()
         per = p["frames"] // 4
+        ready = ctx.Barrier(5)
         fill = [ctx.Process(target=_frames_writer, args=(system, {**cfg, "seed": 100 + i, "cap": per}, stop, counter,
-                                                         errors)) for i in range(4)]
-        t0 = time.perf_counter()
+                                                         errors, ready)) for i in range(4)]
         for w in fill:
             w.start()
+        ready.wait(timeout=300)
+        t0 = time.perf_counter()
         for w in fill:
             w.join(timeout=600)
         res["fill_entries_per_s"] = round(counter.value / (time.perf_counter() - t0), 1)
