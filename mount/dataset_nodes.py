@@ -64,8 +64,11 @@ class DatasetDir(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
+        # Sealed, it changes only by chmod/chown here (whose reply updates the kernel's copy):
+        # cached, a path walk to an item asks nothing of the daemon for this directory.
+        timeout = self.fs.store.config.entry_timeout if self.ds.sealed else NO_CACHE
         return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.ds.ctime_ns,
-                          NO_CACHE, nlink=3, entry_timeout=DIR_LONG)
+                          timeout, nlink=3, entry_timeout=DIR_LONG)
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
         if name == b".stage":  # the control file of `distorefs stage`; not listed

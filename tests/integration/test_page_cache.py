@@ -8,11 +8,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import time
 
 import numpy as np
 
-from distorefs_it import get_stats, read_entry, set_config, write_entry, xattr
+from distorefs_it import CLI, get_stats, read_entry, set_config, write_entry, xattr
 
 
 def requests(fs) -> dict:
@@ -108,3 +109,31 @@ def test_one_process_with_two_batches_open_reads_each_whole(buf):
             keys, data = z["keys"], z["data"]
             assert [int(k[1:4]) for k in keys] == [int(row[0]) for row in data]
             assert all((row == row[0]).all() for row in data)
+
+
+def test_reads_of_sealed_items_cost_no_attribute_requests(fs, tmp_path):
+    """A sealed dataset never changes: the path to an item (datasets/NAME, items/) and the
+    item's attributes stay cached, so an open + read + close again costs OPEN, FLUSH and
+    RELEASE, and no GETATTR of a directory on the way."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(20):
+        (src / f"i{i}.bin").write_bytes(os.urandom(5000 + i))
+    ds = fs.mnt / "datasets" / "pagecache"
+    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=120)
+    items = [ds / "items" / f"i{i}.bin" for i in range(20)]
+
+    def read_all() -> None:
+        for p in items:  # no fstat: only what the path walk and the read ask for
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                assert len(os.read(fd, 1 << 16)) == os.path.getsize(src / p.name)
+            finally:
+                os.close(fd)
+    read_all()  # looked up, attributes and pages cached
+
+    def getattrs(fn) -> int:
+        before = requests(fs).get("getattr", 0)
+        fn()
+        return requests(fs).get("getattr", 0) - before
+    assert getattrs(read_all) - getattrs(lambda: None) == 0
