@@ -271,7 +271,11 @@ class ItemNode(Node):
             self.writers.append(w)
             return w
         item = self.item()
-        return ItemReader(self.ds, item)
+        reader = ItemReader(self.ds, item)
+        pusher = self.fs.pusher
+        if reader.data is not None and reader.keep_cache and not self.open_handles and pusher is not None:
+            pusher.store_at_open(self.ino, reader.data)  # a prefetched value: no READ for it
+        return reader
 
     async def commit(self, data: bytes, owner: Owner) -> None:
         item = await self.ds.put(self.parent_id, self.name, data, owner)

@@ -533,6 +533,7 @@ class EntryNode(Node):
     staged bytes are what it holds."""
 
     private = False  # a writer's own inode: its name is not cached by the kernel
+    pages_stored = False  # the version's bytes were put into the kernel's page cache once
 
     def __init__(self, fs: "Filesystem", parent: EntriesDir, key: bytes, version: EntryMeta | None,
                  base: EntryMeta | None = None) -> None:
@@ -633,7 +634,13 @@ class EntryNode(Node):
             raise NotFound("no such entry (not committed yet, or removed)")
         # The version's bytes are taken now (a snapshot: an eviction or rewrite after the
         # open cannot take them away); the kernel keeps the pages it reads for later opens.
-        return BytesReader(await self.buf.ring.read(meta, follow_rewrites=False), cacheable=True)
+        reader = BytesReader(await self.buf.ring.read(meta, follow_rewrites=False), cacheable=True)
+        pusher = self.fs.pusher
+        if not (self.pages_stored or self.open_handles or self.private or self.writers or pusher is None):
+            # into the page cache before OPEN is answered: the reads of this open, and of
+            # later ones while the kernel keeps the pages, need no READ
+            self.pages_stored = pusher.store_at_open(self.ino, reader.data)
+        return reader
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
         if fields.update_size:

@@ -5,7 +5,9 @@ max_times_sampled) and drop cached pages when an entry is rewritten; prefetched 
 are pushed into its page cache. pyfuse3's invalidation and store calls can block until
 a related request finishes (a READ waiting for the very value being pushed, say), so
 they never run on the event loop or inside a handler: they are queued here, sent in
-order, and nothing a request waits for depends on them.
+order, and nothing a request waits for depends on them. The one exception is
+`PageCachePusher.store_at_open`, made inside an OPEN of an inode no handle has open
+(so no READ of it can be in flight).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class PageCachePusher(_Sender):
         super().__init__("distorefs-push")
         self.max_bytes = max_bytes
         self.queued_bytes = 0
+        self.stored_at_open = 0
         self._lock = threading.Lock()
 
     def push(self, ino: int, data: bytes) -> bool:
@@ -97,3 +100,22 @@ class PageCachePusher(_Sender):
     def _pushed(self, n: int) -> None:
         with self._lock:
             self.queued_bytes -= n
+
+    def store_at_open(self, ino: int, data: bytes) -> bool:
+        """Put a value the daemon holds into the page cache of an inode being opened, now,
+        before OPEN is answered: the reads that follow are the kernel's, no READ comes.
+
+        Made in the handler, not queued: queued, it would lose the race with the reader's
+        first read(). Safe only when the inode has no other open handle: then no READ of it
+        is in flight, holding the page locks a store waits for. False when the kernel
+        refused (the READ then comes, and is answered from the value as before)."""
+        if not data:
+            return False
+        try:
+            pyfuse3.notify_store(ino, 0, data)
+        except OSError as exc:
+            if exc.errno not in _GONE:
+                log.warning("page cache store of inode %d at open failed: %s", ino, exc)
+            return False
+        self.stored_at_open += 1
+        return True

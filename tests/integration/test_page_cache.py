@@ -45,6 +45,15 @@ def test_a_second_read_of_an_entry_is_served_by_the_page_cache(fs, buf):
     assert read_entry(buf, "cached") == data
 
 
+def test_the_first_read_of_an_entry_needs_no_read_request(fs, buf):
+    """The value taken at open goes into the page cache before OPEN is answered."""
+    data = os.urandom(300_000)
+    write_entry(buf, "stored", data)
+    with open(buf / "entries" / "stored", "rb") as f:  # opened, and a second reader beside it
+        assert reads_during(fs, lambda: read_entry(buf, "stored")) == 0
+        assert f.read() == data
+
+
 def test_a_rewrite_is_a_new_inode_and_old_readers_keep_theirs(buf):
     write_entry(buf, "r", b"one" * 1000)
     ino1 = os.stat(buf / "entries" / "r").st_ino
@@ -137,3 +146,30 @@ def test_reads_of_sealed_items_cost_no_attribute_requests(fs, tmp_path):
         fn()
         return requests(fs).get("getattr", 0) - before
     assert getattrs(read_all) - getattrs(lambda: None) == 0
+
+
+def test_prefetched_items_are_read_without_read_requests(fs, tmp_path):
+    """Items loaded ahead along a declared order go into the page cache at their open."""
+    src = tmp_path / "src"
+    src.mkdir()
+    payloads = {f"p{i}.bin": os.urandom(7000 + i) for i in range(12)}
+    for name, data in payloads.items():
+        (src / name).write_bytes(data)
+    ds = fs.mnt / "datasets" / "prefetched"
+    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=120)
+    index = np.load(ds / "index.npy")
+    order = np.arange(len(index), dtype=np.int64)
+    with open(ds / "order", "wb") as f:
+        np.save(f, order)
+    deadline = time.monotonic() + 30
+    while json.loads((ds / "stats.json").read_bytes())["prefetch"]["loaded"] < len(index):
+        assert time.monotonic() < deadline, "the prefetcher did not load the declared order"
+        time.sleep(0.05)
+
+    def read_in_order() -> None:
+        for row in index[order]:
+            name = row["path"].decode()
+            with open(ds / "items" / name, "rb") as f:
+                assert f.read() == payloads[name]
+    assert reads_during(fs, read_in_order) == 0
+    assert json.loads((ds / "stats.json").read_bytes())["prefetch"]["hits"] >= len(index)
