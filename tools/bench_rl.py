@@ -317,6 +317,7 @@ def _dqn(system: str, root: Path, p: dict, ctx) -> dict:
     cfg: dict[str, Any] = {"seconds": p["seconds"], "warmup": p["warmup"], "env_cost": p["env_cost"],
                            "actor_hz": p["actor_hz"]}
     mount = server = None
+    workers = _Workers(ctx)
     try:
         if system == "distorefs":
             mount = DistorefsMount(root / "store", root / "mnt")
@@ -338,18 +339,11 @@ def _dqn(system: str, root: Path, p: dict, ctx) -> dict:
                 cfg["port"] = server.port
         np.save(cfg["weights"], QNet(0).weights())
         stop, counter, errors, result = ctx.Event(), ctx.Value("q", 0), ctx.Queue(), ctx.Queue()
-        actors = [ctx.Process(target=_actor, args=(system, {**cfg, "seed": i}, stop, counter, errors))
-                  for i in range(2)]
-        for a in actors:
-            a.start()
-        learner = ctx.Process(target=_learner, args=(system, cfg, result))
-        learner.start()
+        actors = [workers.start(_actor, system, {**cfg, "seed": i}, stop, counter, errors) for i in range(2)]
+        learner = workers.start(_learner, system, cfg, result)
         out = result.get(timeout=p["seconds"] + 240)
         stop.set()
-        for proc in actors + [learner]:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()  # our own worker
+        workers.finish(actors + [learner])
         errs = []
         while not errors.empty():
             errs.append(errors.get())
@@ -362,10 +356,37 @@ def _dqn(system: str, root: Path, p: dict, ctx) -> dict:
             res["errors"] = errs[:3]
         return res
     finally:
+        workers.kill_all()
         if mount is not None:
             mount.umount()
         if server is not None:
             server.stop()
+
+
+class _Workers:
+    """The processes a phase starts; whatever happens to the phase, none outlives it."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.procs: list = []
+
+    def start(self, target, *args):
+        proc = self.ctx.Process(target=target, args=args, daemon=True)
+        self.procs.append(proc)
+        proc.start()
+        return proc
+
+    def finish(self, procs: list, timeout: float = 60) -> None:
+        for proc in procs:
+            proc.join(timeout=timeout)
+            if proc.is_alive():
+                proc.kill()  # our own worker
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()  # our own worker, left by a phase that failed
+            proc.join(timeout=10)
 
 
 class _ReverbServer:
@@ -381,6 +402,9 @@ class _ReverbServer:
     def stop(self) -> None:
         self.proc.terminate()  # our own server process
         self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
 
 
 def _reverb_batches(port: int, table: str, spec: dict[str, tuple[str, tuple]], n: int):
@@ -483,6 +507,7 @@ def _frames_reader(system: str, cfg: dict, result) -> None:
 def _frames(system: str, root: Path, p: dict, ctx) -> dict:
     """sample 256 idle / with 4 writers / learner loop 64 + priorities with 2 writers."""
     mount = server = None
+    workers = _Workers(ctx)
     res: dict[str, Any] = {}
     try:
         cfg: dict[str, Any] = {}
@@ -499,10 +524,8 @@ def _frames(system: str, root: Path, p: dict, ctx) -> dict:
         stop, counter, errors = ctx.Event(), ctx.Value("q", 0), ctx.Queue()
         per = p["frames"] // 4
         ready = ctx.Barrier(5)
-        fill = [ctx.Process(target=_frames_writer, args=(system, {**cfg, "seed": 100 + i, "cap": per}, stop, counter,
-                                                         errors, ready)) for i in range(4)]
-        for w in fill:
-            w.start()
+        fill = [workers.start(_frames_writer, system, {**cfg, "seed": 100 + i, "cap": per}, stop, counter, errors,
+                              ready) for i in range(4)]
         ready.wait(timeout=300)
         t0 = time.perf_counter()
         for w in fill:
@@ -513,22 +536,16 @@ def _frames(system: str, root: Path, p: dict, ctx) -> dict:
                                           ("learner_64_with_2_writers", 2, 64, True)):
             stop = ctx.Event()
             counter = ctx.Value("q", 0)
-            ws = [ctx.Process(target=_frames_writer, args=(system, {**cfg, "seed": 200 + i}, stop, counter, errors))
+            ws = [workers.start(_frames_writer, system, {**cfg, "seed": 200 + i}, stop, counter, errors)
                   for i in range(writers)]
-            for w in ws:
-                w.start()
             result = ctx.Queue()
-            reader = ctx.Process(target=_frames_reader, args=(system, {**cfg, "n": n, "update": update,
-                                                                       "seconds": p["reverb_seconds"]}, result))
             c0 = counter.value
-            reader.start()
+            reader = workers.start(_frames_reader, system, {**cfg, "n": n, "update": update,
+                                                            "seconds": p["reverb_seconds"]}, result)
             out = result.get(timeout=p["reverb_seconds"] + 240)
             inserted = counter.value - c0
             stop.set()
-            for w in ws + [reader]:
-                w.join(timeout=60)
-                if w.is_alive():
-                    w.kill()  # our own worker
+            workers.finish(ws + [reader])
             secs = out["seconds"] or 1e-9
             res[label] = {"entries_per_s": round(out["entries"] / secs, 1), "steps_per_s": round(out["steps"] / secs, 1),
                           "writer_inserts_per_s": round(inserted / secs, 1)}
@@ -541,6 +558,7 @@ def _frames(system: str, root: Path, p: dict, ctx) -> dict:
             res["errors"] = errs[:3]
         return res
     finally:
+        workers.kill_all()
         if mount is not None:
             mount.umount()
         if server is not None:
