@@ -434,6 +434,13 @@ class DrawFile(Node):
         self.sizes[ctx.pid] = content.size
         handle = SampleReader(self.buf, batch, content)
         handle.pid = ctx.pid
+        pusher = self.fs.pusher
+        if content.size <= len(SampleReader.scratch) and not self.open_handles and pusher is not None:
+            # A small batch (a learner's batch of transitions) goes into the page cache
+            # whole before OPEN is answered: its reads need no READ request. The pages stay
+            # only if the size the kernel learns next is the one it has (it drops them all
+            # on a size change, and the READs then come as before).
+            handle.keep_cache = pusher.store_at_open(self.ino, content.read(0, content.size, SampleReader.scratch))
         try:  # attributes only: takes no page or inode lock, so it is safe (and quick) inline,
             # while this OPEN is pending; the next stat or seek asks for the new batch's size
             pyfuse3.invalidate_inode(self.ino, True)

@@ -100,6 +100,25 @@ def test_a_batch_is_read_in_few_requests(fs, buf):
     assert reads_during(fs, load) <= 20
 
 
+def test_small_batches_are_read_without_read_requests(fs, buf):
+    """A learner's batch of small transitions goes into the page cache at its open; every
+    draw still gives its own rows (the stored pages are the new batch, never the last)."""
+    for i in range(100):
+        write_entry(buf, f"t{i:03d}.npy", npy(np.full(30, i, np.int32)))
+    set_config(buf, {"sampler": "uniform"})
+    seen = []
+
+    def load() -> None:
+        for _ in range(10):
+            with np.load(buf / "batch" / "16.npz") as z:
+                rows, keys = z["data"], list(z["keys"])
+            assert [f"t{int(r[0]):03d}.npy" for r in rows] == keys  # each row is its key's entry
+            seen.append(tuple(keys))
+    load()
+    assert reads_during(fs, load) == 0
+    assert len(set(seen)) > 15  # fresh draws, not one batch served again from the cache
+
+
 def test_one_process_with_two_batches_open_reads_each_whole(buf):
     for i in range(200):
         write_entry(buf, f"k{i:03d}.npy", npy(np.full(5000, i, np.int64)))
