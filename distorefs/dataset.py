@@ -366,9 +366,11 @@ class Dataset:
     def whole_in_memory(self, item: Item) -> bool:
         return item.size <= self.config.chunk_bytes
 
-    async def read_item(self, item: Item) -> bytes:
-        """The content of a one-chunk item: prefetched if it was, else from its tier."""
-        if self.sealed:
+    async def read_item(self, item: Item, ask_prefetcher: bool = True) -> bytes:
+        """The content of a one-chunk item: prefetched if it was, else from its tier.
+        `ask_prefetcher` False: this read's open was counted already (its value was pushed
+        into the page cache, and the kernel has dropped those pages since)."""
+        if self.sealed and ask_prefetcher:
             value = await self.prefetcher.take(item.id)
             if value is not None:
                 self._count_read(len(value))

@@ -351,9 +351,10 @@ class ItemReader(Handle):
         # Whether this open is in the prefetch counts yet: if no READ comes and it is not,
         # the kernel served the reads from pages an earlier open left in its cache.
         self.accounted = not ds.sealed or item.size == 0
+        self.counted = False  # the open was a prefetch hit (the value here, or pushed ahead)
         if ds.sealed:
-            self.data, counted = ds.prefetcher.take_nowait(item.id)
-            self.accounted = self.accounted or counted
+            self.data, self.counted = ds.prefetcher.take_nowait(item.id)
+            self.accounted = self.accounted or self.counted
         if self.data is not None:
             ds._count_read(len(self.data))
 
@@ -361,7 +362,7 @@ class ItemReader(Handle):
         ds, item = self.ds, self.item
         self.accounted = True
         if self.data is None and ds.whole_in_memory(item):
-            self.data = await ds.read_item(item)
+            self.data = await ds.read_item(item, ask_prefetcher=not self.counted)
         if self.data is not None:
             return memoryview(self.data)[off:off + size]
         return await ds.read_range(item, off, size)

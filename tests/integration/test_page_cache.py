@@ -192,3 +192,39 @@ def test_prefetched_items_are_read_without_read_requests(fs, tmp_path):
                 assert f.read() == payloads[name]
     assert reads_during(fs, read_in_order) == 0
     assert json.loads((ds / "stats.json").read_bytes())["prefetch"]["hits"] >= len(index)
+
+
+def test_an_item_pushed_ahead_counts_once_when_its_pages_are_gone(fs, tmp_path):
+    """A prefetched value pushed into the page cache is a hit at open; if the kernel has
+    dropped those pages by the time the item is read, its READ must not count a miss too."""
+    src = tmp_path / "src"
+    src.mkdir()
+    payloads = {f"q{i}.bin": os.urandom(9000 + i) for i in range(10)}
+    for name, data in payloads.items():
+        (src / name).write_bytes(data)
+    ds = fs.mnt / "datasets" / "pushedgone"
+    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=120)
+    for name in payloads:  # the kernel knows every inode: values loaded ahead are pushed
+        (ds / "items" / name).read_bytes()
+    index = np.load(ds / "index.npy")
+    with open(ds / "order", "wb") as f:
+        np.save(f, np.arange(len(index), dtype=np.int64))
+
+    def prefetch() -> dict:
+        return json.loads((ds / "stats.json").read_bytes())["prefetch"]
+    deadline = time.monotonic() + 30
+    while prefetch()["pushed"] < len(index):
+        assert time.monotonic() < deadline, prefetch()
+        time.sleep(0.05)
+    before = prefetch()
+    for row in index:
+        name = row["path"].decode()
+        fd = os.open(ds / "items" / name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the pushed pages are gone
+            assert os.read(fd, 1 << 16) == payloads[name]
+        finally:
+            os.close(fd)
+    after = prefetch()
+    assert after["hits"] - before["hits"] == len(index)
+    assert after["misses"] - before["misses"] == 0
