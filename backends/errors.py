@@ -31,3 +31,7 @@ class BadRequest(BackendError):
 class Unreadable(BackendError):
     """The engine's own files are damaged past reading (a truncated LMDB file): nothing of
     the store can be opened safely."""
+
+
+class ReadOnly(BackendError):
+    """The engine was opened read-only (a read-only mount): nothing can be written."""

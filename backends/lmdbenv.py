@@ -31,7 +31,7 @@ from typing import Callable, Iterator, TypeVar
 
 import lmdb
 
-from .errors import Damaged, Full
+from .errors import Damaged, Full, ReadOnly, Unreadable
 from .lmdbcheck import check_data_file
 
 T = TypeVar("T")
@@ -147,22 +147,36 @@ class LmdbTxn:
 class LmdbEnv:
     """Owns one ``lmdb.Environment`` in directory ``path`` (created 0700)."""
 
-    def __init__(self, path: str | os.PathLike[str], map_size: int = DEFAULT_MAP_SIZE) -> None:
+    def __init__(self, path: str | os.PathLike[str], map_size: int = DEFAULT_MAP_SIZE, *,
+                 readonly: bool = False) -> None:
+        """`readonly`: open an existing environment for reading only (write() raises
+        ReadOnly, sync() does nothing): nothing of the file is changed."""
         self.path = Path(path)
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.readonly = readonly
+        if readonly:
+            if not (self.path / "data.mdb").is_file():
+                raise Unreadable(f"{self.path}: no LMDB environment to open read-only")
+        else:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_data_file(self.path)  # a truncated file would be mapped and kill us with SIGBUS
-        self._env = lmdb.open(
-            str(self.path),
-            map_size=map_size,
-            subdir=True,
-            max_dbs=32,
-            sync=False,  # durability only via sync(); see module docstring
-            metasync=False,
-            readahead=False,  # values are read at random; readahead wastes page cache
-            max_readers=256,
-            lock=True,
-            mode=0o600,
-        )
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                map_size=map_size,
+                subdir=True,
+                max_dbs=32,
+                sync=False,  # durability only via sync(); see module docstring
+                metasync=False,
+                readahead=False,  # values are read at random; readahead wastes page cache
+                max_readers=256,
+                lock=True,
+                mode=0o600,
+                readonly=readonly,
+            )
+        except lmdb.Error as exc:
+            if not readonly:
+                raise
+            raise Unreadable(f"{self.path}: {exc}") from exc
         self._dbs: dict[bytes, lmdb._Database] = {}
         self._dbs_lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -187,7 +201,13 @@ class LmdbEnv:
                 # writer lock so it cannot interleave with write().
                 self._check_not_nested()
                 with self._write_lock:
-                    self._dbs[name] = self._env.open_db(name, create=True)
+                    try:
+                        self._dbs[name] = self._env.open_db(name, create=not self.readonly)
+                    except lmdb.Error as exc:
+                        if not self.readonly:
+                            raise
+                        # never made (a store that never used it), or its record is damaged
+                        raise Unreadable(f"{self.path}: database {name.decode(errors='replace')}: {exc}") from exc
             return name
 
     def db_names(self) -> list[bytes]:
@@ -209,6 +229,8 @@ class LmdbEnv:
         Raises ``Full`` when the disk cannot hold a larger map.
         """
         self._check_not_nested()
+        if self.readonly:
+            raise ReadOnly(f"{self.path} is open read-only")
         with self._write_lock:
             self._local.writing = True
             try:
@@ -276,6 +298,8 @@ class LmdbEnv:
 
     def sync(self) -> None:
         """Force every committed transaction to disk (fsync)."""
+        if self.readonly:
+            return
         with self._rw.shared():
             self._env.sync(True)
 

@@ -54,6 +54,7 @@ class Buffer(RingNamespace):
         self.committer = services.committer
         self.limits = services.config  # max_batch_entries, max_batch_bytes
         self.spawn = services.spawn
+        self.read_only = services.read_only  # draws keep no counts, spend no entries
         # Pre-sampled batches are the order this buffer's prefetcher reads ahead along.
         self.prefetcher = self.ring.prefetcher = Prefetcher(services.prefetch_budget, self.ring.prefetch_loader,
                                                             spawn=services.spawn, lag=4096)
@@ -173,6 +174,8 @@ class Buffer(RingNamespace):
         return batch
 
     def _record_sampled(self, metas: list[EntryMeta]) -> None:
+        if self.read_only:
+            return
         sampled = self._sampled
         for m in metas:
             sampled[m.seq] = m
@@ -226,6 +229,8 @@ class Buffer(RingNamespace):
 
     def remove_spent(self, metas: list[EntryMeta]) -> None:
         """Remove entries sampled max_times_sampled times (in the background)."""
+        if self.read_only:
+            return
         for meta in metas:
             self.counters["exhausted"] += 1
             self.committer.submit_nowait(RemoveEntry(self.ring, meta.key, meta.seq, "exhausted"))

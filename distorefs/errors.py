@@ -116,7 +116,8 @@ def from_backend(exc: BaseException) -> BaseException:
     """The core error for an error a backend raised (backends/errors.py); anything else
     is returned as it is."""
     for kind, mapped in ((_backend.Missing, NotFound), (_backend.Damaged, CorruptValue), (_backend.Full, NoSpace),
-                         (_backend.BadRequest, InvalidArgument), (_backend.Unreadable, DamagedStore)):
+                         (_backend.BadRequest, InvalidArgument), (_backend.Unreadable, DamagedStore),
+                         (_backend.ReadOnly, ReadOnly)):
         if isinstance(exc, kind):
             return mapped(str(exc))
     return exc

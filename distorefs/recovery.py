@@ -68,13 +68,15 @@ def recover(path: Path, lock: StoreLock) -> Recovery:
     if report.damaged:
         raise RecoveryFailed(
             f"store {path} was not closed cleanly ({lock.previous}) and its LMDB file is damaged "
-            f"({report.damaged}): nothing was changed; `distorefs verify {path}` lists what is readable")
+            f"({report.damaged}): nothing was changed; `distorefs verify {path}` lists what is readable, "
+            f"and `distorefs mount --read-only` serves it")
     if report.blocking:
         first = report.blocking[0]
         raise RecoveryFailed(
             f"store {path} was not closed cleanly ({lock.previous}); recovery found {result.problems} problems "
             f"and could not repair {result.blocking} (e.g. {first.check}: {first.message}), so it is not "
-            f"opened: run `distorefs verify --repair {path}` for details")
+            f"opened: run `distorefs verify --repair {path}` for details (`distorefs mount --read-only` serves "
+            f"what can be read without changing it)")
     left = f"{result.unrepaired} left (leaks or unreadable values)" if result.unrepaired else "none left"
     log.warning("store %s was not closed cleanly (%s): recovered in %.2f s: %d passes, %d problems found, "
                 "%d repaired, %s%s", path, lock.previous, result.seconds, len(result.passes), result.problems,

@@ -51,3 +51,5 @@ class Services:
     hot_value_added: Callable[[], None] = _nothing
     # The checkpoints' write-back budget changed: share memory_bytes out again.
     memory_changed: Callable[[], None] = _nothing
+    # A read-only open: reads keep no state in the store (times sampled, spent entries).
+    read_only: bool = False

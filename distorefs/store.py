@@ -35,10 +35,10 @@ from .checkpoints import DB_CKPT, Checkpoints
 from .committer import Change, Committer, Overlay
 from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
 from .dataset import DB_DSNODES, Dataset
-from .errors import AlreadyExists, InvalidConfig, NoSpace, NotEmpty, NotFound, from_backend
+from .errors import AlreadyExists, InvalidConfig, NoSpace, NotEmpty, NotFound, ReadOnly, from_backend
 from .lockfile import take_lock
 from .memory import MemoryPlan
-from .migrate import migrate
+from .migrate import migrate, stored_format
 from .names import check_name, check_namespace_name
 from .namespace import ConfigureNamespace, SetNamespaceOwner, ns_key
 from .owner import Owner
@@ -60,18 +60,34 @@ CATALOG_DBS = (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DS
 
 class Store:
     def __init__(self, path: str | os.PathLike, *, nvme_dirs: list | None = None,
-                 config: dict | None = None) -> None:
+                 config: dict | None = None, read_only: bool = False) -> None:
         """Open (creating if missing) the store at `path`. `config` overrides stored settings.
 
         Raises StoreLocked if another process has it open, and RecoveryFailed if it was not
-        closed cleanly and recovery left inconsistencies (see distorefs/recovery.py)."""
+        closed cleanly and recovery left inconsistencies (see distorefs/recovery.py).
+
+        `read_only`: open an existing store without changing anything in it, not even by
+        recovery (a store that was not closed cleanly, or is damaged, serves what can be
+        read; writes fail with EROFS, sampling keeps no times-sampled counts, nothing runs
+        in the background), and leave its lock as it was found."""
         self.path = Path(path).resolve()
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.path, 0o700)
-        self._lock = take_lock(self.path)
+        self.read_only = read_only
+        if read_only:
+            if not (self.path / "meta" / "data.mdb").is_file():
+                raise NotFound(f"{self.path} holds no store to open read-only")
+        else:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.path, 0o700)
+        self._lock = take_lock(self.path, "read-only" if read_only else "")
         try:
-            # Before our own LmdbEnv: recovery's check opens and closes one of its own.
-            self.recovery: Recovery = recover(self.path, self._lock)
+            if read_only:
+                self.recovery: Recovery = Recovery(previous_holder=self._lock.previous)
+                if not self._lock.was_clean:
+                    log.warning("store %s was not closed cleanly (%s): opened read-only without recovery, "
+                                "serving what can be read", self.path, self._lock.previous)
+            else:
+                # Before our own LmdbEnv: recovery's check opens and closes one of its own.
+                self.recovery = recover(self.path, self._lock)
             self._open(nvme_dirs, config)
         except BaseException:
             # Left as found: a store that needed recovery still does (nothing was opened,
@@ -81,11 +97,11 @@ class Store:
 
     def _open(self, nvme_dirs: list | None, overrides: dict | None) -> None:
         try:
-            self.env = LmdbEnv(self.path / "meta")
+            self.env = LmdbEnv(self.path / "meta", readonly=self.read_only)
+            for name in CATALOG_DBS:
+                self.env.db(name)  # opening a db writes: do it once, before any transaction
         except BackendError as exc:  # a data file LMDB could not map safely: DamagedStore
             raise from_backend(exc) from None
-        for name in CATALOG_DBS:
-            self.env.db(name)  # opening a db writes: do it once, before any transaction
         stored = self.env.read(lambda txn: _copy(txn.get(b"config", db=DB_META)))
         base = StoreConfig.from_json(stored) if stored else StoreConfig()
         overrides = dict(overrides or {})
@@ -93,7 +109,8 @@ class Store:
             given = StoreConfig.from_dict({"nvme_dirs": list(nvme_dirs or []) + list(overrides.pop("nvme_dirs", []))})
             overrides["nvme_dirs"] = self._merge_dirs(base.nvme_dirs, given.nvme_dirs)
         self.config = StoreConfig.from_dict(overrides, base) if overrides else base
-        self.env.write(self._init_meta)
+        if not self.read_only:
+            self.env.write(self._init_meta)
         # Every directory must exist, one the store has used as well as one named now: a drive
         # that is not mounted (or a typo in fstab) would otherwise be stood in for by a new,
         # empty directory on the root disk.
@@ -105,15 +122,24 @@ class Store:
         dirs = [SegmentDir(Path(d.path), d.capacity_bytes) for d in self.config.nvme_dirs] \
             or [SegmentDir(self.path / "segments")]
         self.nvme_path = dirs[0].path
-        self.values = ValueLayer(self.env, self.config, dirs)
-        migrate(self.env, self.values)  # a store of an older format, once
+        try:
+            self.values = ValueLayer(self.env, self.config, dirs, create_dirs=not self.read_only)
+        except BackendError as exc:
+            raise from_backend(exc) from None
+        if self.read_only:
+            fmt = stored_format(self.env)
+            if fmt is not None and fmt != FORMAT_VERSION:
+                raise ReadOnly(f"the store has format {fmt}: a read-write mount upgrades it to {FORMAT_VERSION} "
+                               f"before it can be served")
+        else:
+            migrate(self.env, self.values)  # a store of an older format, once
         self.prefetch_budget = PrefetchBudget(0)
         self.committer = Committer(self.env.write)
         self.services = Services(values=self.values, committer=self.committer, env=self.env, config=self.config,
                                  prefetch_budget=self.prefetch_budget, spool_dir=self.path / "spool",
                                  spawn=self.spawn, sync=self.sync, collect=self.collect,
                                  entry_changed=self._entry_changed, hot_value_added=self._hot_value_added,
-                                 memory_changed=self.apply_memory_plan)
+                                 memory_changed=self.apply_memory_plan, read_only=self.read_only)
         self.mover = TierMover(self.values, self.committer, self.rings, lambda: self.memory.transfer)
         self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
         self.buffers: dict[str, Buffer] = self.namespaces["buffers"]  # type: ignore[assignment]
@@ -196,6 +222,10 @@ class Store:
     @asynccontextmanager
     async def running(self) -> AsyncIterator["Store"]:
         """Run the store's background tasks (committer, periodic sync, pre-sampling)."""
+        if self.read_only:
+            async with self._running_read_only():
+                yield self
+            return
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.committer.run)
@@ -214,6 +244,19 @@ class Store:
                         buf.flush_sampled()  # times-sampled counts written behind
                     await self.committer.drain()
                     await self.sync()
+                nursery.cancel_scope.cancel()
+                self._nursery = None
+
+    @asynccontextmanager
+    async def _running_read_only(self) -> AsyncIterator[None]:
+        """Read-only: no background work (no tier moves, persisting, syncs or removals); the
+        committer runs so that a change anyone asks for fails with EROFS at once."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.committer.run)
+            try:
+                yield
+            finally:
                 nursery.cancel_scope.cancel()
                 self._nursery = None
 
@@ -240,6 +283,8 @@ class Store:
 
     async def sync(self) -> None:
         """Make everything committed so far durable (fsync)."""
+        if self.read_only:
+            return
         await self.committer.drain()
         groups = self.committer.groups
         await trio.to_thread.run_sync(self.sync_blocking)
@@ -251,7 +296,16 @@ class Store:
 
     def close(self) -> None:
         """Close after `running()` has exited (or if it never ran). Only a close whose sync
-        succeeded marks the store clean; after a failure it is recovered at the next open."""
+        succeeded marks the store clean; after a failure it is recovered at the next open.
+        Read-only, the lock is left as it was found (an unclean store is still recovered by
+        the next read-write open)."""
+        if self.read_only:
+            try:
+                self.values.close()
+                self.env.close()
+            finally:
+                self._lock.restore()
+            return
         try:
             self.sync_blocking()
             self.values.close()
@@ -352,6 +406,7 @@ class Store:
             "version": __version__,
             "store": str(self.path),
             "uptime_s": round(time.time() - self.started, 1),
+            "read_only": self.read_only,
             "ops": totals,
             "tiers": tiers,
             "space": {"on_disk_bytes": on_disk, "live_bytes": live,

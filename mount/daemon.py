@@ -75,11 +75,14 @@ def _set_read_ahead(mountpoint: str, kb: int) -> None:
 
 
 def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, allow_other: bool = False,
-          config: dict | None = None, ready_fd: int | None = None, debug_fuse: bool = False) -> None:
-    """Mount `store_path` at `mountpoint` and serve until unmounted (blocking)."""
+          config: dict | None = None, ready_fd: int | None = None, debug_fuse: bool = False,
+          read_only: bool = False) -> None:
+    """Mount `store_path` at `mountpoint` and serve until unmounted (blocking). `read_only`:
+    the store is opened read-only (distorefs/store.py) and mounted `ro` (the kernel refuses
+    every change with EROFS before it reaches us)."""
     glibc = _Glibc()
     try:
-        store = Store(store_path, nvme_dirs=nvme_dirs, config=config)
+        store = Store(store_path, nvme_dirs=nvme_dirs, config=config, read_only=read_only)
     except Exception as exc:
         log.error("cannot open the store: %s", exc)
         _report(ready_fd, f"error: {exc}")
@@ -89,6 +92,8 @@ def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, al
     options |= {f"fsname={store.path}", "subtype=distorefs"}
     if allow_other:
         options.add("allow_other")
+    if read_only:
+        options.add("ro")
     if debug_fuse:
         options.add("debug")
     try:

@@ -66,10 +66,13 @@ def _parse_nvme_dir(text: str) -> dict:
 @click.option("--allow-other", is_flag=True, help="Let other users access the mount (needs user_allow_other).")
 @click.option("--config", "-o", "config", multiple=True, metavar="KEY=VALUE", help="Store setting, e.g. -o cache_bytes=1073741824.")
 @click.option("--debug", is_flag=True, help="Debug logging (and FUSE request tracing).")
+@click.option("--read-only", "read_only", is_flag=True,
+              help="Serve an existing store without changing it, not even by recovery: a damaged store, or one "
+                   "not closed cleanly that recovery refuses, serves what can be read; writes fail with EROFS.")
 @click.option("--ready-fd", type=int, hidden=True)
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the mount to be ready.")
-def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, ready_fd, timeout) -> None:
-    """Mount STORE (created if missing) at MOUNTPOINT."""
+def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, read_only, ready_fd, timeout) -> None:
+    """Mount STORE (created if missing, unless --read-only) at MOUNTPOINT."""
     mnt = Path(mountpoint)
     if not mnt.is_dir():
         raise click.ClickException(f"mount point {mountpoint} is not a directory")
@@ -86,13 +89,15 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
                             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
         try:
             serve(store, mountpoint, nvme_dirs=dirs, allow_other=allow_other, config=overrides or None,
-                  ready_fd=ready_fd, debug_fuse=debug)
+                  ready_fd=ready_fd, debug_fuse=debug, read_only=read_only)
         except Exception as exc:
             raise click.ClickException(str(exc))
         return
     existing = find_mount(mountpoint)
     if existing is not None:
         raise click.ClickException(f"{mountpoint} is already a distorefs mount of {existing.store}")
+    if read_only and not (Path(store) / "meta" / "data.mdb").is_file():
+        raise click.ClickException(f"{store} holds no store to mount read-only")
     Path(store).mkdir(mode=0o700, parents=True, exist_ok=True)
     read_fd, write_fd = os.pipe()
     # -P (3.11+): the working directory is not put on sys.path, so a `distorefs/` folder there
@@ -106,6 +111,8 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
         cmd.append("--allow-other")
     if debug:
         cmd.append("--debug")
+    if read_only:
+        cmd.append("--read-only")
     for item in config:
         cmd += ["--config", item]
     log_path = Path(store) / "daemon.log"
@@ -119,7 +126,8 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
             proc.terminate()
         raise click.ClickException(message.removeprefix("error: ")
                                    or f"the daemon did not get ready (see {log_path})")
-    click.echo(f"mounted {Path(store).resolve()} at {Path(mountpoint).resolve()} (daemon pid {proc.pid})")
+    click.echo(f"mounted {Path(store).resolve()} at {Path(mountpoint).resolve()}{' read-only' if read_only else ''} "
+               f"(daemon pid {proc.pid})")
 
 
 def _read_ready(fd: int, timeout: float) -> str:

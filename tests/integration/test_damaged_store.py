@@ -65,3 +65,90 @@ def test_a_truncated_data_mdb_is_refused_with_a_reason(fresh_mount, keep):
     res = subprocess.run(CLI + ["mount", str(m.store), str(m.mnt)], capture_output=True, text=True, timeout=90)
     assert res.returncode != 0 and ("truncated" in res.stderr or "damaged" in res.stderr), res
     assert "truncated" in m.log() or "damaged" in m.log()
+
+
+def _sha(path) -> str:
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_read_only_mount_serves_a_store_and_changes_nothing(fresh_mount):
+    import errno
+
+    import numpy as np
+
+    from distorefs_it import assert_errno, get_stats, read_entry, set_config
+    m = fresh_mount()
+    b = m.buffer("ro", {"compression": "none"})
+    set_config(b, {"max_times_sampled": 1})  # a read-write draw would remove what it drew
+    arrays = {f"e{i:02d}.npy": np.full((50,), i, np.int32) for i in range(20)}
+    for name, a in arrays.items():
+        with open(b / "entries" / name, "wb") as f:
+            np.save(f, a)
+    m.umount()
+    data, lock = m.store / "meta" / "data.mdb", m.store / "lock"
+    before = _sha(data)
+    m.mount(flags=("--read-only",))
+    assert "read-only" in lock.read_text()
+    assert sorted(entry_names(b)) == sorted(arrays)
+    for name, a in arrays.items():
+        assert np.load(b / "entries" / name).tobytes() == a.tobytes()
+    for _ in range(5):  # draws work, and spend nothing
+        with np.load(b / "batch" / "4.npz") as z:
+            assert [int(r[0]) for r in z["data"]] == [int(k[1:3]) for k in z["keys"]]
+    assert get_stats(b)["entries"] == 20
+    stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
+    assert stats["read_only"] is True
+    assert_errno(errno.EROFS, open, b / "entries" / "new.npy", "wb")
+    assert_errno(errno.EROFS, os.mkdir, m.mnt / "buffers" / "another")
+    assert_errno(errno.EROFS, os.unlink, b / "entries" / "e00.npy")
+    assert_errno(errno.EROFS, os.setxattr, b / "entries" / "e01.npy", "user.distorefs.priority", b"2")
+    assert_errno(errno.EROFS, open, b / "priorities", "w")
+    assert m.alive()
+    m.umount()
+    assert _sha(data) == before  # not a byte of the catalog changed
+    assert lock.read_text() == ""  # clean as it was found
+    m.mount()
+    assert get_stats(b)["entries"] == 20 and read_entry(b, "e05.npy")
+
+
+def test_a_store_recovery_refuses_is_served_read_only(fresh_mount):
+    m = fresh_mount()
+    b = m.buffer("b", {"compression": "none"})
+    payloads = {f"e{i:04d}": make_payload(f"e{i:04d}", 3000, seed=i) for i in range(400)}
+    for key, data in payloads.items():
+        write_entry(b, key, data)
+    m.kill9()  # not closed cleanly: the next mount recovers
+    m.lazy_umount()
+    m.pid = None
+    data = m.store / "meta" / "data.mdb"
+    psize = 4096
+    pages = data.stat().st_size // psize
+    rng = random.Random(7)
+    with open(data, "r+b") as f:
+        for page in rng.sample(range(pages // 3, pages - 2), 4):
+            f.seek(page * psize)
+            f.write(rng.randbytes(psize))
+    marker = (m.store / "lock").read_text()
+    assert marker
+    res = subprocess.run(CLI + ["mount", str(m.store), str(m.mnt)], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "--read-only" in res.stderr, (res.returncode, res.stderr)
+    assert (m.store / "lock").read_text() == marker
+    m.mount(flags=("--read-only",))
+    names = entry_names(b)
+    assert names, "nothing readable"
+    good = bad = 0
+    for name in names:
+        try:
+            with open(b / "entries" / name, "rb") as f:
+                got = f.read()
+        except OSError as exc:
+            assert exc.errno in (5, 2), exc  # a damaged value is EIO, never wrong bytes
+            bad += 1
+            continue
+        assert got == payloads[name], name
+        good += 1
+    assert good > 0
+    assert m.alive()
+    m.umount()
+    assert (m.store / "lock").read_text() == marker  # still to be recovered by a read-write mount

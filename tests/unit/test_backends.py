@@ -18,7 +18,7 @@ from distorefs.backends import segments as segments_mod
 from distorefs.backends.lmdbenv import LmdbEnv
 from distorefs.backends.lmdbvalues import LmdbValues
 from distorefs.backends.segments import HEADER, LOCATION, SegmentValues
-from distorefs.backends.errors import Damaged, Full, Missing
+from distorefs.backends.errors import Damaged, Full, Missing, ReadOnly, Unreadable
 
 try:
     from .backend_conformance import BackendConformance
@@ -96,6 +96,29 @@ class TestLmdbValues(BackendConformance):
 
 
 class TestLmdbEnv:
+    def test_a_read_only_open_reads_and_never_writes(self, tmp_path):
+        with pytest.raises(Unreadable):
+            LmdbEnv(tmp_path / "none", readonly=True)  # nothing there: refused, nothing made
+        assert not (tmp_path / "none").exists()
+        env = LmdbEnv(tmp_path / "e")
+        db = env.db(b"x")
+        env.write(lambda txn: txn.put(b"k", b"v", db=db))
+        env.sync()
+        env.close()
+        before = (tmp_path / "e" / "data.mdb").read_bytes()
+        ro = LmdbEnv(tmp_path / "e", readonly=True)
+        try:
+            assert ro.db(b"x") == b"x"
+            assert ro.read(lambda txn: bytes(txn.get(b"k", db=b"x"))) == b"v"
+            with pytest.raises(ReadOnly):
+                ro.write(lambda txn: txn.put(b"k", b"w", db=b"x"))
+            with pytest.raises(Unreadable):
+                ro.db(b"never-made")
+            ro.sync()
+        finally:
+            ro.close()
+        assert (tmp_path / "e" / "data.mdb").read_bytes() == before
+
     def test_nested_write_is_refused(self, tmp_path):
         env = LmdbEnv(tmp_path / "e")
         try:
