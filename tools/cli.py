@@ -25,6 +25,8 @@ def main() -> None:
 def _parse_config(items: tuple[str, ...]) -> dict:
     config = {}
     for item in items:
+        if item in ("ro", "rw"):  # mount(8)'s words: `-o ro` is --read-only (handled by the caller)
+            continue
         key, sep, value = item.partition("=")
         if not sep:
             raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--config")
@@ -76,6 +78,7 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
     mnt = Path(mountpoint)
     if not mnt.is_dir():
         raise click.ClickException(f"mount point {mountpoint} is not a directory")
+    read_only = read_only or "ro" in config
     overrides = _parse_config(config)
     dirs = [_parse_nvme_dir(d) for d in nvme_dirs]
     # The daemon works from `/` like any daemon (it holds no directory busy, and imports

@@ -3,7 +3,8 @@
 mount(8) calls it as `mount.fuse.distorefs STORE MOUNTPOINT [-sfnv] [-o OPTIONS] [-t TYPE]`.
 OPTIONS mix generic mount options (ignored: they mean nothing to a FUSE daemon or are
 handled by mount(8) and systemd: `defaults`, `rw`, `auto`, `noauto`, `nofail`, `_netdev`,
-`x-systemd.*`, ...) with distorefs ones: `allow_other`, `nvme_dir=PATH[:SIZE]` (repeatable), `debug`, and any
+`x-systemd.*`, ...) with distorefs ones: `ro` (`distorefs mount --read-only`), `allow_other`, `nvme_dir=PATH[:SIZE]`
+(repeatable), `debug`, and any
 store setting (`cache_bytes=4294967296`, `sync_interval=2`, ...). It mounts like
 `distorefs mount` does (the daemon goes to the background, the helper returns once the
 mount is ready) and exits non-zero with a message if the mount fails.
@@ -54,8 +55,8 @@ def parse(argv: list[str]) -> tuple[list[str], bool]:
         if opt in IGNORED or key in IGNORED or opt.startswith(IGNORED_PREFIXES):
             continue
         if opt == "ro":
-            raise SystemExit("mount.fuse.distorefs: read-only mounts are not supported")
-        if opt == "allow_other":
+            args.append("--read-only")
+        elif opt == "allow_other":
             args.append("--allow-other")
         elif opt == "debug":
             args.append("--debug")

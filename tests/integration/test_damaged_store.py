@@ -108,6 +108,9 @@ def test_a_read_only_mount_serves_a_store_and_changes_nothing(fresh_mount):
     m.umount()
     assert _sha(data) == before  # not a byte of the catalog changed
     assert lock.read_text() == ""  # clean as it was found
+    m.mount(flags=("-o", "ro"))  # mount(8)'s way of saying it
+    assert_errno(errno.EROFS, open, b / "entries" / "new.npy", "wb")
+    m.umount()
     m.mount()
     assert get_stats(b)["entries"] == 20 and read_entry(b, "e05.npy")
 

@@ -180,7 +180,8 @@ def test_mount_helper_as_mount8_calls_it(tmp_path):
                         "-t", "fuse.distorefs", "-n"])
     assert args == ["mount", "/s", "/m", "--allow-other", "-o", "cache_bytes=1000"] and not fake
     assert parse(["/s", "/m", "-f"])[1]
-    for bad in (["/s", "/m", "-o", "ro"], ["/s", "/m", "-o", "bogus=1"], ["/s"]):
+    assert parse(["/s", "/m", "-o", "ro,noatime"])[0] == ["mount", "/s", "/m", "--read-only"]  # fstab's ro
+    for bad in (["/s", "/m", "-o", "bogus=1"], ["/s"]):
         with pytest.raises(SystemExit):
             parse(bad)
 
