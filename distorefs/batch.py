@@ -233,11 +233,26 @@ def _array_member(name: str, array: np.ndarray) -> Member:
     return Member(name, head, Blob(body), zlib.crc32(body, zlib.crc32(head)))
 
 
+class _Joined:
+    """Small values joined once, so that each field of a small batch is one numpy gather
+    (a learner's 64 transitions x 5 fields: not 320 slices)."""
+
+    def __init__(self, values: Sequence[bytes]) -> None:
+        self.bytes = np.frombuffer(b"".join(values), dtype=np.uint8)
+        self.starts = np.zeros(len(values), dtype=np.int64)
+        np.cumsum([len(v) for v in values[:-1]], out=self.starts[1:])
+
+    def field(self, offsets: np.ndarray, length: int) -> bytes:
+        index = (self.starts + offsets)[:, None] + np.arange(length, dtype=np.int64)
+        return self.bytes[index].tobytes()
+
+
 def _stacked_member(name: str, descr: str, shape: tuple[int, ...], length: int, values: Sequence[bytes],
-                    offsets: np.ndarray, crcs: np.ndarray) -> Member:
+                    offsets: np.ndarray, crcs: np.ndarray, joined: _Joined | None = None) -> Member:
     head = npy_header(descr, (len(values), *shape))
     if length * len(values) <= SMALL:
-        data = b"".join([memoryview(v)[o:o + length] for v, o in zip(values, offsets.tolist())])
+        data = joined.field(offsets, length) if joined is not None else \
+            b"".join([memoryview(v)[o:o + length] for v, o in zip(values, offsets.tolist())])
         return Member(name, head, Blob(data), zlib.crc32(data, zlib.crc32(head)))
     crc = zlib.crc32(head)
     for c in crcs.tolist():
@@ -260,10 +275,12 @@ def batch_file(batch: Batch, values: Sequence[bytes], layout: Layout | None) -> 
     members: list[Member] = []
     if layout is not None and batch.places is not None and values:
         offsets, crcs = batch.places
+        total = sum(len(v) for v in values)
+        joined = _Joined(values) if total <= SMALL else None
         for j, f in enumerate(layout.fields):
             name = f"entry_{f.name}" if f.name in RESERVED else f.name
             members.append(_stacked_member(name + ".npy", f.dtype, f.shape, f.nbytes, values, offsets[:, j],
-                                           crcs[:, j]))
+                                           crcs[:, j], joined))
     elif values:
         members.extend(_raw_members(batch.metas, values))
     keys = [m.key.decode("utf-8", "surrogateescape") for m in batch.metas]
