@@ -75,7 +75,7 @@ class Sampler:
         self.priority[slots] = values
         if len(values):
             self.max_priority = max(self.max_priority, float(values.max()))
-        self._refresh(slots)
+        self._refresh(slots, drawable_changed=False)
 
     def reconfigure(self, config: BufferConfig) -> None:
         self._flush()
@@ -88,9 +88,12 @@ class Sampler:
             self.exhausted = self.live & (self.times >= limit) if limit else np.zeros_like(self.live)
             self._refresh(np.flatnonzero(self.live))  # removed slots are already 0 in both trees
 
-    def _refresh(self, slots: np.ndarray) -> None:
+    def _refresh(self, slots: np.ndarray, drawable_changed: bool = True) -> None:
+        """Bring both trees up to date for `slots`; `drawable_changed` False (a priority
+        update): which slots may be drawn is unchanged, so the uniform tree is too."""
         drawable = self.live[slots] & ~self.exhausted[slots]
-        self.uniform.update(slots, drawable.astype(np.float64))
+        if drawable_changed:
+            self.uniform.update(slots, drawable.astype(np.float64))
         self.weighted.update(slots, np.where(drawable, self.priority[slots] ** self.config.alpha, 0.0))
 
     # ----- drawing --------------------------------------------------------------------
