@@ -21,9 +21,8 @@ closed it -> **durable** (complete) once every file in it is stored and synced; 
 `RUN/latest` may name it. A step is closed ("sealed") when none of its files is open for
 writing and one of: a newer step is created in the same run (a save loop moved on), its
 directory is fsynced, or nothing was written below it for `seal_after` seconds. A write
-below a sealed step opens it again (a complete one stops being complete first). A file
-whose writer died before close (the kernel flushed it for an exiting process) makes its
-step incomplete until the file is written again; a step with no files never completes.
+below a sealed step opens it again (a complete one stops being complete first). A step
+with no files never completes.
 `latest` is the complete step created last; the newest `keep_last` complete steps and
 pinned steps are kept, older complete steps (and steps interrupted by a crash, once a
 newer step is complete) are removed in the background.
@@ -287,7 +286,6 @@ class CFile(CNode):
     dirty: bool = False  # changed since its last commit was queued
     pending: int = 0  # items of it in the persist queue
     ticket: int = 0  # its last queued commit; durable once the durable ticket reaches it
-    abandoned: bool = False  # its writer died before close(): the step cannot complete
     error: DistorefsError | None = None  # a persist of it failed
     recorded: bool = True  # its record is in the catalog (a new file's goes in with its first commit)
 
@@ -353,7 +351,7 @@ class Checkpoints:
         self._removing: set[int] = set()
         self.counters = {"bytes_written": 0, "bytes_persisted": 0, "chunks_persisted": 0, "file_commits": 0,
                          "syncs": 0, "steps_completed": 0, "steps_removed": 0, "steps_reopened": 0,
-                         "chunk_reloads": 0, "evictions": 0, "abandoned_files": 0, "persist_failures": 0}
+                         "chunk_reloads": 0, "evictions": 0, "persist_failures": 0}
 
     # ----- loading -------------------------------------------------------------------
 
@@ -541,7 +539,7 @@ class Checkpoints:
     def _settled(self, step: CStep) -> bool | None:
         """Whether every file below `step` is closed and durable; None if one never will be."""
         files = list(self.files_below(step))
-        if any(f.abandoned or f.error is not None for f in files):
+        if any(f.error is not None for f in files):
             return None
         return bool(files) and all(self._file_durable(f) for f in files)
 
@@ -560,7 +558,7 @@ class Checkpoints:
                 return INCOMPLETE
             return PERSISTING if node.sealed and any(True for _ in self.files_below(node)) else WRITING
         if isinstance(node, CFile):
-            if node.abandoned or node.error is not None:
+            if node.error is not None:
                 return INCOMPLETE
             if node.writers:
                 return WRITING
@@ -672,18 +670,14 @@ class Checkpoints:
         if write:
             f.writers += 1
             f.dirty = True
-            f.abandoned = False
             if step is not None:
                 step.writers += 1
                 step.active = time.monotonic()
 
-    def flushed(self, f: CFile, writer_exiting: bool) -> None:
-        """close() of a write handle: what it wrote is held; persist it in the background.
-        `writer_exiting`: the kernel closed it for a dying process (a save cut short)."""
-        if writer_exiting and f.attached:
-            f.abandoned = True
-            self.counters["abandoned_files"] += 1
-            log.warning("the writer of %s died before closing it: its step will not complete", self.path_of(f))
+    def flushed(self, f: CFile) -> None:
+        """close() of a write handle (a process exiting closes its files the same way: the
+        two cannot be told apart reliably): what it wrote is held; persist it in the
+        background."""
         self._queue_file(f)
         step = self.step_of(f)
         if step is not None:

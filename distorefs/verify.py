@@ -632,9 +632,7 @@ def check_weights(check: Check) -> str:
     tree = _WeightsNames(nodes, ROOT_ID)
     versions = 0
     for node in detached.values():
-        for v in node.versions:
-            what = f"weights node {node.id} (unlinked) version {v.number}"
-            check.ref_chunks(what, v.chunks, Whole(what, v.size, v.checksum if v.checksum or not v.size else None))
+        _ref_versions(check, node, f"weights node {node.id} (unlinked)")
     for node in nodes.values():
         path = tree.path(node)
         if node.kind not in (DIR, FILE, LINK):
@@ -647,12 +645,8 @@ def check_weights(check: Check) -> str:
         numbers = [v.number for v in node.versions]
         if numbers != sorted(set(numbers)):
             check.error(f"{path}: version numbers out of order {numbers}")
-        for v in node.versions:
-            versions += 1
-            what = f"{path} version {v.number}"
-            if sum(c.size for c in v.chunks) != v.size:
-                check.error(f"{what}: chunks hold {sum(c.size for c in v.chunks)} bytes, the version {v.size}")
-            check.ref_chunks(what, v.chunks, Whole(what, v.size, v.checksum if v.checksum or not v.size else None))
+        versions += len(node.versions)
+        _ref_versions(check, node, path)
     # Names: unique per directory (the daemon shows one of two), parents that exist.
     names: dict[tuple[int, bytes], int] = {}
     for node in sorted(nodes.values(), key=lambda n: n.id):
@@ -677,6 +671,29 @@ def check_weights(check: Check) -> str:
     check.report.counts["weights_versions"] = versions
     return f"{len(nodes)} nodes, {versions} versions" + (f", {len(detached)} unlinked while read (freed at "
                                                          f"the next mount)" if detached else "")
+
+
+def _ref_versions(check: Check, node, path: str) -> None:
+    """The chunks of a weights file's versions. A rewrite keeps the chunks it did not change,
+    so versions of one file may share chunks (each is referenced once), and a hole is no
+    chunk at all; a version checked whole is one with neither."""
+    seen: set = set()
+    for v in node.versions:
+        what = f"{path} version {v.number}"
+        step = v.step(1 << 62)
+        own = [c for c in v.chunks if c is not None and (c.tier, c.loc) not in seen]
+        plain = len(own) == len(v.chunks) and (v.chunk_bytes == 0 or all(
+            c.size == min(step, v.size - i * step) for i, c in enumerate(v.chunks)))
+        for i, c in enumerate(v.chunks):
+            if c is not None and c.size > max(0, min(step, v.size - i * step)):
+                check.error(f"{what}: chunk {i} holds {c.size} bytes, more than its place in the file")
+        if plain and sum(c.size for c in own) != v.size:
+            check.error(f"{what}: chunks hold {sum(c.size for c in own)} bytes, the version {v.size}")
+        whole = Whole(what, v.size, v.checksum if v.checksum or not v.size else None) if plain else None
+        for i, c in enumerate(v.chunks):
+            if c is not None and (c.tier, c.loc) not in seen:
+                seen.add((c.tier, c.loc))
+                check.ref(f"{what} chunk {i}", c, whole)
 
 
 class _WeightsNames:

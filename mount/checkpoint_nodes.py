@@ -29,7 +29,6 @@ from distorefs.owner import Owner
 
 from .handles import Handle, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
-from .weights_nodes import _exiting
 
 if TYPE_CHECKING:
     from .operations import Filesystem
@@ -57,7 +56,7 @@ class CheckpointWriter(Handle):
         return await self.tree.write(self.f, off, buf)
 
     async def flush(self) -> None:
-        self.tree.flushed(self.f, writer_exiting=_exiting(self.pid))
+        self.tree.flushed(self.f)
 
     async def fsync(self) -> None:
         await self.tree.fsync(self.f)

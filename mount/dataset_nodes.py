@@ -388,7 +388,7 @@ class OrderFile(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
         return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o664), len(self.ds.order_npy()), o.uid, o.gid,
-                          time.time_ns(), NO_CACHE)
+                          self.ds.ctime_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
@@ -450,7 +450,7 @@ class StageFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
-        return make_attrs(self.ino, stat.S_IFREG | 0o600, 0, o.uid, o.gid, time.time_ns(), NO_CACHE)
+        return make_attrs(self.ino, stat.S_IFREG | 0o600, 0, o.uid, o.gid, self.ds.ctime_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         cred = Credentials.of_caller(ctx.pid, ctx.uid, ctx.gid)

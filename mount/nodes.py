@@ -20,7 +20,8 @@ from distorefs import __version__
 from distorefs.batch import BatchFile, Blob
 from distorefs.buffer import Buffer
 from distorefs.catalog import EntryMeta
-from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, WouldBlock)
+from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, Unsupported,
+                              WouldBlock)
 from distorefs.names import check_name
 from distorefs.owner import Owner
 
@@ -116,7 +117,9 @@ class Node:
         return self.xattrs()
 
     async def setxattr(self, name: bytes, value: bytes) -> None:
-        raise NotPermitted(f"attribute {name!r} is read-only")
+        if name in self.xattrs():
+            raise NotPermitted(f"attribute {name!r} is read-only")
+        raise Unsupported(f"no attribute {name!r} here")
 
     async def fsyncdir(self) -> None:
         """fsync of this directory: wait for what it keeps itself (before the store's sync)."""
@@ -167,7 +170,8 @@ class RenderedFile(Node):
         if owner is not None:  # a namespace's files follow its mode (chmod 0700 hides them)
             mode &= owner.mode
         uid, gid = (owner.uid, owner.gid) if owner else (self.fs.uid, self.fs.gid)
-        return make_attrs(self.ino, stat.S_IFREG | mode, size, uid, gid, time.time_ns(), NO_CACHE)
+        # times fixed at mount: a time that moved at every stat made `tar c MNT` see a change
+        return make_attrs(self.ino, stat.S_IFREG | mode, size, uid, gid, self.fs.started_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
@@ -334,7 +338,7 @@ class PrioritiesFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
-        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o644), 0, o.uid, o.gid, time.time_ns(), NO_CACHE)
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o644), 0, o.uid, o.gid, self.buf.ctime_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):

@@ -18,7 +18,7 @@ from collections import Counter
 import pyfuse3
 import trio
 
-from distorefs.errors import DistorefsError, NotFound
+from distorefs.errors import DistorefsError, NotFound, OperationNotPermitted
 
 from .badinput import BAD_INPUT, bad_input_log
 from distorefs.ring import Ring
@@ -240,6 +240,14 @@ class Filesystem(pyfuse3.Operations):
     async def symlink(self, parent_inode, name, target, ctx):
         node = await self.inodes.get(parent_inode).symlink(name, target, ctx)
         return self._entry(node)
+
+    @_translate
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        raise OperationNotPermitted("special files (FIFOs, sockets, devices) are not supported")
+
+    @_translate
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        raise OperationNotPermitted("hard links are not supported")
 
     @_translate
     async def readlink(self, inode, ctx):

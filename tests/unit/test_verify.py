@@ -25,13 +25,7 @@ MARK = b"<<verify-victim>>"
 
 
 async def publish(tree, parent, name, data):
-    fd, spool = tree.new_spool()
-    try:
-        os.pwrite(fd, data, 0)
-        return await tree.publish(parent, name, FILE, fd, len(data), None)
-    finally:
-        os.close(fd)
-        os.unlink(spool)
+    return await tree.write_file(parent, name, data, FILE)
 
 
 def build(path):
@@ -62,7 +56,7 @@ def build(path):
         step = await ck.mkdir(run_dir.id, b"step-1", DIR)
         f = await ck.create(step.id, b"model.bin", FILE)
         await ck.write(f, 0, BIG[:100_000])
-        ck.flushed(f, writer_exiting=False)
+        ck.flushed(f)
         ck.released(f, write=True)
         await ck.sync_dir(step)
         await store.sync()
