@@ -70,7 +70,8 @@ from .committer import Change, Overlay
 from .config import CheckpointsConfig
 from .memory import MemoryPlan
 from .errors import (AlreadyExists, CorruptValue, CrossDevice, DistorefsError, InvalidArgument, IsADirectory,
-                     NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
+                     NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly, TooLarge)
+from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, times_from
 from .names import check_name
 from .owner import Owner
 from .placement import TIER_NAMES
@@ -247,10 +248,18 @@ class CNode:
     gid: int
     mtime_ns: int
     attached: bool = field(default=True, repr=False)  # False once removed (memory only)
+    atime_ns: int = field(default=0, kw_only=True)
+    ctime_ns: int = field(default=0, kw_only=True)
+    unlinked: bool = field(default=False, kw_only=True)  # removed while open: goes at its last close
+
+    @property
+    def is_dir(self) -> bool:
+        return isinstance(self, CDir)
 
     def record(self) -> dict:
         return {"kind": self.kind, "parent": self.parent, "name": self.name.hex(), "mode": self.mode,
-                "uid": self.uid, "gid": self.gid, "mtime_ns": self.mtime_ns}
+                "uid": self.uid, "gid": self.gid, "mtime_ns": self.mtime_ns, "atime_ns": self.atime_ns,
+                "ctime_ns": self.ctime_ns, **({"unlinked": True} if self.unlinked else {})}
 
 
 @dataclass(eq=False)
@@ -295,12 +304,14 @@ class CFile(CNode):
 
 def _from_record(node_id: int, data: bytes) -> CNode:
     d = json.loads(data)
-    args = (node_id, d["kind"], d["parent"], bytes.fromhex(d["name"]), d["mode"], d["uid"], d["gid"], d["mtime_ns"])
+    atime, mtime, ctime = times_from(d, d["mtime_ns"])
+    args = (node_id, d["kind"], d["parent"], bytes.fromhex(d["name"]), d["mode"], d["uid"], d["gid"], mtime)
+    times = {"atime_ns": atime, "ctime_ns": ctime}
     if d["kind"] == STEP:
-        return CStep(*args, complete=d["complete"], pinned=d["pinned"])
+        return CStep(*args, complete=d["complete"], pinned=d["pinned"], **times)
     if d["kind"] == FILE:
-        return CFile(*args, size=d["size"], chunk_bytes=d["chunk_bytes"])
-    return CDir(*args)
+        return CFile(*args, size=d["size"], chunk_bytes=d["chunk_bytes"], unlinked=d.get("unlinked", False), **times)
+    return CDir(*args, **times)
 
 
 def _nkey(node_id: int) -> bytes:
@@ -331,7 +342,9 @@ class Checkpoints:
         self._memory_changed = services.memory_changed
         self.config = CheckpointsConfig()
         now = time.time_ns()
-        self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now)}
+        self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now, atime_ns=now,
+                                                      ctime_ns=now)}
+        self.unlinked_at_load: list[CFile] = []  # removed while open when the daemon last stopped
         self.next_id = ROOT_ID + 1
         self.budget = WritebackBudget(0)  # sized by the store's memory plan
         self.pool = BufferPool(self.budget)
@@ -382,6 +395,9 @@ class Checkpoints:
                 log.error("checkpoint node %d (%s) has no valid parent %d: left out", node.id, node.kind, node.parent)
                 node.attached = False
                 continue
+            if node.unlinked:
+                self.unlinked_at_load.append(node)  # type: ignore[arg-type]
+                continue
             parent.children[node.name] = node.id
             if isinstance(node, CStep) and not node.complete:
                 node.interrupted = node.sealed = True
@@ -397,6 +413,9 @@ class Checkpoints:
             for node in list(self.nodes.values()):
                 if node.kind == RUN:
                     self._collect(node)
+            for f in self.unlinked_at_load:  # removed while open: its last close was the stop
+                self.committer.submit_nowait(RemoveTree(self, f, background=False))
+            self.unlinked_at_load = []
             task_status.started()
 
     async def drain(self, patience: float = 600.0) -> None:
@@ -492,6 +511,7 @@ class Checkpoints:
         return node
 
     def child(self, parent_id: int, name: bytes) -> CNode:
+        check_name(name)
         child_id = self.dir(parent_id).children.get(name)
         if child_id is None:
             raise NotFound(f"no {name!r}")
@@ -636,8 +656,10 @@ class Checkpoints:
             raise NotFound(f"{self.path_of(parent)} was removed")
         if name in parent.children:
             raise AlreadyExists(f"{name!r} exists")
-        f = CFile(self.next_id, FILE, parent_id, name, owner.mode, owner.uid, owner.gid, time.time_ns(),
-                  chunk_bytes=self.config.chunk_bytes, recorded=False)
+        now = now_ns()
+        f = CFile(self.next_id, FILE, parent_id, name, owner.mode, owner.uid, owner.gid, now,
+                  chunk_bytes=self.config.chunk_bytes, recorded=False, atime_ns=now, ctime_ns=now)
+        modified(parent, now)
         self.next_id += 1
         self.nodes[f.id] = f
         parent.children[name] = f.id
@@ -695,6 +717,8 @@ class Checkpoints:
                 step.writers -= 1
                 step.active = time.monotonic()
             self._queue_file(f)
+        if f.unlinked and f.handles == 0:
+            self.committer.submit_nowait(RemoveTree(self, f, background=False))
         if step is not None and step.handles == 0 and (step.complete or step.interrupted):
             self._collect(self.nodes.get(step.parent))
 
@@ -743,10 +767,11 @@ class Checkpoints:
         await self.committer.submit(change)
         return node
 
-    async def set_attrs(self, node: CNode, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
-        if node.id == ROOT_ID:
+    async def set_attrs(self, node: CNode, change: AttrChange) -> None:
+        """chmod, chown, utimes (a size in `change` is the caller's to apply: `truncate`)."""
+        if node.id == ROOT_ID or change.empty():
             return
-        await self.committer.submit(SetAttrs(self, node, mode, uid, gid, mtime_ns))
+        await self.committer.submit(SetAttrs(self, node, change))
 
     async def set_pinned(self, step: CStep, pinned: bool) -> None:
         await self.committer.submit(SetStepFlags(self, step, pinned=pinned))
@@ -770,6 +795,9 @@ class Checkpoints:
         if f.error is not None:
             raise type(f.error)(f"{self.path_of(f)}: an earlier persist failed ({f.error})")
         n = len(data)
+        if off + n > self.config.max_file_bytes:
+            raise TooLarge(f"{self.path_of(f)}: a write up to byte {off + n} passes max_file_bytes "
+                           f"{self.config.max_file_bytes}")
         step, view, pos, end = f.chunk_bytes, memoryview(data), off, off + n
         while pos < end:
             index, lo = divmod(pos, step)
@@ -778,7 +806,7 @@ class Checkpoints:
             pos += k
             f.size = max(f.size, pos)
         f.dirty = True
-        f.mtime_ns = time.time_ns()
+        modified(f)
         self.counters["bytes_written"] += n
         return n
 
@@ -859,6 +887,8 @@ class Checkpoints:
     async def truncate(self, f: CFile, size: int) -> None:
         if size < 0:
             raise InvalidArgument(f"negative size {size}")
+        if size > self.config.max_file_bytes:
+            raise TooLarge(f"{self.path_of(f)}: size {size} passes max_file_bytes {self.config.max_file_bytes}")
         await self._reopen(self.step_of(f))
         step = f.chunk_bytes
         keep = -(-size // step)  # chunks 0..keep-1 stay
@@ -882,7 +912,7 @@ class Checkpoints:
                     self.budget.give(freed)
         f.size = size
         f.dirty = True
-        f.mtime_ns = time.time_ns()
+        modified(f)
 
     def _drop(self, f: CFile, index: int, reusable: bool = True) -> None:
         buf = f.mem.pop(index)
@@ -1176,17 +1206,23 @@ class MakeNode(_CkptChange):
         if (parent.kind == ROOT and self.name in CONTROL) or (parent.kind == RUN and self.name == LATEST):
             raise AlreadyExists(f"{self.name!r} is reserved")
         o = self.owner
-        args = (tree.next_id, self.kind, self.parent_id, self.name, o.mode, o.uid, o.gid, time.time_ns())
-        self.node = CStep(*args, active=time.monotonic()) if self.kind == STEP else CDir(*args)
+        self.now = now = now_ns()
+        args = (tree.next_id, self.kind, self.parent_id, self.name, o.mode, o.uid, o.gid, now)
+        times = {"atime_ns": now, "ctime_ns": now}
+        self.node = CStep(*args, active=time.monotonic(), **times) if self.kind == STEP else CDir(*args, **times)
         tree.next_id += 1
 
     def txn(self, txn) -> None:
         self._put(txn, self.node)
+        parent = self.tree.nodes[self.parent_id]
+        if parent.id != ROOT_ID:
+            self._put(txn, parent, mtime_ns=self.now, ctime_ns=self.now)
 
     def apply(self) -> None:
         tree, node = self.tree, self.node
         tree.nodes[node.id] = node
         parent = tree.nodes[self.parent_id]
+        modified(parent, self.now)
         parent.children[node.name] = node.id  # type: ignore[attr-defined]
         if isinstance(node, CStep):
             # a newer step: the save loop has moved on, so the older ones are closed
@@ -1296,11 +1332,19 @@ class SetStepFlags(_CkptChange):
 
 
 class SetAttrs(_CkptChange):
-    def __init__(self, tree, node: CNode, mode, uid, gid, mtime_ns) -> None:
+    def __init__(self, tree, node: CNode, change: AttrChange) -> None:
         super().__init__(tree)
         self.node = node
-        self.values = {k: v for k, v in (("mode", mode), ("uid", uid), ("gid", gid), ("mtime_ns", mtime_ns))
-                       if v is not None}
+        self.change = change
+
+    def plan(self, overlay: Overlay) -> None:
+        n = self.node
+        self.updated = CNode(n.id, n.kind, n.parent, n.name, n.mode, n.uid, n.gid, n.mtime_ns, atime_ns=n.atime_ns,
+                             ctime_ns=n.ctime_ns)
+        apply_setattr(self.updated, self.change)
+        u = self.updated
+        self.values = {"mode": u.mode, "uid": u.uid, "gid": u.gid, "atime_ns": u.atime_ns, "mtime_ns": u.mtime_ns,
+                       "ctime_ns": u.ctime_ns}
 
     def txn(self, txn) -> None:
         if self.node.attached:
@@ -1379,12 +1423,26 @@ class RemoveTree(_CkptChange):
                 raise NotFound(f"{tree.path_of(node)} is kept after all")
         elif isinstance(node, CDir) and node.children:
             raise NotEmpty(f"{tree.path_of(node)} is not empty")
+        # a file still open loses its name now and its data at its last close
+        self.keep_open = isinstance(node, CFile) and node.handles > 0 and not node.unlinked
         self.nodes = _subtree(tree, node)
+        self.now = now_ns()
 
     def txn(self, txn) -> None:
-        _remove_txn(self, txn, self.nodes)
+        if self.keep_open:
+            self._put(txn, self.node, unlinked=True)
+        else:
+            _remove_txn(self, txn, self.nodes)
 
     def apply(self) -> None:
+        parent = self.tree.nodes.get(self.node.parent)
+        if isinstance(parent, CDir) and parent.children.get(self.node.name) == self.node.id:
+            modified(parent, self.now)
+        if self.keep_open:
+            del parent.children[self.node.name]  # type: ignore[union-attr]
+            self.node.unlinked = True
+            changed(self.node, self.now)
+            return
         _remove_apply(self.tree, self.nodes)
         if self.background:
             self.tree.counters["steps_removed"] += 1
@@ -1437,6 +1495,10 @@ class Rename(_CkptChange):
             del old_parent.children[node.name]  # type: ignore[attr-defined]
         tree.nodes[self.new_parent].children[self.new_name] = node.id  # type: ignore[attr-defined]
         node.parent, node.name = self.new_parent, self.new_name
+        now = now_ns()
+        changed(node, now)
+        modified(old_parent, now)
+        modified(tree.nodes[self.new_parent], now)
         if isinstance(node, CFile):
             node.recorded = True
 

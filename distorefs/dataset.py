@@ -31,7 +31,7 @@ import struct
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
@@ -43,6 +43,7 @@ from .config import DatasetConfig
 from .catalog import DB_NS
 from .errors import (AlreadyExists, DistorefsError, InvalidArgument, IsADirectory, NotADirectory, NotEmpty,
                      NotFound, ReadOnly, TooLarge)
+from .fileattrs import AttrChange, apply_setattr
 from .names import check_name
 from .owner import Owner
 from .prefetcher import Prefetcher
@@ -66,6 +67,7 @@ _DIR = struct.Struct("<QIIIqQ")
 _CHILD = struct.Struct("<BQQ")
 _POS = struct.Struct("<BQ")
 _ITEM = struct.Struct("<QIIIIqqQHHI")
+_TIMES = struct.Struct("<qq")  # atime, ctime (after a record's older fields)
 
 
 @dataclass
@@ -95,13 +97,22 @@ class DirRec:
     mtime_ns: int
     next_ordinal: int
     name: bytes
+    atime_ns: int = 0
+    ctime_ns: int = 0
 
     def pack(self) -> bytes:
-        return _DIR.pack(self.parent, self.mode, self.uid, self.gid, self.mtime_ns, self.next_ordinal) + self.name
+        # atime and ctime follow the name after a NUL (a name holds none); older records end at the name
+        return (_DIR.pack(self.parent, self.mode, self.uid, self.gid, self.mtime_ns, self.next_ordinal) + self.name
+                + b"\0" + _TIMES.pack(self.atime_ns or self.mtime_ns, self.ctime_ns or self.mtime_ns))
 
     @classmethod
     def unpack(cls, dir_id: int, data) -> "DirRec":
-        return cls(dir_id, *_DIR.unpack_from(data), bytes(data[_DIR.size:]))
+        rest = bytes(data[_DIR.size:])
+        name, sep, times = rest.partition(b"\0")
+        rec = cls(dir_id, *_DIR.unpack_from(data), name)
+        rec.atime_ns, rec.ctime_ns = _TIMES.unpack(times) if sep and len(times) == _TIMES.size else (
+            rec.mtime_ns, rec.mtime_ns)
+        return rec
 
 
 @dataclass(slots=True)
@@ -119,6 +130,8 @@ class Item:
     name: bytes
     meta: bytes = b""
     tag: bytes = STAGING
+    atime_ns: int = 0
+    ctime_ns: int = 0
 
     @property
     def stored_size(self) -> int:
@@ -127,7 +140,8 @@ class Item:
     def pack(self) -> bytes:
         head = _ITEM.pack(self.size, self.checksum, self.mode, self.uid, self.gid, self.mtime_ns,
                           self.src_mtime_ns, self.parent, len(self.chunks), len(self.name), len(self.meta))
-        return head + b"".join(c.pack() for c in self.chunks) + self.name + self.meta
+        return (head + b"".join(c.pack() for c in self.chunks) + self.name + self.meta
+                + _TIMES.pack(self.atime_ns or self.mtime_ns, self.ctime_ns or self.mtime_ns))
 
     @classmethod
     def unpack(cls, item_id: int, data, tag: bytes) -> "Item":
@@ -139,7 +153,9 @@ class Item:
             chunks.append(chunk)
         name = bytes(data[off:off + name_len])
         meta = bytes(data[off + name_len:off + name_len + meta_len])
-        return cls(item_id, size, crc, mode, uid, gid, mtime, src_mtime, parent, chunks, name, meta, tag)
+        off += name_len + meta_len
+        atime, ctime = _TIMES.unpack_from(data, off) if len(data) - off >= _TIMES.size else (mtime, mtime)
+        return cls(item_id, size, crc, mode, uid, gid, mtime, src_mtime, parent, chunks, name, meta, tag, atime, ctime)
 
 
 @dataclass
@@ -263,7 +279,7 @@ class Dataset:
             data = txn.get(self._dkey(dir_id), db=DB_DSNODES)
             if data is None:  # the root exists from creation; its record only once changed
                 o = self.owner
-                return DirRec(ROOT_DIR, 0, 0o40755, o.uid, o.gid, self.ctime_ns, 0, b"")
+                return DirRec(ROOT_DIR, 0, 0o40755, o.uid, o.gid, self.ctime_ns, 0, b"", self.ctime_ns, self.ctime_ns)
             return DirRec.unpack(dir_id, data)
         data = txn.get(self._dkey(dir_id), db=DB_DSNODES)
         return None if data is None else DirRec.unpack(dir_id, data)
@@ -481,14 +497,16 @@ class Dataset:
         if self.sealed:
             raise ReadOnly(f"datasets/{self.name} is sealed (read-only)")
 
-    async def put(self, dir_id: int, name: bytes, data: bytes, owner: Owner) -> Item:
-        """Create or replace file `name` in `dir_id` with `data` (a write through the mount)."""
+    async def put(self, dir_id: int, name: bytes, data: bytes, owner: Owner,
+                  times: tuple[int | None, int | None] = (None, None)) -> Item:
+        """Create or replace file `name` in `dir_id` with `data` (a write through the mount);
+        `times`: the atime and mtime set on it before it was closed (None: now)."""
         self._writable()
         check_name(name)
         if len(data) > self.config.max_item_bytes:
             raise TooLarge(f"datasets/{self.name}: {len(data)} bytes exceed max_item_bytes "
                            f"{self.config.max_item_bytes}; stage big files with `distorefs stage`")
-        change = PutItem(self, dir_id, [name], owner, data=data)
+        change = PutItem(self, dir_id, [name], owner, data=data, times=times)
         await self.committer.submit(change)
         assert change.item is not None
         return change.item
@@ -508,9 +526,27 @@ class Dataset:
         check_name(new)
         await self.committer.submit(RenameNode(self, old_dir, old, new_dir, new))
 
-    async def set_attrs(self, kind: int, node_id: int, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
+    async def set_attrs(self, kind: int, node_id: int, change: AttrChange) -> None:
+        """chmod, chown, utimes of a file or directory (not its size)."""
         self._writable()
-        await self.committer.submit(SetNodeAttrs(self, kind, node_id, mode, uid, gid, mtime_ns))
+        await self.committer.submit(SetNodeAttrs(self, kind, node_id, replace(change, size=None)))
+
+    def subdirs(self, dir_id: int, limit: int = 10000) -> int | None:
+        """How many directories `dir_id` holds (None past `limit` children: not counted)."""
+        def fn(txn):
+            prefix = self._key(b"n", _U64.pack(dir_id))
+            cursor = txn.cursor(db=DB_DSNODES)
+            count = seen = 0
+            if cursor.set_range(prefix):
+                for key, value in cursor:
+                    if bytes(key[:len(prefix)]) != prefix:
+                        break
+                    seen += 1
+                    if seen > limit:
+                        return None
+                    count += value[0] == DIR
+            return count
+        return self._read(fn)
 
     async def seal(self) -> None:
         """Number the files in path order, build index.npy, make the tree read-only."""
@@ -793,6 +829,7 @@ class _DsChange(Change):
         ds = self.ds
         ordinal = parent.next_ordinal
         parent.next_ordinal += 1
+        parent.mtime_ns = parent.ctime_ns = time.time_ns()
         txn.put(ds._nkey(parent.id, name), _CHILD.pack(kind, child_id, ordinal), db=self.db)
         txn.put(ds._okey(parent.id, ordinal), _POS.pack(kind, child_id) + name, db=self.db)
         txn.put(ds._dkey(parent.id), parent.pack(), db=self.db)
@@ -804,6 +841,10 @@ class _DsChange(Change):
             _, _, ordinal = _CHILD.unpack(data)
             txn.delete(ds._nkey(parent_id, name), db=self.db)
             txn.delete(ds._okey(parent_id, ordinal), db=self.db)
+            parent = ds._dir_txn(txn, parent_id)
+            if parent is not None:
+                parent.mtime_ns = parent.ctime_ns = time.time_ns()
+                txn.put(ds._dkey(parent_id), parent.pack(), db=self.db)
 
     def child_or_fail(self, txn, dir_id: int, name: bytes) -> tuple[int, int]:
         found = self.ds._child_txn(txn, dir_id, name)
@@ -825,9 +866,9 @@ class PutItem(_DsChange):
     """Create or replace one file (a write through the mount, or one staged source file)."""
 
     def __init__(self, ds: Dataset, dir_id: int, parts: list[bytes], owner: Owner, *, data: bytes | None = None,
-                 source: _Source | None = None) -> None:
+                 source: _Source | None = None, times: tuple[int | None, int | None] = (None, None)) -> None:
         super().__init__(ds)
-        self.dir_id, self.parts, self.owner = dir_id, parts, owner
+        self.dir_id, self.parts, self.owner, self.times = dir_id, parts, owner, times
         self.data, self.source = data, source
         self.encoded: list[codec.Encoded] | None = source.encoded if source else None
         self.item: Item | None = None
@@ -886,8 +927,10 @@ class PutItem(_DsChange):
         now = time.time_ns()
         src_mtime = self.source.mtime_ns if self.source else 0
         mode = (owner.mode & 0o7777) | 0o100000
-        self.item = Item(item_id, size, crc, mode, owner.uid, owner.gid, now, src_mtime, parent.id, chunks,
-                         name, self.source.meta if self.source else b"", STAGING)
+        atime, mtime = self.times
+        self.item = Item(item_id, size, crc, mode, owner.uid, owner.gid, now if mtime is None else mtime, src_mtime,
+                         parent.id, chunks, name, self.source.meta if self.source else b"", STAGING,
+                         now if atime is None else atime, now)
         txn.put(ds._ikey(STAGING, item_id), self.item.pack(), db=self.db)
         c.items += 1
         c.bytes += size
@@ -1005,10 +1048,9 @@ class RenameNode(_DsChange):
 
 
 class SetNodeAttrs(_DsChange):
-    def __init__(self, ds: Dataset, kind: int, node_id: int, mode, uid, gid, mtime_ns) -> None:
+    def __init__(self, ds: Dataset, kind: int, node_id: int, change: AttrChange) -> None:
         super().__init__(ds)
-        self.kind, self.node_id = kind, node_id
-        self.mode, self.uid, self.gid, self.mtime_ns = mode, uid, gid, mtime_ns
+        self.kind, self.node_id, self.change = kind, node_id, change
 
     def txn(self, txn) -> None:
         ds = self.ds
@@ -1017,14 +1059,7 @@ class SetNodeAttrs(_DsChange):
                else ds._item_txn(txn, STAGING, self.node_id))
         if rec is None:
             raise NotFound(f"datasets/{ds.name}: gone")
-        if self.mode is not None:
-            rec.mode = (rec.mode & ~0o7777) | (self.mode & 0o7777)
-        if self.uid is not None:
-            rec.uid = self.uid
-        if self.gid is not None:
-            rec.gid = self.gid
-        if self.mtime_ns is not None:
-            rec.mtime_ns = self.mtime_ns
+        apply_setattr(rec, self.change)
         key = ds._dkey(self.node_id) if self.kind == DIR else ds._ikey(STAGING, self.node_id)
         txn.put(key, rec.pack(), db=self.db)
 

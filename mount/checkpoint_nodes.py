@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pyfuse3
@@ -25,10 +26,12 @@ import trio
 from distorefs.checkpoints import (CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CNode, CStep, FileReader,
                                    checksum_of)
 from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted
+from distorefs.fileattrs import dir_nlink
 from distorefs.owner import Owner
 
 from .handles import Handle, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
+from .treeattrs import attr_change, stamp_attrs
 
 if TYPE_CHECKING:
     from .operations import Filesystem
@@ -39,13 +42,15 @@ def _key(node: CNode) -> tuple:
 
 
 class CheckpointWriter(Handle):
-    """An open for writing: every write goes to the core's memory, close() hands it over."""
-
-    direct_io = True
+    """An open for writing: every write goes to the core's memory, close() hands it over.
+    Write-only opens (torch.save, np.save) bypass the page cache (direct I/O: one copy
+    less); read-write opens go through it, so a shared writable mmap works (it needs
+    O_RDWR, and FUSE refuses it on a direct-I/O file)."""
 
     def __init__(self, fs: "Filesystem", f: CFile, readable: bool, pid: int) -> None:
         self.tree, self.f, self.pid = fs.store.checkpoints, f, pid
         self.reader = FileReader(self.tree, f) if readable else None
+        self.direct_io = not readable
 
     async def read(self, off: int, size: int) -> bytes:
         if self.reader is None:
@@ -98,9 +103,11 @@ class CheckpointsDir(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         n = self.cnode()
-        uid, gid = (self.fs.uid, self.fs.gid) if n.kind == ROOT else (n.uid, n.gid)
-        return make_attrs(self.ino, stat.S_IFDIR | (n.mode & 0o7777), 0, uid, gid, n.mtime_ns, DIR_LONG,
-                          nlink=2 + sum(1 for c in n.children.values() if isinstance(self.tree.nodes[c], CDir)))
+        a = stamp_attrs(self.ino, stat.S_IFDIR | (n.mode & 0o7777), 0, n, NO_CACHE, entry_timeout=DIR_LONG,
+                        nlink=dir_nlink(sum(1 for c in n.children.values() if isinstance(self.tree.nodes[c], CDir))))
+        if n.kind == ROOT:
+            a.st_uid, a.st_gid = self.fs.uid, self.fs.gid
+        return a
 
     def node_for(self, c: CNode) -> Node:
         intern = self.fs.inodes.intern
@@ -116,7 +123,7 @@ class CheckpointsDir(Node):
             if name == b"config.json":
                 return self.fs.inodes.intern(("ckctl", name), lambda: RenderedFile(
                     self.fs, lambda: tree.config.to_json(), write=tree.configure))
-            return self.fs.inodes.intern(("ckctl", name), lambda: RenderedFile(self.fs, lambda: _json(tree.stats())))
+            return self.fs.inodes.intern(("ckctl", name), lambda: RenderedFile(self.fs, lambda: _json(tree.stats()), size_known=False))
         if kind == RUN and name == LATEST:
             if self.tree.latest(self.cnode()) is None:
                 raise NotFound("no complete step yet")
@@ -180,7 +187,10 @@ class CheckpointsDir(Node):
                                noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
-        await _set_attrs(self.tree, self.cnode(), attr, fields)
+        change = attr_change(attr, fields)
+        if change.size is not None:
+            raise IsADirectory("a directory has no size to set")
+        await self.tree.set_attrs(self.cnode(), change)
 
     def xattrs(self) -> dict[bytes, bytes]:
         n = self.cnode()
@@ -240,8 +250,8 @@ class CheckpointFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         f = self.f
-        return make_attrs(self.ino, stat.S_IFREG | (f.mode & 0o7777), f.size, f.uid, f.gid, f.mtime_ns, NO_CACHE,
-                          nlink=1 if f.attached else 0, entry_timeout=DIR_LONG)
+        return stamp_attrs(self.ino, stat.S_IFREG | (f.mode & 0o7777), f.size, f, NO_CACHE,
+                           nlink=1 if f.attached and not f.unlinked else 0, entry_timeout=DIR_LONG)
 
     async def open(self, flags: int, ctx) -> Handle:
         if not self.f.attached:
@@ -252,9 +262,12 @@ class CheckpointFile(Node):
         return CheckpointReader(self.fs, self.f)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
-        if fields.update_size:
-            await self.tree.truncate(self.f, attr.st_size)
-        await _set_attrs(self.tree, self.f, attr, fields)
+        change = attr_change(attr, fields)
+        if change.size is not None:
+            await self.tree.truncate(self.f, change.size)
+            if not isinstance(handle, CheckpointWriter) and not self.f.writers:
+                self.tree.flushed(self.f)  # truncate(2) by path: nothing else hands it over
+        await self.tree.set_attrs(self.f, replace(change, size=None))
 
     def xattrs(self, crc: int | None = -1) -> dict[bytes, bytes]:
         f, tree = self.f, self.tree
@@ -277,15 +290,6 @@ class CheckpointFile(Node):
         parts = self.tree.checksum_parts(self.f)
         crc = None if parts is None else await trio.to_thread.run_sync(checksum_of, *parts)
         return self.xattrs(crc)
-
-
-async def _set_attrs(tree, node: CNode, attr, fields) -> None:
-    mode = (node.mode & ~0o7777) | (attr.st_mode & 0o7777) if fields.update_mode else None
-    uid = attr.st_uid if fields.update_uid else None
-    gid = attr.st_gid if fields.update_gid else None
-    mtime = attr.st_mtime_ns if fields.update_mtime else None
-    if (mode, uid, gid, mtime) != (None, None, None, None):
-        await tree.set_attrs(node, mode=mode, uid=uid, gid=gid, mtime_ns=mtime)
 
 
 def checkpoints_root(fs: "Filesystem") -> tuple[tuple, Node]:

@@ -153,7 +153,8 @@ class StaticDir(Node):
 
 
 class RenderedFile(Node):
-    """A read-only control file rendered at open (stats.json, config.json, version)."""
+    """A read-only control file rendered at open (stats.json, config.json, version).
+    `size_known` False (stats.json): size 0, as /proc files, read to the end with direct_io."""
 
     def __init__(self, fs: "Filesystem", render, size_known: bool = True, owner: Callable[[], Owner] | None = None,
                  write=None) -> None:
@@ -249,7 +250,7 @@ class RingDir(Node):
             b"config.json": lambda: intern(("config", nsid), lambda: RenderedFile(
                 fs, lambda: ns.config.to_json(), owner=lambda: ns.owner, write=configure)),
             b"stats.json": lambda: intern(("stats", nsid), lambda: RenderedFile(
-                fs, lambda: _json(ns.stats()), owner=lambda: ns.owner)),
+                fs, lambda: _json(ns.stats()), size_known=False, owner=lambda: ns.owner)),
             b"entries": lambda: intern(("entries", nsid), lambda: EntriesDir(fs, ns)),
         }
 

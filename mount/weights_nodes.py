@@ -118,7 +118,7 @@ class WeightsDir(_TreeNode):
             return self.fs.inodes.intern(("wctl", name), lambda: RenderedFile(
                 self.fs, lambda: store.weights.config.to_json(), write=store.configure_weights))
         return self.fs.inodes.intern(("wctl", name), lambda: RenderedFile(
-            self.fs, lambda: _json(store.weights.stats())))
+            self.fs, lambda: _json(store.weights.stats()), size_known=False))
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
         control = self._control(name)

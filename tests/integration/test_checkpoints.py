@@ -258,17 +258,24 @@ def test_fsync_and_reading_before_durable(fresh_mount):
 
 
 def test_a_writer_that_exits_without_close_completes_its_step(fresh_mount):
-    """The kernel closes an exiting process's files: that close is a close like any other
-    (an exit and a kill cannot be told apart reliably), so the step completes."""
+    """The kernel closes an exiting process's files, killed or not: that close is a close like
+    any other (an exit and a kill cannot be told apart reliably), so the step completes."""
     m = fresh_mount()
     configure(m, seal_after=0.1)
     run = m.mnt / "checkpoints" / "run"
     step = run / "s1"
     step.mkdir(parents=True)
     subprocess.run(f'{sys.executable} -c "print(1)" > {step}/out.txt', shell=True, check=True)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'wb'); "
+                             "f.write(b'x' * (3 << 20)); f.flush(); print('written', flush=True); time.sleep(60)",
+                             str(step / "killed.bin")], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    time.sleep(0.3)
     fsync_dir(step)
     assert xattr(step, "state") == "durable" and os.readlink(run / "latest") == "s1"
-    assert (step / "out.txt").read_bytes() == b"1\n"
+    assert (step / "out.txt").read_bytes() == b"1\n" and (step / "killed.bin").read_bytes() == b"x" * (3 << 20)
 
 
 def test_kill9_at_random_points_of_the_persist_phase(fresh_mount):
