@@ -57,7 +57,7 @@ import logging
 import struct
 import time
 import zlib
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -75,6 +75,7 @@ from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, tim
 from .names import check_name
 from .owner import Owner
 from .placement import TIER_NAMES
+from .restorepoints import Pins, RestorePoint
 from .services import Services
 from .values import StoredValue
 
@@ -271,6 +272,7 @@ class CDir(CNode):
 class CStep(CDir):
     complete: bool = False
     pinned: bool = False
+    reopened: bool = False  # complete once, written again since: a crash restores it (restorepoints.py)
     # memory only:
     interrupted: bool = False  # found incomplete at open (a crash): read-only, never complete
     sealed: bool = False  # closed by its writer: completes once everything in it is durable
@@ -279,7 +281,8 @@ class CStep(CDir):
     active: float = 0.0  # monotonic time of the last change below it
 
     def record(self) -> dict:
-        return {**super().record(), "complete": self.complete, "pinned": self.pinned}
+        return {**super().record(), "complete": self.complete, "pinned": self.pinned,
+                **({"reopened": True} if self.reopened else {})}
 
 
 @dataclass(eq=False)
@@ -308,7 +311,7 @@ def _from_record(node_id: int, data: bytes) -> CNode:
     args = (node_id, d["kind"], d["parent"], bytes.fromhex(d["name"]), d["mode"], d["uid"], d["gid"], mtime)
     times = {"atime_ns": atime, "ctime_ns": ctime}
     if d["kind"] == STEP:
-        return CStep(*args, complete=d["complete"], pinned=d["pinned"], **times)
+        return CStep(*args, complete=d["complete"], pinned=d["pinned"], reopened=d.get("reopened", False), **times)
     if d["kind"] == FILE:
         return CFile(*args, size=d["size"], chunk_bytes=d["chunk_bytes"], unlinked=d.get("unlinked", False), **times)
     return CDir(*args, **times)
@@ -345,6 +348,10 @@ class Checkpoints:
         self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now, atime_ns=now,
                                                       ctime_ns=now)}
         self.unlinked_at_load: list[CFile] = []  # removed while open when the daemon last stopped
+        self.restore: dict[int, RestorePoint] = {}  # file id -> what a crash gives back (restorepoints.py)
+        self.pins = Pins()
+        self._restore_at_start: list[CStep] = []
+        self.after_crash = False  # the store was not closed cleanly (set by the store before `run`)
         self.next_id = ROOT_ID + 1
         self.budget = WritebackBudget(0)  # sized by the store's memory plan
         self.pool = BufferPool(self.budget)
@@ -383,6 +390,10 @@ class Checkpoints:
             elif key[:1] == b"c":
                 chunks.append((_ID.unpack_from(key, 1)[0], _IDX.unpack_from(key, 9)[0],
                                StoredValue.unpack_from(bytes(v), 0)[0]))
+            elif key[:1] == b"r":
+                rp = RestorePoint.unpack(_ID.unpack_from(key, 1)[0], bytes(v))
+                self.restore[rp.file_id] = rp
+                self.pins.add(rp)
         for file_id, index, chunk in chunks:
             f = self.nodes.get(file_id)
             if isinstance(f, CFile):
@@ -402,6 +413,10 @@ class Checkpoints:
             if isinstance(node, CStep) and not node.complete:
                 node.interrupted = node.sealed = True
         self.nodes = {i: n for i, n in self.nodes.items() if n.attached}
+        # steps a crash cut short after a restore point was taken: put back at start (`run`)
+        marked = {rp.step_id for rp in self.restore.values()}
+        self._restore_at_start = [n for n in self.nodes.values() if isinstance(n, CStep) and not n.complete
+                                  and (n.reopened or n.id in marked)]
 
     # ----- running -------------------------------------------------------------------
 
@@ -413,6 +428,12 @@ class Checkpoints:
             for node in list(self.nodes.values()):
                 if node.kind == RUN:
                     self._collect(node)
+            for step in self._restore_at_start:
+                if self.after_crash:
+                    await self.committer.submit(Restore(self, step))
+                elif step.reopened:  # a clean stop: what the step holds is what was left in it
+                    await self.committer.submit(Forget(self, step))
+            self._restore_at_start = []
             for f in self.unlinked_at_load:  # removed while open: its last close was the stop
                 self.committer.submit_nowait(RemoveTree(self, f, background=False))
             self.unlinked_at_load = []
@@ -562,6 +583,10 @@ class Checkpoints:
         if any(f.error is not None for f in files):
             return None
         return bool(files) and all(self._file_durable(f) for f in files)
+
+    def _synced(self, f: CFile) -> bool:
+        """Everything written to `f` so far is durable (its writers may still be open)."""
+        return not f.dirty and not f.mem and not f.pending and f.ticket <= self.durable
 
     def _file_durable(self, f: CFile) -> bool:
         return not f.writers and not f.dirty and not f.mem and not f.pending and f.ticket <= self.durable
@@ -734,7 +759,7 @@ class Checkpoints:
             self._sealed.discard(step)
             self._unsealed.add(step)
         if step.complete:
-            await self.committer.submit(SetStepFlags(self, step, complete=False))
+            await self.committer.submit(Reopen(self, step))
             self.counters["steps_reopened"] += 1
             log.info("%s is written again: no longer complete", self.path_of(step))
 
@@ -922,6 +947,15 @@ class Checkpoints:
         if not f.mem:
             self._held.pop(f, None)
 
+    def free(self, txn, value: StoredValue) -> None:
+        """Free a chunk value the live tree no longer names, unless a restore point pins it."""
+        if value not in self.pins:
+            self.values.delete(txn, value)
+
+    def restore_point(self, f: CFile, step: CStep) -> RestorePoint:
+        return RestorePoint(f.id, step.id, f.parent, f.name, f.mode, f.uid, f.gid, f.atime_ns, f.mtime_ns,
+                            f.ctime_ns, f.size, f.chunk_bytes, dict(f.stored))
+
     def _what(self, f: CFile, index: int) -> str:
         return f"{self.path_of(f)} chunk {index}"
 
@@ -931,6 +965,16 @@ class Checkpoints:
         await self._wait_durable(f.ticket)
         if f.error is not None:
             raise type(f.error)(f"{self.path_of(f)}: {f.error}")
+        await self._acknowledge([f])
+
+    async def _acknowledge(self, files: list[CFile]) -> None:
+        """An fsync returned: a crash gives these files back as they are now (restorepoints.py),
+        unless their step completes first (it is then itself what a crash keeps)."""
+        files = [f for f in files if f.attached and not f.unlinked and self._synced(f)
+                 and (step := self.step_of(f)) is not None and not step.complete]
+        if files:
+            await self.committer.submit(Acknowledge(self, files))
+            await self._store_sync()
 
     async def sync_dir(self, node: CNode) -> None:
         """fsync of a directory: everything written before it is made durable; a step
@@ -944,6 +988,8 @@ class Checkpoints:
             self._recheck = True  # its completion is being written: wait for it
             self._kick()
             await self._durable_event.wait()
+        if isinstance(node, CDir) and node.kind in (STEP, DIR):
+            await self._acknowledge(list(self.files_below(node)))
 
     async def _wait_durable(self, ticket: int) -> None:
         self._wanted[ticket] = self._wanted.get(ticket, 0) + 1
@@ -1080,8 +1126,9 @@ class Checkpoints:
         complete = sorted((s for s in steps if s.complete), key=lambda s: s.id)
         kept = set(complete[-self.config.keep_last:])
         newest = complete[-1].id if complete else 0
+        acknowledged = {rp.step_id for rp in self.restore.values()}
         return [s for s in steps if not s.pinned and s.handles == 0 and not (removing and s.id in self._removing)
-                and ((s.complete and s not in kept) or (s.interrupted and s.id < newest))]
+                and ((s.complete and s not in kept) or (s.interrupted and s.id < newest and s.id not in acknowledged))]
 
     def _collect(self, run: CNode | None) -> None:
         """Remove, in the background, steps no longer kept (see the module docstring)."""
@@ -1265,7 +1312,7 @@ class PersistChunk(_CkptChange):
         self.chunk = values.put(txn, vkey, self.enc)
         txn.put(_ckey(self.f.id, self.index), self.chunk.pack(), db=self.db)
         if self.old is not None:
-            values.delete(txn, self.old)
+            self.tree.free(txn, self.old)
         if self.record is not None:
             txn.put(_nkey(self.f.id), json.dumps(self.record).encode(), db=self.db)
 
@@ -1302,7 +1349,7 @@ class CommitFile(_CkptChange):
         for index, chunk in self.garbage:
             if index not in self.reused:
                 txn.delete(_ckey(self.f.id, index), db=self.db)
-            self.tree.values.delete(txn, chunk)
+            self.tree.free(txn, chunk)
 
     def apply(self) -> None:
         done = {id(c) for _, c in self.garbage}
@@ -1322,13 +1369,21 @@ class SetStepFlags(_CkptChange):
         if self.complete and (step.sealed is False or step.interrupted or self.tree._settled(step) is not True):
             raise NotFound(f"{self.tree.path_of(step)} changed before it completed")
         self.values = {k: v for k, v in (("complete", self.complete), ("pinned", self.pinned)) if v is not None}
+        self.dropped: list[RestorePoint] = []
+        if self.complete:  # complete: the step itself is what a crash keeps now
+            self.values["reopened"] = False
+            self.dropped = [rp for rp in self.tree.restore.values() if rp.step_id == step.id]
+            self.live = {(c.tier, c.loc) for f in self.tree.files_below(step) for c in f.stored.values()}
 
     def txn(self, txn) -> None:
         self._put(txn, self.step, **self.values)
+        if self.dropped:
+            _drop_restore_txn(self, txn, self.dropped, self.live, set())
 
     def apply(self) -> None:
         for k, v in self.values.items():
             setattr(self.step, k, v)
+        _forget_restore(self.tree, self.dropped)
 
 
 class SetAttrs(_CkptChange):
@@ -1378,17 +1433,70 @@ def _subtree(tree: Checkpoints, node: CNode) -> list[CNode]:
     return out
 
 
+def _rkey(file_id: int) -> bytes:
+    return b"r" + _ID.pack(file_id)
+
+
+def _dropped_restore_points(tree: "Checkpoints", nodes: list[CNode]) -> list[RestorePoint]:
+    """The restore points a removal of `nodes` ends: those of a step removed whole, and of a
+    file removed from a step that was never complete (its user removed what was acknowledged;
+    in a reopened step the file comes back if a crash cuts the step short)."""
+    steps = {n.id for n in nodes if isinstance(n, CStep)}
+    files = {n.id for n in nodes if isinstance(n, CFile)}
+    out = []
+    for rp in tree.restore.values():
+        step = tree.nodes.get(rp.step_id)
+        if rp.step_id in steps or (rp.file_id in files and not (isinstance(step, CStep) and step.reopened)):
+            out.append(rp)
+    return out
+
+
+def _drop_restore_txn(change: _CkptChange, txn, rps: list[RestorePoint], live: set, freed: set) -> None:
+    """Delete restore points; free the values they alone pinned that nothing live names."""
+    tree = change.tree
+    gone: Counter = Counter()
+    for rp in rps:
+        gone.update(rp.values())
+        txn.delete(_rkey(rp.file_id), db=change.db)
+    for rp in rps:
+        for chunk in rp.chunks.values():
+            key = (chunk.tier, chunk.loc)
+            if key in freed or key in live or tree.pins.count.get(key, 0) - gone[key] > 0:
+                continue
+            freed.add(key)
+            tree.values.delete(txn, chunk)
+
+
 def _remove_txn(change: _CkptChange, txn, nodes: list[CNode]) -> None:
-    values = change.tree.values
+    tree = change.tree
+    dropped = _dropped_restore_points(tree, nodes)
+    gone: Counter = Counter()
+    for rp in dropped:
+        gone.update(rp.values())
+    freed: set = set()
     for n in nodes:
         txn.delete(_nkey(n.id), db=change.db)
         if isinstance(n, CFile):
             for index, chunk in list(n.stored.items()) + n.garbage:
                 txn.delete(_ckey(n.id, index), db=change.db)
-                values.delete(txn, chunk)
+                key = (chunk.tier, chunk.loc)
+                if tree.pins.count.get(key, 0) - gone[key] > 0 or key in freed:
+                    continue  # a restore point still names it
+                freed.add(key)
+                tree.values.delete(txn, chunk)
+    _drop_restore_txn(change, txn, dropped, set(), freed)
+    change.dropped = dropped  # type: ignore[attr-defined]
 
 
-def _remove_apply(tree: Checkpoints, nodes: list[CNode]) -> None:
+def _forget_restore(tree: "Checkpoints", rps: list[RestorePoint]) -> None:
+    for rp in rps:
+        if tree.restore.get(rp.file_id) is rp:
+            del tree.restore[rp.file_id]
+            tree.pins.remove(rp)
+
+
+def _remove_apply(tree: Checkpoints, nodes: list[CNode], dropped: list[RestorePoint] = ()) -> None:
+    _forget_restore(tree, list(dropped))
     top = nodes[0]
     parent = tree.nodes.get(top.parent)
     if isinstance(parent, CDir) and parent.children.get(top.name) == top.id:
@@ -1443,7 +1551,7 @@ class RemoveTree(_CkptChange):
             self.node.unlinked = True
             changed(self.node, self.now)
             return
-        _remove_apply(self.tree, self.nodes)
+        _remove_apply(self.tree, self.nodes, self.dropped)
         if self.background:
             self.tree.counters["steps_removed"] += 1
             for listener in self.tree.listeners:
@@ -1489,7 +1597,7 @@ class Rename(_CkptChange):
     def apply(self) -> None:
         tree, node = self.tree, self.node
         if self.victims:
-            _remove_apply(tree, self.victims)
+            _remove_apply(tree, self.victims, getattr(self, "dropped", []))
         old_parent = tree.nodes[node.parent]
         if old_parent.children.get(node.name) == node.id:  # type: ignore[attr-defined]
             del old_parent.children[node.name]  # type: ignore[attr-defined]
@@ -1501,6 +1609,167 @@ class Rename(_CkptChange):
         modified(tree.nodes[self.new_parent], now)
         if isinstance(node, CFile):
             node.recorded = True
+
+
+class Reopen(_CkptChange):
+    """A complete step is written again: it stops being complete, and each of its files gets
+    a restore point (its content now), so a crash before the step completes again gives
+    the step back as it was (restorepoints.py)."""
+
+    def __init__(self, tree, step: CStep) -> None:
+        super().__init__(tree)
+        self.step = step
+
+    def plan(self, overlay: Overlay) -> None:
+        if not self.step.attached:
+            raise NotFound(f"{self.tree.path_of(self.step)} was removed")
+        tree = self.tree
+        self.points = [tree.restore_point(f, self.step) for f in tree.files_below(self.step)
+                       if f.id not in tree.restore]
+
+    def txn(self, txn) -> None:
+        self._put(txn, self.step, complete=False, reopened=True)
+        for rp in self.points:
+            txn.put(_rkey(rp.file_id), rp.pack(), db=self.db)
+
+    def apply(self) -> None:
+        self.step.complete, self.step.reopened = False, True
+        for rp in self.points:
+            self.tree.restore[rp.file_id] = rp
+            self.tree.pins.add(rp)
+
+
+class Forget(_CkptChange):
+    """At a clean start, a reopened step's restore points are no longer needed (no crash)."""
+
+    def __init__(self, tree, step: CStep) -> None:
+        super().__init__(tree)
+        self.step = step
+
+    def plan(self, overlay: Overlay) -> None:
+        tree = self.tree
+        self.points = [rp for rp in tree.restore.values() if rp.step_id == self.step.id]
+        self.live = {(c.tier, c.loc) for f in tree.files_below(self.step) for c in f.stored.values()}
+
+    def txn(self, txn) -> None:
+        self._put(txn, self.step, reopened=False)
+        _drop_restore_txn(self, txn, self.points, self.live, set())
+
+    def apply(self) -> None:
+        self.step.reopened = False
+        _forget_restore(self.tree, self.points)
+
+
+class Acknowledge(_CkptChange):
+    """An fsync returned: each file's restore point becomes what it holds now (durable)."""
+
+    def __init__(self, tree, files: list[CFile]) -> None:
+        super().__init__(tree)
+        self.files = files
+
+    def plan(self, overlay: Overlay) -> None:
+        tree = self.tree
+        self.points = []
+        for f in self.files:
+            step = tree.step_of(f)
+            if f.attached and not f.unlinked and step is not None and tree._synced(f):
+                self.points.append((tree.restore.get(f.id), tree.restore_point(f, step)))
+
+    def txn(self, txn) -> None:
+        for old, new in self.points:
+            txn.put(_rkey(new.file_id), new.pack(), db=self.db)
+            if old is not None:  # what only the old point named, and the file no longer does, goes
+                keep = new.values()
+                for chunk in old.chunks.values():
+                    key = (chunk.tier, chunk.loc)
+                    if key not in keep and self.tree.pins.count.get(key, 0) <= 1:
+                        self.tree.values.delete(txn, chunk)
+
+    def apply(self) -> None:
+        for old, new in self.points:
+            if old is not None:
+                self.tree.pins.remove(old)
+            self.tree.restore[new.file_id] = new
+            self.tree.pins.add(new)
+
+
+class Restore(_CkptChange):
+    """At start, a step a crash cut short after restore points were taken: each file with a
+    restore point is put back to it (recreated if it was removed); in a step that was
+    complete before, files without one (new since) go, and the step is complete again."""
+
+    def __init__(self, tree, step: CStep) -> None:
+        super().__init__(tree)
+        self.step = step
+
+    def plan(self, overlay: Overlay) -> None:
+        tree, step = self.tree, self.step
+        self.points = [rp for rp in tree.restore.values() if rp.step_id == step.id]
+        pointed = {rp.file_id for rp in self.points}
+        self.extra = [f for f in tree.files_below(step) if f.id not in pointed] if step.reopened else []
+        below = {n.id for n in _subtree(tree, step)}
+        self.places = {}
+        for rp in self.points:
+            parent = rp.parent if rp.parent in below and isinstance(tree.nodes.get(rp.parent), CDir) else step.id
+            self.places[rp.file_id] = parent
+        self.complete = step.reopened
+
+    def txn(self, txn) -> None:
+        tree = self.tree
+        pinned = {k for rp in self.points for k in rp.values()}
+        extra_ids = {f.id for f in self.extra}
+        for f in self.extra:
+            txn.delete(_nkey(f.id), db=self.db)
+            for index, chunk in list(f.stored.items()) + f.garbage:
+                txn.delete(_ckey(f.id, index), db=self.db)
+                if (chunk.tier, chunk.loc) not in pinned:
+                    tree.values.delete(txn, chunk)
+        for rp in self.points:
+            f = tree.nodes.get(rp.file_id)
+            if isinstance(f, CFile):
+                for index, chunk in list(f.stored.items()) + f.garbage:
+                    if rp.chunks.get(index) is not chunk:
+                        txn.delete(_ckey(f.id, index), db=self.db)
+                        if (chunk.tier, chunk.loc) not in pinned and f.id not in extra_ids:
+                            tree.values.delete(txn, chunk)
+            record = {"kind": FILE, "parent": self.places[rp.file_id], "name": rp.name.hex(), "mode": rp.mode,
+                      "uid": rp.uid, "gid": rp.gid, "mtime_ns": rp.mtime_ns, "atime_ns": rp.atime_ns,
+                      "ctime_ns": rp.ctime_ns, "size": rp.size, "chunk_bytes": rp.chunk_bytes}
+            txn.put(_nkey(rp.file_id), json.dumps(record).encode(), db=self.db)
+            for index, chunk in rp.chunks.items():
+                txn.put(_ckey(rp.file_id, index), chunk.pack(), db=self.db)
+            if self.complete:
+                txn.delete(_rkey(rp.file_id), db=self.db)
+        if self.complete:
+            self._put(txn, self.step, complete=True, reopened=False)
+
+    def apply(self) -> None:
+        tree, step = self.tree, self.step
+        for f in self.extra:
+            parent = tree.nodes.get(f.parent)
+            if isinstance(parent, CDir) and parent.children.get(f.name) == f.id:
+                del parent.children[f.name]
+            f.attached = False
+            tree.nodes.pop(f.id, None)
+        for rp in self.points:
+            old = tree.nodes.get(rp.file_id)
+            if isinstance(old, CFile):
+                parent = tree.nodes.get(old.parent)
+                if isinstance(parent, CDir) and parent.children.get(old.name) == old.id:
+                    del parent.children[old.name]
+            f = CFile(rp.file_id, FILE, self.places[rp.file_id], rp.name, rp.mode, rp.uid, rp.gid, rp.mtime_ns,
+                      size=rp.size, chunk_bytes=rp.chunk_bytes, atime_ns=rp.atime_ns, ctime_ns=rp.ctime_ns)
+            f.stored = dict(rp.chunks)
+            tree.nodes[f.id] = f
+            clash = tree.nodes[f.parent].children.get(f.name)  # type: ignore[attr-defined]
+            if clash is not None and clash != f.id:
+                log.warning("%s: restored over %s", tree.path_of(f), clash)
+            tree.nodes[f.parent].children[f.name] = f.id  # type: ignore[attr-defined]
+        if self.complete:
+            step.complete, step.reopened, step.interrupted, step.sealed = True, False, False, False
+            _forget_restore(tree, self.points)
+        log.warning("%s was cut short by a crash: put back to its restore points (%d files%s)", tree.path_of(step),
+                    len(self.points), ", complete again" if self.complete else "")
 
 
 __all__ = ["Checkpoints", "CNode", "CDir", "CStep", "CFile", "DB_CKPT", "ROOT_ID", "RUN", "STEP", "DIR", "FILE",

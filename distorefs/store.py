@@ -127,6 +127,7 @@ class Store:
         stored = self.env.read(lambda txn: _copy(txn.get(b"weights", db=DB_META)))
         self.weights = WeightsTree(self.services, WeightsConfig.from_json(stored) if stored else WeightsConfig())
         self.checkpoints = Checkpoints(self.services)
+        self.checkpoints.after_crash = self.recovery.ran  # steps cut short go back to their restore points
         self.env.read(self._load_namespaces)
         self.apply_memory_plan()
 

@@ -833,6 +833,7 @@ def check_checkpoints(check: Check) -> str:
         return "none"
     nodes: dict[int, dict] = {}
     chunks: list[tuple[bytes, int, int, StoredValue]] = []
+    restore: list = []  # restore points: what a crash gives back (distorefs/restorepoints.py)
     for key, value in check.scan(db):
         tag = key[:1]
         try:
@@ -841,6 +842,9 @@ def check_checkpoints(check: Check) -> str:
             elif tag == b"c" and len(key) == 13:
                 file_id, index = struct.unpack(">QI", key[1:])
                 chunks.append((key, file_id, index, StoredValue.unpack_from(value, 0)[0]))
+            elif tag == b"r" and len(key) == 9:
+                from .restorepoints import RestorePoint
+                restore.append(RestorePoint.unpack(struct.unpack(">Q", key[1:])[0], value))
         except (ValueError, struct.error) as exc:
             check.error(f"checkpoint record {key[:16].hex()} does not parse ({exc})")
             check.incomplete("a checkpoint record does not parse")
@@ -867,7 +871,14 @@ def check_checkpoints(check: Check) -> str:
                 txn.delete(k, db=db)
         check.error(f"{len(dangling)} checkpoint chunks belong to no file", fix,
                     f"deleted {len(dangling)} rows (their values are freed below)")
+    live = {(c.tier, c.loc) for _, _, _, c in chunks}
+    for rp in restore:  # values a restore point keeps for a crash (the live file may name them too)
+        for index, chunk in sorted(rp.chunks.items()):
+            if (chunk.tier, chunk.loc) not in live:
+                live.add((chunk.tier, chunk.loc))
+                check.ref(f"{path(rp.step_id)} restore point of file {rp.file_id} chunk {index}", chunk)
     check.report.counts["checkpoint_chunks"] = len(chunks)
+    check.report.counts["checkpoint_restore_points"] = len(restore)
     return f"{len(nodes)} nodes, {len(chunks)} chunks"
 
 

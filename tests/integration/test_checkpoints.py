@@ -349,3 +349,56 @@ def test_kill9_at_random_points_of_the_persist_phase(fresh_mount):
         assert time.monotonic() < deadline, (os.listdir(run), expect)
         time.sleep(0.05)
     assert m.alive()
+
+
+def test_fsync_is_a_promise_and_a_reopened_step_cut_short_goes_back(fresh_mount):
+    """What an fsync acknowledged survives a later crash, and a complete step that is written
+    again and cut short by a crash is given back as it was when last complete."""
+    m = fresh_mount()
+    configure(m, seal_after=0, keep_last=1)
+    run = m.mnt / "checkpoints" / "run"
+    s1 = run / "s1"
+    s1.mkdir(parents=True)
+    (s1 / "a.bin").write_bytes(b"A" * 300_000)
+    (s1 / "b.bin").write_bytes(b"B" * 1000)
+    fsync_dir(s1)
+    assert xattr(s1, "state") == "durable"
+    s2 = run / "s2"  # a step never complete (its file acknowledged by fsync below); made first,
+    s2.mkdir()  # as a newer step closes the older ones
+    with open(s1 / "a.bin", "r+b") as f:  # written again, never fsynced: goes back
+        f.write(b"new" * 1000)
+    os.unlink(s1 / "b.bin")  # removed: comes back
+    (s1 / "junk.bin").write_bytes(b"J")  # new, never fsynced: goes
+    with open(s1 / "acked.bin", "wb") as f:  # new and fsynced: kept
+        f.write(b"K" * 5000)
+        f.flush()
+        os.fsync(f.fileno())
+    f = open(s2 / "x.bin", "wb")
+    f.write(b"X" * 70_000)
+    f.flush()
+    os.fsync(f.fileno())
+    m.kill9()  # the writer of x.bin has not closed it
+    try:
+        f.close()
+    except OSError:
+        pass
+    m.lazy_umount()
+    m.mount()
+    assert xattr(s1, "state") == "durable" and os.readlink(run / "latest") == "s1"
+    assert sorted(os.listdir(s1)) == ["a.bin", "acked.bin", "b.bin"]
+    assert (s1 / "a.bin").read_bytes() == b"A" * 300_000
+    assert (s1 / "b.bin").read_bytes() == b"B" * 1000
+    assert (s1 / "acked.bin").read_bytes() == b"K" * 5000
+    assert (s2 / "x.bin").read_bytes() == b"X" * 70_000
+    s3 = run / "s3"  # newer complete steps: retention never takes the acknowledged file
+    s3.mkdir()
+    (s3 / "w").write_bytes(b"w")
+    fsync_dir(s3)
+    time.sleep(0.5)
+    assert (s2 / "x.bin").read_bytes() == b"X" * 70_000
+    res = subprocess.run([sys.executable, "-m", "distorefs.tools.cli", "umount", str(m.mnt)], capture_output=True)
+    assert res.returncode == 0
+    res = subprocess.run([sys.executable, "-m", "distorefs.tools.cli", "verify", str(m.store)], capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m.mount()
