@@ -251,10 +251,8 @@ def test_fsync_and_reading_before_durable(fresh_mount):
     assert xattr(s2, "state") == "writing"  # seal_after 0: not closed by time
     fsync_dir(s2)
     assert xattr(s2, "state") == "durable" and os.readlink(run / "latest") == "s2"
-    deadline = time.monotonic() + 10
-    while os.path.exists(s1):  # the interrupted step goes once a newer one is complete
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    time.sleep(0.5)  # retention runs behind: an interrupted step holding an fsynced file stays
+    assert (s1 / "model.bin").read_bytes() == data
 
 
 def test_a_writer_that_exits_without_close_completes_its_step(fresh_mount):
