@@ -74,6 +74,7 @@ from .errors import (AlreadyExists, CorruptValue, CrossDevice, DistorefsError, I
 from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, times_from
 from .names import check_name
 from .owner import Owner
+from .treerules import check_rename
 from .placement import TIER_NAMES
 from .restorepoints import Pins, RestorePoint
 from .services import Services
@@ -83,7 +84,7 @@ log = logging.getLogger(__name__)
 
 DB_CKPT = b"cknodes"
 ROOT_ID = 1
-ROOT, RUN, STEP, DIR, FILE = "root", "run", "step", "dir", "file"
+ROOT, RUN, STEP, DIR, FILE, LINK = "root", "run", "step", "dir", "file", "link"
 WRITING, PERSISTING, DURABLE, INCOMPLETE = "writing", "persisting", "durable", "incomplete"
 LATEST = b"latest"
 CONTROL = (b"config.json", b"stats.json")
@@ -305,6 +306,16 @@ class CFile(CNode):
         return {**super().record(), "size": self.size, "chunk_bytes": self.chunk_bytes}
 
 
+@dataclass(eq=False)
+class CLink(CNode):
+    """A symlink in a step (a step's files may link to each other, as any tree's)."""
+
+    target: bytes = b""
+
+    def record(self) -> dict:
+        return {**super().record(), "target": self.target.hex()}
+
+
 def _from_record(node_id: int, data: bytes) -> CNode:
     d = json.loads(data)
     atime, mtime, ctime = times_from(d, d["mtime_ns"])
@@ -314,6 +325,8 @@ def _from_record(node_id: int, data: bytes) -> CNode:
         return CStep(*args, complete=d["complete"], pinned=d["pinned"], reopened=d.get("reopened", False), **times)
     if d["kind"] == FILE:
         return CFile(*args, size=d["size"], chunk_bytes=d["chunk_bytes"], unlinked=d.get("unlinked", False), **times)
+    if d["kind"] == LINK:
+        return CLink(*args, target=bytes.fromhex(d["target"]), **times)
     return CDir(*args, **times)
 
 
@@ -330,7 +343,7 @@ _CHILD_KIND = {ROOT: RUN, RUN: STEP, STEP: DIR, DIR: DIR}
 
 
 def _may_hold(parent_kind: str, kind: str) -> bool:
-    return kind == _CHILD_KIND.get(parent_kind) or (kind == FILE and parent_kind in (STEP, DIR))
+    return kind == _CHILD_KIND.get(parent_kind) or (kind in (FILE, LINK) and parent_kind in (STEP, DIR))
 
 
 class Checkpoints:
@@ -663,6 +676,18 @@ class Checkpoints:
         if kind == DIR:
             await self._reopen(self.step_of(parent))
         change = MakeNode(self, parent_id, name, kind, owner)
+        await self.committer.submit(change)
+        return change.node  # type: ignore[return-value]
+
+    async def symlink(self, parent_id: int, name: bytes, target: bytes, owner: Owner) -> CLink:
+        parent = self.dir(parent_id)
+        check_name(name)
+        if parent.kind not in (STEP, DIR):
+            raise NotPermitted("symlinks go in a step directory: checkpoints/RUN/STEP/...")
+        if not target or b"\0" in target or len(target) > 4095:
+            raise InvalidArgument("invalid symlink target")
+        await self._reopen(self.step_of(parent))
+        change = MakeNode(self, parent_id, name, LINK, owner, target)
         await self.committer.submit(change)
         return change.node  # type: ignore[return-value]
 
@@ -1239,11 +1264,11 @@ class _CkptChange(Change):
 
 
 class MakeNode(_CkptChange):
-    """mkdir: a run, a step or a directory in a step (files are made by `create`)."""
+    """mkdir (a run, a step or a directory in a step) and symlink (files are made by `create`)."""
 
-    def __init__(self, tree, parent_id: int, name: bytes, kind: str, owner: Owner) -> None:
+    def __init__(self, tree, parent_id: int, name: bytes, kind: str, owner: Owner, target: bytes = b"") -> None:
         super().__init__(tree)
-        self.parent_id, self.name, self.kind, self.owner = parent_id, name, kind, owner
+        self.parent_id, self.name, self.kind, self.owner, self.target = parent_id, name, kind, owner, target
 
     def plan(self, overlay: Overlay) -> None:
         tree = self.tree
@@ -1256,7 +1281,12 @@ class MakeNode(_CkptChange):
         self.now = now = now_ns()
         args = (tree.next_id, self.kind, self.parent_id, self.name, o.mode, o.uid, o.gid, now)
         times = {"atime_ns": now, "ctime_ns": now}
-        self.node = CStep(*args, active=time.monotonic(), **times) if self.kind == STEP else CDir(*args, **times)
+        if self.kind == STEP:
+            self.node = CStep(*args, active=time.monotonic(), **times)
+        elif self.kind == LINK:
+            self.node = CLink(*args, target=self.target, **times)
+        else:
+            self.node = CDir(*args, **times)
         tree.next_id += 1
 
     def txn(self, txn) -> None:
@@ -1571,31 +1601,34 @@ class Rename(_CkptChange):
         if not node.attached:
             raise NotFound(f"{tree.path_of(node)} is gone")
         dst = tree.dir(self.new_parent)
-        p: CNode | None = dst
-        while p is not None and p.id != ROOT_ID:  # a directory cannot move below itself
-            if p is node:
-                raise InvalidArgument("cannot move a directory into itself")
-            p = tree.nodes.get(p.parent)
+        ancestors, p = [], dst
+        while p is not None:
+            ancestors.append(p.id)
+            p = tree.nodes.get(p.parent) if p.id != ROOT_ID else None
         target_id = dst.children.get(self.new_name)
-        target = tree.nodes[target_id] if target_id is not None and target_id != node.id else None
-        if target is not None:
-            if self.noreplace:
-                raise AlreadyExists(f"{self.new_name!r} exists")
-            if isinstance(target, CDir) != isinstance(node, CDir):
-                raise NotPermitted("rename between a directory and a non-directory")
-            if isinstance(target, CDir) and target.children:
-                raise NotEmpty(f"{self.new_name!r} is not empty")
-            if isinstance(target, CStep) and target.handles:
-                raise NotPermitted(f"{tree.path_of(target)} is open")
+        target = tree.nodes[target_id] if target_id is not None else None
+        check_rename(node, node.name, target, self.new_name, ancestors, noreplace=self.noreplace, exchange=False,
+                     target_empty=lambda: not target.children)  # type: ignore[union-attr]
+        if target is node:
+            target = None
+        if isinstance(target, CStep) and target.handles:
+            raise NotPermitted(f"{tree.path_of(target)} is open")
         self.target = target
-        self.victims = _subtree(tree, target) if target is not None else []
+        # a replaced file still open loses its name now and its data at its last close
+        self.held = target if isinstance(target, CFile) and target.handles > 0 else None
+        self.victims = _subtree(tree, target) if target is not None and self.held is None else []
 
     def txn(self, txn) -> None:
         self._put(txn, self.node, parent=self.new_parent, name=self.new_name)
+        if self.held is not None:
+            self._put(txn, self.held, unlinked=True)
         _remove_txn(self, txn, self.victims)
 
     def apply(self) -> None:
         tree, node = self.tree, self.node
+        if self.held is not None:
+            self.held.unlinked = True
+            changed(self.held)
         if self.victims:
             _remove_apply(tree, self.victims, getattr(self, "dropped", []))
         old_parent = tree.nodes[node.parent]
@@ -1772,5 +1805,5 @@ class Restore(_CkptChange):
                     len(self.points), ", complete again" if self.complete else "")
 
 
-__all__ = ["Checkpoints", "CNode", "CDir", "CStep", "CFile", "DB_CKPT", "ROOT_ID", "RUN", "STEP", "DIR", "FILE",
+__all__ = ["Checkpoints", "CNode", "CDir", "CStep", "CFile", "CLink", "LINK", "DB_CKPT", "ROOT_ID", "RUN", "STEP", "DIR", "FILE",
            "FileReader", "LATEST", "CONTROL", "WRITING", "PERSISTING", "DURABLE", "INCOMPLETE", "WritebackBudget"]

@@ -336,8 +336,14 @@ class WeightsTree:
         on that inode, else the version published under it."""
         if node.draft is not None and node.draft_gen == gen:
             return node.draft.size
+        if gen == node.redirect_gen:  # the writers' inode, before they open it: what they start from
+            gen = node.gen
         version = self.version_at(node, gen)
         return version.size if version is not None else 0
+
+    def settled(self, node: WNode, gen: int) -> bool:
+        """Whether what inode `gen` shows can change (a draft on it, or one to come)."""
+        return not ((node.draft is not None and node.draft_gen == gen) or gen == node.redirect_gen)
 
     def version_at(self, node: WNode, gen: int) -> Version | None:
         """The version an open of inode `gen` reads: the current one, or for an inode the

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
-from distorefs.checkpoints import (CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CNode, CStep, FileReader,
+from distorefs.checkpoints import (CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CLink, CNode, CStep, FileReader,
                                    checksum_of)
 from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted
 from distorefs.fileattrs import dir_nlink
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 
 def _key(node: CNode) -> tuple:
+    if isinstance(node, CLink):
+        return ("cklink", node.id)
     return ("ckdir", node.id) if isinstance(node, CDir) else ("ckfile", node.id)
 
 
@@ -113,6 +115,8 @@ class CheckpointsDir(Node):
         intern = self.fs.inodes.intern
         if isinstance(c, CDir):
             return intern(_key(c), lambda: CheckpointsDir(self.fs, c.id))
+        if isinstance(c, CLink):
+            return intern(_key(c), lambda: CheckpointLink(self.fs, c))
         return intern(_key(c), lambda: CheckpointFile(self.fs, c))  # type: ignore[arg-type]
 
     def _extra(self, name: bytes) -> Node | None:
@@ -153,6 +157,11 @@ class CheckpointsDir(Node):
         owner = Owner(stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
         return self.node_for(await self.tree.mkdir(self.node_id, name, owner))
 
+    async def symlink(self, name: bytes, target: bytes, ctx) -> Node:
+        self._reserved(name)
+        return self.node_for(await self.tree.symlink(self.node_id, name, target,
+                                                     Owner(stat.S_IFLNK | 0o777, ctx.uid, ctx.gid)))
+
     async def create(self, name: bytes, mode: int, flags: int, ctx):
         self._reserved(name)
         existing = self.cnode().children.get(name)
@@ -163,6 +172,8 @@ class CheckpointsDir(Node):
             if flags & os.O_EXCL:
                 raise AlreadyExists(f"{name!r} exists")
             f = self.tree.nodes[existing]
+            if isinstance(f, CLink):
+                raise NotPermitted(f"{name!r} is a symlink")  # the kernel follows links before CREATE
             if not isinstance(f, CFile):
                 raise IsADirectory(f"{name!r} is a directory")
             await self.tree.open_write(f, truncate=bool(flags & os.O_TRUNC))
@@ -237,6 +248,28 @@ class LatestLink(Node):
         run = self.fs.store.checkpoints.node(self.run_id)
         target = self.readlink()
         return make_attrs(self.ino, stat.S_IFLNK | 0o777, len(target), run.uid, run.gid, run.mtime_ns, NO_CACHE)
+
+
+class CheckpointLink(Node):
+    """A symlink in a step."""
+
+    def __init__(self, fs: "Filesystem", link: CLink) -> None:
+        super().__init__(fs)
+        self.link = link
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        n = self.link
+        return stamp_attrs(self.ino, stat.S_IFLNK | 0o777, len(n.target), n, NO_CACHE,
+                           nlink=1 if n.attached else 0, entry_timeout=DIR_LONG)
+
+    def readlink(self) -> bytes:
+        return self.link.target
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        change = attr_change(attr, fields)
+        if change.size is not None:
+            raise NotPermitted("a symlink has no size to set")
+        await self.fs.store.checkpoints.set_attrs(self.link, change)
 
 
 class CheckpointFile(Node):

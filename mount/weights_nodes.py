@@ -214,7 +214,8 @@ class WeightsFile(_TreeNode):
         named = n.attached and (n.gen == self.gen or drafting)
         # the name is looked up at every open (a publish may move it to another inode)
         return stamp_attrs(self.ino, stat.S_IFREG | (n.mode & 0o7777), tree.size_of(n, self.gen), n,
-                           NO_CACHE if drafting else DIR_LONG, nlink=1 if named else 0, entry_timeout=NO_CACHE)
+                           DIR_LONG if tree.settled(n, self.gen) else NO_CACHE, nlink=1 if named else 0,
+                           entry_timeout=NO_CACHE)
 
     async def open(self, flags: int, ctx, redirect: bool = True) -> Handle:
         tree, node = self.tree, self.wnode
