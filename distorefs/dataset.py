@@ -15,6 +15,7 @@ a scan of the directory. Records in the `dsnodes` db, keys prefixed by the datas
   o + dir + ordinal        child by position (readdir): kind, id, name
   i + id / s + number      file (staging id / sealed item number): size, checksum, owner,
                            mtimes, parent, chunks, name, per-item metadata (JSON)
+  l + id                   symlink (an item record: its target in place of metadata)
 
 A file's content is a list of chunks (`chunks.py`), each checksummed. Changes are
 planned against LMDB inside the group's write transaction, so changes of one group
@@ -56,8 +57,9 @@ log = logging.getLogger(__name__)
 
 DB_DSNODES = b"dsnodes"
 ROOT_DIR = 1
-DIR, FILE = 0, 1
+DIR, FILE, LINK = 0, 1, 2
 STAGING, SEALED = b"i", b"s"
+LINKS = b"l"  # symlinks: an Item record whose `meta` is the target (never numbered, sealed or not)
 PREPARE_MAX = 8 << 20  # files up to this size are read and compressed in parallel before the commit
 
 _DS = struct.Struct(">I")
@@ -302,6 +304,11 @@ class Dataset:
             raise NotFound(f"datasets/{self.name}: item {item_id} is gone")
         return item
 
+    def _node_txn(self, txn, kind: int, node_id: int, tag: bytes):
+        if kind == DIR:
+            return self._dir_txn(txn, node_id)
+        return self._item_txn(txn, LINKS if kind == LINK else tag, node_id)
+
     def _item_txn(self, txn, tag: bytes, item_id: int) -> Item | None:
         data = txn.get(self._ikey(tag, item_id), db=DB_DSNODES)
         return None if data is None else Item.unpack(item_id, data, tag)
@@ -315,7 +322,7 @@ class Dataset:
             if found is None:
                 return None
             kind, node_id = found
-            rec = self._dir_txn(txn, node_id) if kind == DIR else self._item_txn(txn, tag, node_id)
+            rec = self._node_txn(txn, kind, node_id, tag)
             return None if rec is None else (kind, node_id, rec)
         return self._read(fn)
 
@@ -335,8 +342,7 @@ class Dataset:
                     break
                 kind, child_id = _POS.unpack_from(value)
                 out.append((bytes(value[_POS.size:]), kind, child_id, _U64.unpack(bytes(key[-8:]))[0]))
-            return [(name, kind, i, o, self._dir_txn(txn, i) if kind == DIR else self._item_txn(txn, tag, i))
-                    for name, kind, i, o in out]
+            return [(name, kind, i, o, self._node_txn(txn, kind, i, tag)) for name, kind, i, o in out]
         return self._read(fn)
 
     def path_of(self, parent: int, name: bytes) -> str:
@@ -510,6 +516,16 @@ class Dataset:
         await self.committer.submit(change)
         assert change.item is not None
         return change.item
+
+    async def symlink(self, dir_id: int, name: bytes, target: bytes, owner: Owner) -> Item:
+        """A symlink in the unsealed tree (its record an Item whose `meta` is the target)."""
+        self._writable()
+        check_name(name)
+        if not target or b"\0" in target or len(target) > 4095:
+            raise InvalidArgument("invalid symlink target")
+        change = MakeLink(self, dir_id, name, target, owner)
+        await self.committer.submit(change)
+        return change.rec
 
     async def mkdir(self, dir_id: int, name: bytes, owner: Owner) -> DirRec:
         self._writable()
@@ -906,6 +922,8 @@ class PutItem(_DsChange):
         if found is not None:
             if found[0] == DIR:
                 raise AlreadyExists(f"{os.fsdecode(name)} is a directory")
+            if found[0] == LINK:
+                raise AlreadyExists(f"{os.fsdecode(name)} is a symlink")
             old = ds._item_txn(txn, STAGING, found[1])
         if old is not None:
             item_id = old.id
@@ -976,6 +994,26 @@ class MakeDir(_DsChange):
         self.save(txn, c)
 
 
+class MakeLink(_DsChange):
+    def __init__(self, ds: Dataset, dir_id: int, name: bytes, target: bytes, owner: Owner) -> None:
+        super().__init__(ds)
+        self.dir_id, self.name, self.target, self.owner = dir_id, name, target, owner
+
+    def txn(self, txn) -> None:
+        c = self.counters(txn)
+        parent = self.dir_txn(txn, self.dir_id)
+        if self.ds._child_txn(txn, parent.id, self.name) is not None:
+            raise AlreadyExists(f"{os.fsdecode(self.name)} exists")
+        now = time.time_ns()
+        o = self.owner
+        self.rec = Item(c.next_file, len(self.target), 0, 0o120777, o.uid, o.gid, now, 0, parent.id, [], self.name,
+                        self.target, LINKS, now, now)
+        c.next_file += 1
+        self.add_child(txn, parent, self.name, LINK, self.rec.id)
+        txn.put(self.ds._ikey(LINKS, self.rec.id), self.rec.pack(), db=self.db)
+        self.save(txn, c)
+
+
 class RemoveNode(_DsChange):
     def __init__(self, ds: Dataset, dir_id: int, name: bytes, want_dir: bool) -> None:
         super().__init__(ds)
@@ -985,7 +1023,7 @@ class RemoveNode(_DsChange):
         c = self.counters(txn)
         kind, node_id = self.child_or_fail(txn, self.dir_id, self.name)
         if self.want_dir and kind != DIR:
-            raise InvalidArgument(f"{os.fsdecode(self.name)} is not a directory")
+            raise NotADirectory(f"{os.fsdecode(self.name)} is not a directory")
         if not self.want_dir and kind == DIR:
             raise IsADirectory(f"{os.fsdecode(self.name)} is a directory")
         remove_node_txn(self, txn, c, kind, node_id)
@@ -999,6 +1037,9 @@ def remove_node_txn(change: _DsChange, txn, c: Counters, kind: int, node_id: int
         if not change.is_empty(txn, node_id):
             raise NotEmpty("directory not empty")
         txn.delete(ds._dkey(node_id), db=change.db)
+        return
+    if kind == LINK:
+        txn.delete(ds._ikey(LINKS, node_id), db=change.db)
         return
     item = ds._item_txn(txn, STAGING, node_id)
     if item is not None:
@@ -1028,9 +1069,11 @@ class RenameNode(_DsChange):
         if target is not None:
             if target == (kind, node_id):
                 return
-            if target[0] != kind:
+            if (target[0] == DIR) != (kind == DIR):
                 raise (IsADirectory if target[0] == DIR else NotADirectory)(
                     f"cannot replace {os.fsdecode(self.new)} with a {'directory' if kind == DIR else 'file'}")
+            if target[0] == DIR and not self.is_empty(txn, target[1]):
+                raise NotEmpty(f"{os.fsdecode(self.new)} is not empty")
             remove_node_txn(self, txn, c, target[0], target[1])
             self.drop_child(txn, self.new_dir, self.new)
         self.drop_child(txn, self.old_dir, self.old)
@@ -1040,10 +1083,12 @@ class RenameNode(_DsChange):
             rec.parent, rec.name = self.new_dir, self.new
             txn.put(ds._dkey(node_id), rec.pack(), db=self.db)
         else:
-            item = ds._item_txn(txn, STAGING, node_id)
+            tag = LINKS if kind == LINK else STAGING
+            item = ds._item_txn(txn, tag, node_id)
             if item is not None:
                 item.parent, item.name = self.new_dir, self.new
-                txn.put(ds._ikey(STAGING, node_id), item.pack(), db=self.db)
+                item.ctime_ns = time.time_ns()
+                txn.put(ds._ikey(tag, node_id), item.pack(), db=self.db)
         self.save(txn, c)
 
 
@@ -1055,12 +1100,12 @@ class SetNodeAttrs(_DsChange):
     def txn(self, txn) -> None:
         ds = self.ds
         self.counters(txn)
-        rec = (self.dir_txn(txn, self.node_id) if self.kind == DIR
-               else ds._item_txn(txn, STAGING, self.node_id))
+        tag = LINKS if self.kind == LINK else STAGING
+        rec = self.dir_txn(txn, self.node_id) if self.kind == DIR else ds._item_txn(txn, tag, self.node_id)
         if rec is None:
             raise NotFound(f"datasets/{ds.name}: gone")
         apply_setattr(rec, self.change)
-        key = ds._dkey(self.node_id) if self.kind == DIR else ds._ikey(STAGING, self.node_id)
+        key = ds._dkey(self.node_id) if self.kind == DIR else ds._ikey(tag, self.node_id)
         txn.put(key, rec.pack(), db=self.db)
 
 
@@ -1229,4 +1274,4 @@ def _meta_fields(metas: dict[str, list]) -> list[tuple[str, str, object, str]]:
     return fields
 
 
-__all__ = ["Dataset", "Item", "DirRec", "StageResult", "DIR", "FILE", "ROOT_DIR", "DB_DSNODES"]
+__all__ = ["Dataset", "Item", "DirRec", "StageResult", "DIR", "FILE", "LINK", "ROOT_DIR", "DB_DSNODES"]

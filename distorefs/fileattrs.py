@@ -86,6 +86,18 @@ def changed(node: Stamped, now: int | None = None) -> None:
     node.ctime_ns = now_ns() if now is None else now
 
 
+def without_privileges(mode: int, writer_uid: int) -> AttrChange | None:
+    """The mode change a write by `writer_uid` makes (setuid dropped, and setgid when the group
+    may execute), as Linux's file_remove_privs; None if nothing changes. The kernel does it
+    itself for writes through the page cache; direct-I/O writes come here."""
+    if writer_uid == 0:
+        return None  # CAP_FSETID
+    kill = stat.S_ISUID if mode & stat.S_ISUID else 0
+    if mode & stat.S_ISGID and mode & stat.S_IXGRP:
+        kill |= stat.S_ISGID
+    return AttrChange(mode=(mode & 0o7777) & ~kill) if kill else None
+
+
 def dir_nlink(subdirs: int) -> int:
     """A directory's link count: its own name, its `.`, and each subdirectory's `..`."""
     return 2 + subdirs
@@ -98,4 +110,5 @@ def times_from(record: dict, fallback: int) -> tuple[int, int, int]:
     return record.get("atime_ns", mtime), mtime, record.get("ctime_ns", mtime)
 
 
-__all__ = ["AttrChange", "Stamped", "apply_setattr", "modified", "changed", "dir_nlink", "times_from", "now_ns"]
+__all__ = ["AttrChange", "Stamped", "apply_setattr", "modified", "changed", "dir_nlink", "times_from", "now_ns",
+           "without_privileges"]

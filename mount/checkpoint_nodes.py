@@ -26,7 +26,7 @@ import trio
 from distorefs.checkpoints import (CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CLink, CNode, CStep, FileReader,
                                    checksum_of)
 from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted
-from distorefs.fileattrs import dir_nlink
+from distorefs.fileattrs import dir_nlink, without_privileges
 from distorefs.owner import Owner
 
 from .handles import Handle, wants_read, wants_write
@@ -49,8 +49,9 @@ class CheckpointWriter(Handle):
     less); read-write opens go through it, so a shared writable mmap works (it needs
     O_RDWR, and FUSE refuses it on a direct-I/O file)."""
 
-    def __init__(self, fs: "Filesystem", f: CFile, readable: bool, pid: int) -> None:
-        self.tree, self.f, self.pid = fs.store.checkpoints, f, pid
+    def __init__(self, fs: "Filesystem", f: CFile, readable: bool, pid: int, uid: int = 0) -> None:
+        self.tree, self.f, self.pid, self.uid = fs.store.checkpoints, f, pid, uid
+        self.privileges_checked = False
         self.reader = FileReader(self.tree, f) if readable else None
         self.direct_io = not readable
 
@@ -60,6 +61,11 @@ class CheckpointWriter(Handle):
         return await self.reader.read(off, size)
 
     async def write(self, off: int, buf: bytes) -> int:
+        if self.direct_io and not self.privileges_checked:  # the kernel drops setuid only for cached writes
+            self.privileges_checked = True
+            change = without_privileges(self.f.mode, self.uid)
+            if change is not None:
+                await self.tree.set_attrs(self.f, change)
         return await self.tree.write(self.f, off, buf)
 
     async def flush(self) -> None:
@@ -177,7 +183,7 @@ class CheckpointsDir(Node):
             if not isinstance(f, CFile):
                 raise IsADirectory(f"{name!r} is a directory")
             await self.tree.open_write(f, truncate=bool(flags & os.O_TRUNC))
-        return self.node_for(f), CheckpointWriter(self.fs, f, wants_read(flags), ctx.pid)
+        return self.node_for(f), CheckpointWriter(self.fs, f, wants_read(flags), ctx.pid, ctx.uid)
 
     async def unlink(self, name: bytes) -> None:
         self._reserved(name)
@@ -291,7 +297,8 @@ class CheckpointFile(Node):
             raise NotFound("the file was removed")
         if wants_write(flags):
             await self.tree.open_write(self.f, truncate=bool(flags & os.O_TRUNC))
-            return CheckpointWriter(self.fs, self.f, wants_read(flags), ctx.pid if ctx is not None else 0)
+            return CheckpointWriter(self.fs, self.f, wants_read(flags), ctx.pid if ctx is not None else 0,
+                                    ctx.uid if ctx is not None else 0)
         return CheckpointReader(self.fs, self.f)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:

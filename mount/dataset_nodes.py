@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pyfuse3
 
-from distorefs.dataset import DIR, FILE, ROOT_DIR, SEALED, Dataset, DirRec, Item
+from distorefs.dataset import DIR, FILE, LINK, ROOT_DIR, SEALED, Dataset, DirRec, Item
 from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted,
                               ReadOnly, TooLarge)
 from distorefs.fileattrs import apply_setattr, dir_nlink
@@ -133,6 +133,8 @@ class ItemsDir(Node):
         fs, ds = self.fs, self.ds
         if kind == DIR:
             node = fs.inodes.intern(("dsdir", ds.ds_id, node_id), lambda: ItemsDir(fs, ds, node_id))
+        elif kind == LINK:
+            return fs.inodes.intern(("dslink", ds.ds_id, node_id), lambda: DatasetLink(fs, ds, node_id))
         else:
             node = fs.inodes.intern(("dsitem", ds.ds_id, ds.tag, node_id),
                                     lambda: ItemNode(fs, ds, self.dir_id, name, node_id))
@@ -179,6 +181,10 @@ class ItemsDir(Node):
     async def mkdir(self, name: bytes, mode: int, ctx) -> Node:
         rec = await self.ds.mkdir(self.dir_id, name, self._owner(mode, ctx, stat.S_IFDIR))
         return self.node_for(DIR, rec.id, name)
+
+    async def symlink(self, name: bytes, target: bytes, ctx) -> Node:
+        rec = await self.ds.symlink(self.dir_id, name, target, Owner(stat.S_IFLNK | 0o777, ctx.uid, ctx.gid))
+        return self.node_for(LINK, rec.id, name)
 
     async def rmdir(self, name: bytes) -> None:
         await self.ds.remove(self.dir_id, name, want_dir=True)
@@ -230,6 +236,34 @@ class ItemsDir(Node):
     def xattrs(self) -> dict[bytes, bytes]:
         rec = self.record()
         return {b"path": self.ds.path_of(rec.parent, rec.name).encode()}
+
+
+class DatasetLink(Node):
+    """A symlink under items/ (its record: the target in place of metadata)."""
+
+    def __init__(self, fs: "Filesystem", ds: Dataset, link_id: int) -> None:
+        super().__init__(fs)
+        self.ds, self.link_id = ds, link_id
+
+    def record(self) -> Item:
+        rec = self.ds._read(lambda txn: self.ds._node_txn(txn, LINK, self.link_id, b""))
+        if rec is None:
+            raise NotFound("the symlink was removed")
+        return rec
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        rec = self.record()
+        return stamp_attrs(self.ino, stat.S_IFLNK | 0o777, len(rec.meta), rec, NO_CACHE, entry_timeout=DIR_LONG)
+
+    def readlink(self) -> bytes:
+        return self.record().meta
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        change = attr_change(attr, fields)
+        if change.size is not None:
+            raise NotPermitted("a symlink has no size to set")
+        if not change.empty():
+            await self.ds.set_attrs(LINK, self.link_id, change)
 
 
 class ItemNode(Node):
