@@ -52,6 +52,7 @@ took it for, or gives the bytes back and tries again.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import struct
@@ -213,28 +214,89 @@ class BufferPool:
 MIN_POOLED = 1 << 20  # below this a chunk is an exact-size bytearray of its own
 
 
+MAX_PIECES = 256  # a chunk of more pieces (many small writes) is copied into one buffer
+
+
 class Buf:
     """One chunk of a file held in memory: `data[:length]` (zeros past `length`).
 
     `data` is an exact-size bytearray while the chunk is small, else a pooled buffer of a
-    power-of-two size (a file's first chunk grows 1, 2, 4... MiB) or of the whole chunk."""
+    power-of-two size (a file's first chunk grows 1, 2, 4... MiB) or of the whole chunk.
 
-    __slots__ = ("data", "length", "queued", "busy")
+    A chunk written in big writes that do not overlap (torch.save, np.save: 1 MiB WRITE
+    requests, several in flight at once and so arriving in any order) is kept as the
+    requests' own bytes objects (`pieces`: (offset, bytes)), not copied: the copy into one
+    buffer happens in the persister's worker thread, off the request path, without the GIL
+    (`join_pieces`). Any other write turns it into a buffer first (`_materialize`)."""
+
+    __slots__ = ("data", "length", "queued", "busy", "pieces", "covered")
 
     def __init__(self, data: bytearray, length: int = 0) -> None:
         self.data = data
         self.length = length
         self.queued = False  # in the persist queue
         self.busy: trio.Event | None = None  # set while being persisted: writers wait for it
+        self.pieces: list | None = None  # (offset, bytes) of big writes, kept as they came (see above)
+        self.covered = 0  # bytes the pieces hold
 
     @property
     def pooled(self) -> bool:
-        return len(self.data) >= MIN_POOLED
+        return self.pieces is None and len(self.data) >= MIN_POOLED
+
+    @property
+    def held(self) -> int:
+        """Bytes of the write-back budget it holds."""
+        return self.covered if self.pieces is not None else len(self.data)
 
     def read(self, lo: int, hi: int) -> bytes:
         """Bytes [lo, hi) of the chunk; zeros past what was written."""
+        if self.pieces is not None:
+            out = bytearray(hi - lo)
+            for off, p in self.pieces:
+                a, b = max(lo, off), min(hi, off + len(p))
+                if a < b:
+                    out[a - lo:b - lo] = memoryview(p)[a - off:b - off]
+            return bytes(out)
         got = bytes(memoryview(self.data)[lo:min(hi, self.length)]) if lo < self.length else b""
         return got if len(got) == hi - lo else got + bytes(hi - lo - len(got))
+
+    def takes(self, lo: int, n: int) -> bool:
+        """Whether a write of n bytes at lo lands on no piece (it can be kept as a piece)."""
+        return (self.pieces is not None and len(self.pieces) < MAX_PIECES
+                and all(lo + n <= off or lo >= off + len(p) for off, p in self.pieces))
+
+    def add(self, lo: int, piece) -> None:
+        self.pieces.append((lo, piece))  # type: ignore[union-attr]
+        self.covered += len(piece)
+        self.length = max(self.length, lo + len(piece))
+
+    def trim(self, n: int) -> int:
+        """Keep the first n bytes of a chunk of pieces; the bytes let go."""
+        assert self.pieces is not None
+        kept = [(off, p if off + len(p) <= n else memoryview(p)[:n - off]) for off, p in self.pieces if off < n]
+        covered = sum(len(p) for _, p in kept)
+        freed, self.pieces, self.covered, self.length = self.covered - covered, kept, covered, min(n, self.length)
+        return freed
+
+
+_memmove = ctypes.memmove  # a foreign call: it runs without the GIL
+
+
+def join_pieces(pieces: list, length: int, out: bytearray) -> memoryview:
+    """The pieces at their offsets in `out`, zeros between them (worker thread); a view of
+    the chunk's `length` bytes."""
+    base = ctypes.addressof((ctypes.c_char * len(out)).from_buffer(out))
+    pos = 0
+    for off, p in sorted(pieces, key=lambda x: x[0]):
+        if off > pos:
+            ctypes.memset(base + pos, 0, off - pos)
+        n = len(p)
+        src = ctypes.c_char_p(p) if isinstance(p, bytes) else (ctypes.c_char * n).from_buffer_copy(p)
+        _memmove(base + off, src, n)
+        pos = max(pos, off + n)
+    if length > pos:
+        ctypes.memset(base + pos, 0, length - pos)
+    return memoryview(out)[:length]
 
 
 # ----- the tree ----------------------------------------------------------------------------
@@ -861,9 +923,14 @@ class Checkpoints:
         return n
 
     async def _put(self, f: CFile, index: int, lo: int, piece) -> None:
+        if await self._append(f, index, lo, piece):
+            return
         end = lo + len(piece)
         while True:
             buf = await self._writable(f, index)
+            if buf.pieces is not None:
+                await self._materialize(f, index, buf)
+                continue
             size = len(buf.data)
             want = size if end <= size else self._capacity(f, index, end)
             if want > size:
@@ -880,6 +947,46 @@ class Checkpoints:
             if buf.length >= f.chunk_bytes and not buf.queued:
                 self._queue_chunk(f, index, buf)  # a full chunk is persisted at once
             return
+
+    async def _append(self, f: CFile, index: int, lo: int, piece) -> bool:
+        """Keep a big write that starts a new chunk, or extends a chunk of pieces, as it came
+        (no copy on the request path); False when it does neither (the caller copies it)."""
+        n = len(piece)
+
+        def fits() -> Buf | None | bool:
+            buf = f.mem.get(index)
+            if buf is None:
+                return None if index not in f.stored and f.attached else False
+            return buf if buf.busy is None and buf.takes(lo, n) else False
+
+        if fits() is False:
+            return False
+        await self._take(n)
+        buf = fits()
+        if buf is False:
+            self.budget.give(n)  # changed while we waited
+            return False
+        if buf is None:
+            buf = f.mem[index] = Buf(bytearray())
+            buf.pieces = []
+            self._held[f] = None
+        buf.add(lo, piece)
+        f.dirty = True
+        if buf.covered >= f.chunk_bytes and not buf.queued:  # every byte of it here (pieces come in any order)
+            self._queue_chunk(f, index, buf)
+        return True
+
+    async def _materialize(self, f: CFile, index: int, buf: Buf) -> None:
+        """A chunk of pieces as one buffer (before a write that does not append to it)."""
+        size = self._capacity(f, index, max(buf.length, 1))
+        extra = size - buf.covered
+        await self._take(extra)
+        if f.mem.get(index) is not buf or buf.pieces is None or buf.busy is not None:
+            self.budget.give(extra)
+            return
+        data = self.pool.get(size) if size >= MIN_POOLED else bytearray(size)
+        data[:buf.length] = buf.read(0, buf.length)
+        buf.data, buf.pieces, buf.covered = data, None, 0
 
     def _capacity(self, f: CFile, index: int, end: int) -> int:
         """Buffer size for chunk `index` holding `end` bytes: exact while small; a file past
@@ -955,8 +1062,10 @@ class Checkpoints:
             last = size - (keep - 1) * step
             if keep and last < step and (keep - 1 in f.mem or keep - 1 in f.stored):
                 buf = await self._writable(f, keep - 1)
+                if buf.pieces is not None:
+                    self.budget.give(buf.trim(last))
                 buf.length = min(buf.length, last)
-                if not buf.pooled and len(buf.data) > buf.length:
+                if buf.pieces is None and not buf.pooled and len(buf.data) > buf.length:
                     freed = len(buf.data) - buf.length
                     del buf.data[buf.length:]
                     self.budget.give(freed)
@@ -966,7 +1075,7 @@ class Checkpoints:
 
     def _drop(self, f: CFile, index: int, reusable: bool = True) -> None:
         buf = f.mem.pop(index)
-        self.budget.give(len(buf.data))
+        self.budget.give(buf.held)
         if buf.pooled and reusable:
             self.pool.put(buf.data)
         if not f.mem:
@@ -1054,7 +1163,7 @@ class Checkpoints:
     def _evict(self) -> bool:
         """Writers wait and nothing is queued: persist chunks still being filled (the
         largest first) so memory frees up; a later write to one loads it back."""
-        victims = sorted(((len(buf.data), f, i) for f in self._held for i, buf in f.mem.items()
+        victims = sorted(((buf.held, f, i) for f in self._held for i, buf in f.mem.items()
                           if not buf.queued and buf.busy is None), key=lambda t: -t[0])
         freed = 0
         for length, f, i in victims:
@@ -1071,7 +1180,12 @@ class Checkpoints:
             return
         buf.queued = False
         buf.busy = done = trio.Event()
-        change = PersistChunk(self, f, index, memoryview(buf.data)[:buf.length])
+        target = None
+        if buf.pieces is not None:  # joined in the worker thread, into a buffer of the pool
+            target = self.pool.get(f.chunk_bytes) if buf.length >= MIN_POOLED else bytearray(buf.length)
+            change = PersistChunk(self, f, index, None, (list(buf.pieces), buf.length, target))
+        else:
+            change = PersistChunk(self, f, index, memoryview(buf.data)[:buf.length])
         try:
             await self.committer.submit(change)
             self.counters["chunks_persisted"] += 1
@@ -1081,6 +1195,8 @@ class Checkpoints:
                 self._failed(f, exc)
         finally:
             reusable = change.release()  # a buffer still viewed elsewhere is not reused
+            if target is not None and reusable and len(target) >= MIN_POOLED:
+                self.pool.put(target)
             buf.busy = None
             done.set()
         if f.mem.get(index) is buf:
@@ -1314,9 +1430,9 @@ class PersistChunk(_CkptChange):
     """One chunk of a file from memory into its tier (the value and its record together).
     The chunk's buffer is read in place (it is busy: no write changes it meanwhile)."""
 
-    def __init__(self, tree, f: CFile, index: int, view: memoryview) -> None:
+    def __init__(self, tree, f: CFile, index: int, view: memoryview | None, join=None) -> None:
         super().__init__(tree)
-        self.f, self.index, self.view = f, index, view
+        self.f, self.index, self.view, self.join = f, index, view, join
         self.enc: codec.Encoded | None = None
 
     def plan(self, overlay: Overlay) -> None:
@@ -1326,6 +1442,10 @@ class PersistChunk(_CkptChange):
         self.record = None if self.f.recorded else self.f.record()  # a new file: its record too
 
     def prepare(self) -> None:
+        if self.join is not None:  # a chunk of pieces: one buffer first, without the GIL
+            pieces, length, target = self.join
+            self.view = join_pieces(pieces, length, target)
+            self.join = None
         view, config = self.view, self.tree.config
         if config.compression == "none":
             self.enc = codec.Encoded(view, codec.RAW, len(view), codec.checksum(view))  # type: ignore[arg-type]
@@ -1353,6 +1473,8 @@ class PersistChunk(_CkptChange):
     def release(self) -> bool:
         """Drop every view of the chunk's buffer; False if one is still held elsewhere."""
         self.enc = None
+        if self.view is None:
+            return True
         try:
             self.view.release()
         except BufferError:

@@ -321,12 +321,12 @@ def test_big_chunks_use_recycled_buffers(tmp_path):
         await ck.sync_dir(s)
         assert ck.pool.free_bytes > 0 and ck.budget.peak <= 16 << 20
         s2 = await ck.mkdir(r.id, b"s2", DIR)
-        g = await ck.create(s2.id, b"mid", FILE)  # a first chunk grows 1, 2, 4 MiB
-        await ck.write(g, 0, data[:700_000])
-        assert len(g.mem[0].data) == 700_000
+        g = await ck.create(s2.id, b"mid", FILE)
+        await ck.write(g, 0, data[:700_000])  # big writes appended: kept as they came, no copy
         await ck.write(g, 700_000, data[700_000:1_500_000])
-        assert len(g.mem[0].data) == 2 << 20
-        await ck.write(g, 100, b"patch")
+        assert g.mem[0].pieces is not None and g.mem[0].length == 1_500_000 and ck.budget.used == 1_500_000
+        await ck.write(g, 100, b"patch")  # anything else: one buffer (a first chunk grows 1, 2, 4 MiB)
+        assert g.mem[0].pieces is None and len(g.mem[0].data) == 2 << 20
         ck.flushed(g)
         ck.released(g, True)
         await ck.sync_dir(s2)
