@@ -58,9 +58,6 @@ def check_rename(node: TreeNode | None, old: bytes, target: TreeNode | None, new
     if exchange:
         if target is None:
             raise NotFound(f"no {new!r} to exchange with")
-        if target.is_dir:
-            # the target moves to the source's place: not below itself either
-            pass
         return
     if target is None:
         return

@@ -41,7 +41,7 @@ from .codec import crc32_combine, zeros_crc32
 from .committer import Change, Overlay
 from .config import WeightsConfig
 from .draft import Draft
-from .errors import InvalidArgument, NotFound, NotPermitted, Stale
+from .errors import AlreadyExists, InvalidArgument, NotFound, NotPermitted, Stale
 from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, times_from
 from .names import check_name
 from .owner import Owner
@@ -721,7 +721,7 @@ class MakeNode(_TreeChange):
     def plan(self, overlay: Overlay) -> None:
         parent = self._dir(self.parent_id)
         if self.name in parent.children:
-            raise_exists(self.name)
+            raise AlreadyExists(f"{self.name!r} exists")
         o = self.owner
         self.now = now_ns()
         self.node = WNode(self.tree.next_id, self.kind, self.parent_id, self.name, o.mode, o.uid, o.gid,
@@ -739,11 +739,6 @@ class MakeNode(_TreeChange):
         parent.mtime_ns = parent.ctime_ns = self.now
         if self.kind == DIR:
             parent.subdirs += 1
-
-
-def raise_exists(name: bytes):
-    from .errors import AlreadyExists
-    raise AlreadyExists(f"{name!r} exists")
 
 
 def _detach_txn(change: _TreeChange, txn, node: WNode) -> None:

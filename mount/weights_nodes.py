@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING
 
 import pyfuse3
 
-from distorefs.errors import (CrossDevice, InvalidArgument, NotPermitted, OperationNotPermitted, Stale, TooLarge,
-                              Unsupported)
+from distorefs.errors import CrossDevice, NotPermitted, Stale, Unsupported
 from distorefs.fileattrs import dir_nlink
 from distorefs.owner import Owner
-from distorefs.weights import DIR, FILE, LINK, ROOT_ID, ReadHandle, WNode, WriteHandle
+from distorefs.weights import DIR, LINK, ROOT_ID, ReadHandle, WNode, WriteHandle
 
 from .handles import Handle, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json
@@ -145,11 +144,11 @@ class WeightsDir(_TreeNode):
 
     async def create(self, name: bytes, mode: int, flags: int, ctx):
         self._not_control(name)
-        node, created = await self.tree.create(self.node_id, name, self._owner(mode, ctx, stat.S_IFREG),
-                                               exclusive=bool(flags & os.O_EXCL))
+        node, _ = await self.tree.create(self.node_id, name, self._owner(mode, ctx, stat.S_IFREG),
+                                         exclusive=bool(flags & os.O_EXCL))
         file = self.node_for(node, ctx.pid)
         assert isinstance(file, WeightsFile)
-        return file, await file.open(flags if created else flags, ctx, redirect=False)
+        return file, await file.open(flags, ctx, redirect=False)
 
     async def unlink(self, name: bytes) -> None:
         self._not_control(name)
@@ -255,5 +254,4 @@ class WeightsFile(_TreeNode):
         }
 
 
-__all__ = ["WeightsDir", "WeightsFile", "WeightsLink", "InvalidArgument", "TooLarge", "OperationNotPermitted",
-           "FILE"]
+__all__ = ["WeightsDir", "WeightsFile", "WeightsLink"]
