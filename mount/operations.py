@@ -16,7 +16,6 @@ import time
 from collections import Counter
 
 import pyfuse3
-import trio
 
 from distorefs.errors import DistorefsError, NotFound, OperationNotPermitted
 
@@ -75,9 +74,8 @@ class Filesystem(pyfuse3.Operations):
         self.started_ns = time.time_ns()
         self.invalidator: Invalidator | None = None
         self.pusher: PageCachePusher | None = None
-        self.pending_weights: dict = {}  # (dir id, name) -> writer of a created, unpublished file
         self.pending_items: dict = {}  # (dataset id, dir id, name) -> node of a created, uncommitted item
-        self.writer_redirects: dict = {}  # (file id, pid) -> True: its next lookup gets a private inode
+        self.writer_redirects: dict = {}  # (file id, pid) -> True: its next lookup gets the writers' inode
         self.root = build_tree(self)
         store.listeners.append(self._entry_changed)
 
@@ -252,18 +250,6 @@ class Filesystem(pyfuse3.Operations):
     @_translate
     async def readlink(self, inode, ctx):
         return self.inodes.get(inode).readlink()
-
-    async def forget_name(self, parent_id: int, name: bytes) -> None:
-        """Make the kernel drop its cached weights/ name before close() returns, so every
-        later open looks it up again and finds the newly published version."""
-        parent = self.inodes.ino_of(("wdir", parent_id))
-        if parent is None:
-            return  # the kernel never looked the directory up: nothing cached
-        try:
-            await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENOTCONN):
-                log.warning("invalidating weights name %r: %s", name, exc)
 
     # ----- files ---------------------------------------------------------------------
 
