@@ -676,19 +676,19 @@ def check_weights(check: Check) -> str:
 def _ref_versions(check: Check, node, path: str) -> None:
     """The chunks of a weights file's versions. A rewrite keeps the chunks it did not change,
     so versions of one file may share chunks (each is referenced once), and a hole is no
-    chunk at all; a version checked whole is one with neither."""
+    chunk at all (None, or past the last chunk); a version checked whole is one with neither."""
     seen: set = set()
     for v in node.versions:
         what = f"{path} version {v.number}"
         step = v.step(1 << 62)
-        own = [c for c in v.chunks if c is not None and (c.tier, c.loc) not in seen]
-        plain = len(own) == len(v.chunks) and (v.chunk_bytes == 0 or all(
-            c.size == min(step, v.size - i * step) for i, c in enumerate(v.chunks)))
+        stored = [c for c in v.chunks if c is not None]
         for i, c in enumerate(v.chunks):
             if c is not None and c.size > max(0, min(step, v.size - i * step)):
                 check.error(f"{what}: chunk {i} holds {c.size} bytes, more than its place in the file")
-        if plain and sum(c.size for c in own) != v.size:
-            check.error(f"{what}: chunks hold {sum(c.size for c in own)} bytes, the version {v.size}")
+        if v.chunk_bytes == 0 and sum(c.size for c in stored) != v.size:  # written before holes were kept
+            check.error(f"{what}: chunks hold {sum(c.size for c in stored)} bytes, the version {v.size}")
+        plain = (len(stored) == len(v.chunks) and sum(c.size for c in stored) == v.size
+                 and not any((c.tier, c.loc) in seen for c in stored))
         whole = Whole(what, v.size, v.checksum if v.checksum or not v.size else None) if plain else None
         for i, c in enumerate(v.chunks):
             if c is not None and (c.tier, c.loc) not in seen:
