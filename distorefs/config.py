@@ -190,7 +190,7 @@ class DatasetConfig(_Config):
     compression: str = "zstd"
     compression_level: int = 1
     chunk_bytes: int = 4 << 20
-    max_item_bytes: int = 256 << 20  # items written through the mount are staged in memory
+    max_item_bytes: int = 256 << 20  # the largest file written through the mount (EFBIG past it)
 
     def validate(self) -> None:
         _require(self.compression in COMPRESSIONS,

@@ -44,6 +44,8 @@ from .config import DatasetConfig
 from .catalog import DB_NS
 from .errors import (AlreadyExists, DistorefsError, InvalidArgument, IsADirectory, NotADirectory, NotEmpty,
                      NotFound, ReadOnly, TooLarge)
+from .codec import crc32_combine
+from .draft import Draft
 from .fileattrs import AttrChange, apply_setattr
 from .names import check_name
 from .owner import Owner
@@ -503,6 +505,40 @@ class Dataset:
         if self.sealed:
             raise ReadOnly(f"datasets/{self.name} is sealed (read-only)")
 
+    async def draft(self, item: Item | None) -> Draft:
+        """A draft of a file written through the mount, over `item`'s chunks (copy on write,
+        on disk: memory stays bounded however big the file; max_item_bytes bounds it)."""
+        step = self.config.chunk_bytes
+        fits = item is not None and all(c.size <= step for c in item.chunks) and _step_of(item, step) == step
+
+        async def fetch(index: int, chunk: StoredValue) -> bytes:
+            assert item is not None
+            return await self.values.fetch_one(self._cache_key(item, index), chunk, self._what(item, index))
+        draft = Draft(self.spool_dir, step, self.config.max_item_bytes, list(item.chunks) if fits else [],
+                      item.size if fits else 0, fetch)  # type: ignore[union-attr]
+        if item is not None and not fits and item.size:  # stored in chunks of another size: copied in once
+            try:
+                for off in range(0, item.size, step):
+                    await draft.write(off, await self.read_range(item, off, step))
+            except BaseException:
+                draft.close()
+                raise
+            draft.changes = 0
+        return draft
+
+    async def put_draft(self, dir_id: int, name: bytes, draft: Draft, owner: Owner,
+                        times: tuple[int | None, int | None] = (None, None)) -> Item:
+        """Create or replace file `name` with a draft's content: the chunks written are stored,
+        the others kept."""
+        self._writable()
+        check_name(name)
+        async with draft.lock:
+            change = PutItem(self, dir_id, [name], owner, draft=draft, times=times)
+            await self.committer.submit(change)
+            draft.changes = 0
+        assert change.item is not None
+        return change.item
+
     async def put(self, dir_id: int, name: bytes, data: bytes, owner: Owner,
                   times: tuple[int | None, int | None] = (None, None)) -> Item:
         """Create or replace file `name` in `dir_id` with `data` (a write through the mount);
@@ -882,10 +918,12 @@ class PutItem(_DsChange):
     """Create or replace one file (a write through the mount, or one staged source file)."""
 
     def __init__(self, ds: Dataset, dir_id: int, parts: list[bytes], owner: Owner, *, data: bytes | None = None,
-                 source: _Source | None = None, times: tuple[int | None, int | None] = (None, None)) -> None:
+                 source: _Source | None = None, times: tuple[int | None, int | None] = (None, None),
+                 draft: Draft | None = None) -> None:
         super().__init__(ds)
         self.dir_id, self.parts, self.owner, self.times = dir_id, parts, owner, times
-        self.data, self.source = data, source
+        self.data, self.source, self.draft = data, source, draft
+        self.layout = draft.plan() if draft is not None else None
         self.encoded: list[codec.Encoded] | None = source.encoded if source else None
         self.item: Item | None = None
 
@@ -925,9 +963,10 @@ class PutItem(_DsChange):
             if found[0] == LINK:
                 raise AlreadyExists(f"{os.fsdecode(name)} is a symlink")
             old = ds._item_txn(txn, STAGING, found[1])
+        kept = {(c.tier, c.loc) for c in self.layout or [] if isinstance(c, StoredValue)}
         if old is not None:
             item_id = old.id
-            ds.values.delete_all(txn, old.chunks)
+            ds.values.delete_all(txn, [c for c in old.chunks if (c.tier, c.loc) not in kept])
             c.items -= 1
             c.bytes -= old.size
             c.stored_bytes -= old.stored_size
@@ -936,7 +975,9 @@ class PutItem(_DsChange):
             c.next_file += 1
             self.add_child(txn, parent, name, FILE, item_id)
         base = b"D" + ds._prefix + _U64.pack(item_id)
-        if self.encoded is not None:
+        if self.draft is not None:
+            chunks, size, crc = self._from_draft(txn, base)
+        elif self.encoded is not None:
             chunks = [ds.values.put(txn, base + _DS.pack(i), enc) for i, enc in enumerate(self.encoded)]
             size = sum(e.size for e in self.encoded)
             crc = self.source.crc if self.source else codec.checksum(self.data or b"")
@@ -954,6 +995,23 @@ class PutItem(_DsChange):
         c.bytes += size
         c.stored_bytes += self.item.stored_size
         self.save(txn, c)
+
+    def _from_draft(self, txn, base: bytes) -> tuple[list[StoredValue], int, int]:
+        """The draft's chunks: those written stored (one at a time from its spool), the others
+        kept; the CRC of the whole from each chunk's own."""
+        draft, cfg = self.draft, self.ds.config
+        assert draft is not None and self.layout is not None
+        chunks, crc = [], 0
+        for i, part in enumerate(self.layout):
+            if isinstance(part, StoredValue):
+                chunk = part
+            else:  # written (an int), or a hole: stored (compressed, a hole costs next to nothing)
+                raw = draft.chunk(i, holes=False) if part is not None else bytes(
+                    max(0, min(draft.chunk_bytes, draft.size - i * draft.chunk_bytes)))
+                chunk = self.ds.values.put_raw(txn, base + _DS.pack(i), raw, cfg.compression, cfg.compression_level)
+            crc = crc32_combine(crc, chunk.checksum, chunk.size)
+            chunks.append(chunk)
+        return chunks, draft.size, crc
 
     def _stream(self, txn, base: bytes) -> tuple[list[StoredValue], int, int]:
         """A big source file, read and stored one chunk at a time (memory stays bounded)."""
@@ -1245,6 +1303,11 @@ class Seal(_DsChange):
         if hasattr(self, "index_chunks"):
             ds.index_chunks, ds.index_size = self.index_chunks, self.index_size
             ds.fields, ds.sealed_ns, ds.index_mode = self.fields, self.sealed_ns, self.index_mode
+
+
+def _step_of(item: Item, default: int) -> int:
+    """The chunk size of an item (every chunk but the last is this big)."""
+    return item.chunks[0].size if len(item.chunks) > 1 else default
 
 
 def _listable_by(dir_mode: int, mode: int) -> int:

@@ -138,14 +138,15 @@ class Draft:
                 out.append(self.base[i] if i < len(self.base) else None)
         return out
 
-    def chunk(self, i: int) -> bytes | None:
-        """Chunk i of the spool (worker thread); None when it is all zeros (a hole)."""
+    def chunk(self, i: int, holes: bool = True) -> bytes | None:
+        """Chunk i of the spool (worker thread); None when it is all zeros (a hole) and the
+        caller keeps holes."""
         start = i * self.chunk_bytes
         n = max(0, min(self.chunk_bytes, self.size - start))
         raw = os.pread(self.fd, n, start)
         if len(raw) < n:
             raw += bytes(n - len(raw))
-        return None if raw.count(0) == n else raw
+        return None if holes and raw.count(0) == n else raw
 
 
 __all__ = ["Draft"]

@@ -27,7 +27,7 @@ from distorefs.names import check_name
 from distorefs.owner import Owner
 from distorefs.sources import Credentials, check_can_act_for
 
-from .handles import BytesReader, ConfigWriter, Handle, StagingWriter, wants_read, wants_write
+from .handles import BytesReader, ConfigWriter, Handle, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
 from .treeattrs import attr_change, stamp_attrs
 
@@ -172,7 +172,7 @@ class ItemsDir(Node):
             return node, await node.open(flags, ctx)
         node = ItemNode(self.fs, self.ds, self.dir_id, name, None)
         node = self.fs.inodes.intern(("dspending",) + key, lambda: node)
-        handle = ItemWriter(node, self._owner(mode, ctx, stat.S_IFREG), self.ds.config.max_item_bytes,
+        handle = ItemWriter(node, self._owner(mode, ctx, stat.S_IFREG), await self.ds.draft(None),
                             wants_read(flags), fresh=True)
         node.writers.append(handle)
         self.fs.pending_items[key] = node
@@ -304,7 +304,7 @@ class ItemNode(Node):
         if self.writers:
             w = self.writers[-1]
             o = w.owner
-            a = make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, w.mtime_ns, NO_CACHE, nlink=nlink,
+            a = make_attrs(self.ino, o.mode, w.size, o.uid, o.gid, w.mtime_ns, NO_CACHE, nlink=nlink,
                            entry_timeout=DIR_LONG)
             a.st_atime_ns, a.st_ctime_ns = w.atime_ns, w.ctime_ns
             return a
@@ -322,14 +322,9 @@ class ItemNode(Node):
             if self.ds.sealed:
                 raise ReadOnly(f"datasets/{self.ds.name} is sealed (read-only)")
             item = None if self.item_id is None else self.item()
-            if item is None or flags & os.O_TRUNC:
-                initial = b""
-            else:
-                initial = await self.ds.read_item(item) if self.ds.whole_in_memory(item) \
-                    else await self.ds.read_range(item, 0, item.size)
+            draft = await self.ds.draft(None if flags & os.O_TRUNC else item)
             owner = Owner(item.mode, item.uid, item.gid) if item else Owner(0o100644, ctx.uid, ctx.gid)
-            w = ItemWriter(self, owner, self.ds.config.max_item_bytes, wants_read(flags),
-                           fresh=bool(flags & os.O_TRUNC), initial=initial)
+            w = ItemWriter(self, owner, draft, wants_read(flags), fresh=bool(flags & os.O_TRUNC))
             if item is not None:
                 w.atime_ns, w.ctime_ns = item.atime_ns, item.ctime_ns
                 if not flags & os.O_TRUNC:
@@ -342,10 +337,14 @@ class ItemNode(Node):
             reader.data = await self.ds.read_item(item)  # its own copy: a rewrite or rm cannot take it away
         return reader
 
-    async def commit(self, data: bytes, owner: Owner, times=(None, None)) -> None:
+    async def commit(self, content, owner: Owner, times=(None, None)) -> None:
+        """Commit a writer's draft (or bytes: a truncate by path) as this file's content."""
         if self.removed:
             return  # unlinked while open: nothing to commit
-        item = await self.ds.put(self.parent_id, self.name, data, owner, times)
+        if isinstance(content, bytes):
+            item = await self.ds.put(self.parent_id, self.name, content, owner, times)
+        else:
+            item = await self.ds.put_draft(self.parent_id, self.name, content, owner, times)
         if self.item_id is None:
             self.item_id = item.id
             key = (self.ds.ds_id, self.parent_id, self.name)
@@ -366,7 +365,7 @@ class ItemNode(Node):
         w = handle if isinstance(handle, ItemWriter) else (self.writers[-1] if self.writers else None)
         if change.size is not None:
             if w is not None:
-                w.truncate(change.size)
+                await w.truncate(change.size)
             else:  # truncate(2) by path: the item rewritten at its new size
                 if self.ds.sealed:
                     raise ReadOnly(f"datasets/{self.ds.name} is sealed (read-only)")
@@ -439,16 +438,18 @@ class ItemReader(Handle):
             self.ds.prefetcher.served_by_page_cache()
 
 
-class ItemWriter(StagingWriter):
-    """A file written through the mount: staged in memory, committed whole at every close
+class ItemWriter(Handle):
+    """A file written through the mount: staged in a draft on disk (distorefs/draft.py: copy on
+    write over the item's chunks, memory bounded whatever the size), committed at every close
     (a created or truncated file too: it is listed once close() returns)."""
 
-    def __init__(self, node: ItemNode, owner: Owner, limit: int, readable: bool, fresh: bool,
-                 initial: bytes = b"") -> None:
-        super().__init__(initial, limit, readable)
+    def __init__(self, node: ItemNode, owner: Owner, draft, readable: bool, fresh: bool) -> None:
         self.node = node
         self.owner = owner
-        self.dirty = fresh
+        self.draft = draft
+        self.readable = readable
+        self.dirty = fresh  # created or truncated: committed even if nothing is written
+        self.failed: Exception | None = None
         now = time.time_ns()
         self.atime_ns = self.mtime_ns = self.ctime_ns = now
 
@@ -477,23 +478,46 @@ class ItemWriter(StagingWriter):
     def gid(self, value: int) -> None:
         self.owner = Owner(self.owner.mode, self.owner.uid, value)
 
+    @property
+    def size(self) -> int:
+        return self.draft.size
+
+    async def read(self, off: int, size: int) -> bytes:
+        if not self.readable:
+            raise NotPermitted("not open for reading")
+        return await self.draft.read(off, size)
+
     async def write(self, off: int, buf: bytes) -> int:
-        n = await super().write(off, buf)
+        try:
+            n = await self.draft.write(off, buf)
+        except TooLarge as exc:
+            self.failed = exc  # close() reports it too; a partial item is never committed
+            raise
         self.mtime_ns = self.ctime_ns = time.time_ns()
+        self.dirty = True
         return n
 
-    def truncate(self, size: int) -> None:
-        super().truncate(size)
+    async def truncate(self, size: int) -> None:
+        await self.draft.truncate(size)
         self.mtime_ns = self.ctime_ns = time.time_ns()
+        self.dirty = True
 
     async def flush(self) -> None:
         if self.failed is not None:
-            raise self.failed  # a partial item is never committed
+            raise self.failed
         if self.dirty:
             await self._commit()
 
-    async def apply(self, data: bytes) -> None:
-        await self.node.commit(data, self.owner, (self.atime_ns, self.mtime_ns))
+    async def release(self) -> None:
+        try:
+            if self.dirty and self.failed is None:
+                await self._commit()
+        finally:
+            self.draft.close()
+
+    async def _commit(self) -> None:
+        self.dirty = False  # a failed commit was reported to close() and is not retried later
+        await self.node.commit(self.draft, self.owner, (self.atime_ns, self.mtime_ns))
 
 
 class OrderFile(Node):

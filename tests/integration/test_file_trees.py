@@ -295,3 +295,21 @@ def test_tar_of_the_whole_mount(fresh_mount, tmp_path):
     res = subprocess.run(["tar", "cf", str(tmp_path / "all.tar"), "-C", str(m.mnt), "."],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_sparse_file_stores_next_to_nothing_in_every_tree(tree):
+    """Writes are staged sparsely (a draft on disk, or the checkpoints' chunks): a file of
+    200 MiB with one byte written stores about one chunk, and reads back zeros around it."""
+    p = tree / "sparse"
+    with open(p, "wb") as f:
+        f.truncate(200 << 20)
+        f.seek(100 << 20)
+        f.write(b"x")
+    deadline = time.time() + 10
+    while "memory" in os.getxattr(p, "user.distorefs.tier").decode() and time.time() < deadline:
+        time.sleep(0.1)  # a checkpoint file is stored behind close()
+    assert os.stat(p).st_size == 200 << 20
+    assert int(xattr(p, "stored_size")) <= 8 << 20
+    with open(p, "rb") as f:
+        f.seek((100 << 20) - 1)
+        assert f.read(3) == b"\0x\0"
