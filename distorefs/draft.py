@@ -83,6 +83,7 @@ class Draft:
             raise TooLarge(f"a write up to byte {end} passes the file size limit of {self.limit} bytes")
         async with self.lock:
             step = self.chunk_bytes
+            await self._extend(end)
             if len(data):
                 for i in range(off // step, (end - 1) // step + 1):
                     whole = off <= i * step and end >= min((i + 1) * step, max(self.size, end))
@@ -105,9 +106,19 @@ class Draft:
                     await self._own(size // step, copy=True)  # its tail becomes zeros
                 del self.base[keep:]
                 self.written = {i for i in self.written if i < keep}
+            await self._extend(size)
             await trio.to_thread.run_sync(os.ftruncate, self.fd, size)
             self.size = size
             self.changes += 1
+
+    async def _extend(self, new_size: int) -> None:
+        """The file grows past its last chunk: a stored last chunk shorter than a chunk goes to
+        the spool first, so every chunk but the last stays whole (readers count on it)."""
+        if new_size <= self.size or not self.size % self.chunk_bytes:
+            return
+        last = (self.size - 1) // self.chunk_bytes
+        if new_size > (last + 1) * self.chunk_bytes and last < len(self.base) and self.base[last] is not None:
+            await self._own(last, copy=True)
 
     async def _own(self, i: int, copy: bool) -> None:
         """Chunk i is about to change: its stored content (if any) into the spool first."""

@@ -313,3 +313,16 @@ def test_a_sparse_file_stores_next_to_nothing_in_every_tree(tree):
     with open(p, "rb") as f:
         f.seek((100 << 20) - 1)
         assert f.read(3) == b"\0x\0"
+
+
+def test_a_file_grown_past_its_last_chunk_reads_back(tree):
+    """Appending far past a short last chunk keeps every chunk but the last whole."""
+    p = tree / "grow"
+    p.write_bytes(b"head")
+    with open(p, "r+b") as f:
+        f.seek(9 << 20)
+        f.write(b"tail")
+    with open(p, "ab") as f:
+        f.write(b"more")
+    data = p.read_bytes()
+    assert data[:4] == b"head" and data[9 << 20:] == b"tailmore" and data.count(0) == (9 << 20) - 4
