@@ -21,9 +21,8 @@ closed it -> **durable** (complete) once every file in it is stored and synced; 
 `RUN/latest` may name it. A step is closed ("sealed") when none of its files is open for
 writing and one of: a newer step is created in the same run (a save loop moved on), its
 directory is fsynced, or nothing was written below it for `seal_after` seconds. A write
-below a sealed step opens it again (a complete one stops being complete first). A file
-whose writer died before close (the kernel flushed it for an exiting process) makes its
-step incomplete until the file is written again; a step with no files never completes.
+below a sealed step opens it again (a complete one stops being complete first). A step
+with no files never completes.
 `latest` is the complete step created last; the newest `keep_last` complete steps and
 pinned steps are kept, older complete steps (and steps interrupted by a crash, once a
 newer step is complete) are removed in the background.
@@ -53,12 +52,13 @@ took it for, or gives the bytes back and tries again.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import struct
 import time
 import zlib
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -71,10 +71,13 @@ from .committer import Change, Overlay
 from .config import CheckpointsConfig
 from .memory import MemoryPlan
 from .errors import (AlreadyExists, CorruptValue, CrossDevice, DistorefsError, InvalidArgument, IsADirectory,
-                     NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly)
+                     NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly, TooLarge)
+from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, times_from
 from .names import check_name
 from .owner import Owner
+from .treerules import check_rename
 from .placement import TIER_NAMES
+from .restorepoints import Pins, RestorePoint
 from .services import Services
 from .values import StoredValue
 
@@ -82,7 +85,7 @@ log = logging.getLogger(__name__)
 
 DB_CKPT = b"cknodes"
 ROOT_ID = 1
-ROOT, RUN, STEP, DIR, FILE = "root", "run", "step", "dir", "file"
+ROOT, RUN, STEP, DIR, FILE, LINK = "root", "run", "step", "dir", "file", "link"
 WRITING, PERSISTING, DURABLE, INCOMPLETE = "writing", "persisting", "durable", "incomplete"
 LATEST = b"latest"
 CONTROL = (b"config.json", b"stats.json")
@@ -211,28 +214,89 @@ class BufferPool:
 MIN_POOLED = 1 << 20  # below this a chunk is an exact-size bytearray of its own
 
 
+MAX_PIECES = 256  # a chunk of more pieces (many small writes) is copied into one buffer
+
+
 class Buf:
     """One chunk of a file held in memory: `data[:length]` (zeros past `length`).
 
     `data` is an exact-size bytearray while the chunk is small, else a pooled buffer of a
-    power-of-two size (a file's first chunk grows 1, 2, 4... MiB) or of the whole chunk."""
+    power-of-two size (a file's first chunk grows 1, 2, 4... MiB) or of the whole chunk.
 
-    __slots__ = ("data", "length", "queued", "busy")
+    A chunk written in big writes that do not overlap (torch.save, np.save: 1 MiB WRITE
+    requests, several in flight at once and so arriving in any order) is kept as the
+    requests' own bytes objects (`pieces`: (offset, bytes)), not copied: the copy into one
+    buffer happens in the persister's worker thread, off the request path, without the GIL
+    (`join_pieces`). Any other write turns it into a buffer first (`_materialize`)."""
+
+    __slots__ = ("data", "length", "queued", "busy", "pieces", "covered")
 
     def __init__(self, data: bytearray, length: int = 0) -> None:
         self.data = data
         self.length = length
         self.queued = False  # in the persist queue
         self.busy: trio.Event | None = None  # set while being persisted: writers wait for it
+        self.pieces: list | None = None  # (offset, bytes) of big writes, kept as they came (see above)
+        self.covered = 0  # bytes the pieces hold
 
     @property
     def pooled(self) -> bool:
-        return len(self.data) >= MIN_POOLED
+        return self.pieces is None and len(self.data) >= MIN_POOLED
+
+    @property
+    def held(self) -> int:
+        """Bytes of the write-back budget it holds."""
+        return self.covered if self.pieces is not None else len(self.data)
 
     def read(self, lo: int, hi: int) -> bytes:
         """Bytes [lo, hi) of the chunk; zeros past what was written."""
+        if self.pieces is not None:
+            out = bytearray(hi - lo)
+            for off, p in self.pieces:
+                a, b = max(lo, off), min(hi, off + len(p))
+                if a < b:
+                    out[a - lo:b - lo] = memoryview(p)[a - off:b - off]
+            return bytes(out)
         got = bytes(memoryview(self.data)[lo:min(hi, self.length)]) if lo < self.length else b""
         return got if len(got) == hi - lo else got + bytes(hi - lo - len(got))
+
+    def takes(self, lo: int, n: int) -> bool:
+        """Whether a write of n bytes at lo lands on no piece (it can be kept as a piece)."""
+        return (self.pieces is not None and len(self.pieces) < MAX_PIECES
+                and all(lo + n <= off or lo >= off + len(p) for off, p in self.pieces))
+
+    def add(self, lo: int, piece) -> None:
+        self.pieces.append((lo, piece))  # type: ignore[union-attr]
+        self.covered += len(piece)
+        self.length = max(self.length, lo + len(piece))
+
+    def trim(self, n: int) -> int:
+        """Keep the first n bytes of a chunk of pieces; the bytes let go."""
+        assert self.pieces is not None
+        kept = [(off, p if off + len(p) <= n else memoryview(p)[:n - off]) for off, p in self.pieces if off < n]
+        covered = sum(len(p) for _, p in kept)
+        freed, self.pieces, self.covered, self.length = self.covered - covered, kept, covered, min(n, self.length)
+        return freed
+
+
+_memmove = ctypes.memmove  # a foreign call: it runs without the GIL
+
+
+def join_pieces(pieces: list, length: int, out: bytearray) -> memoryview:
+    """The pieces at their offsets in `out`, zeros between them (worker thread); a view of
+    the chunk's `length` bytes."""
+    base = ctypes.addressof((ctypes.c_char * len(out)).from_buffer(out))
+    pos = 0
+    for off, p in sorted(pieces, key=lambda x: x[0]):
+        if off > pos:
+            ctypes.memset(base + pos, 0, off - pos)
+        n = len(p)
+        src = ctypes.c_char_p(p) if isinstance(p, bytes) else (ctypes.c_char * n).from_buffer_copy(p)
+        _memmove(base + off, src, n)
+        pos = max(pos, off + n)
+    if length > pos:
+        ctypes.memset(base + pos, 0, length - pos)
+    return memoryview(out)[:length]
 
 
 # ----- the tree ----------------------------------------------------------------------------
@@ -248,10 +312,18 @@ class CNode:
     gid: int
     mtime_ns: int
     attached: bool = field(default=True, repr=False)  # False once removed (memory only)
+    atime_ns: int = field(default=0, kw_only=True)
+    ctime_ns: int = field(default=0, kw_only=True)
+    unlinked: bool = field(default=False, kw_only=True)  # removed while open: goes at its last close
+
+    @property
+    def is_dir(self) -> bool:
+        return isinstance(self, CDir)
 
     def record(self) -> dict:
         return {"kind": self.kind, "parent": self.parent, "name": self.name.hex(), "mode": self.mode,
-                "uid": self.uid, "gid": self.gid, "mtime_ns": self.mtime_ns}
+                "uid": self.uid, "gid": self.gid, "mtime_ns": self.mtime_ns, "atime_ns": self.atime_ns,
+                "ctime_ns": self.ctime_ns, **({"unlinked": True} if self.unlinked else {})}
 
 
 @dataclass(eq=False)
@@ -263,6 +335,7 @@ class CDir(CNode):
 class CStep(CDir):
     complete: bool = False
     pinned: bool = False
+    reopened: bool = False  # complete once, written again since: a crash restores it (restorepoints.py)
     # memory only:
     interrupted: bool = False  # found incomplete at open (a crash): read-only, never complete
     sealed: bool = False  # closed by its writer: completes once everything in it is durable
@@ -271,7 +344,8 @@ class CStep(CDir):
     active: float = 0.0  # monotonic time of the last change below it
 
     def record(self) -> dict:
-        return {**super().record(), "complete": self.complete, "pinned": self.pinned}
+        return {**super().record(), "complete": self.complete, "pinned": self.pinned,
+                **({"reopened": True} if self.reopened else {})}
 
 
 @dataclass(eq=False)
@@ -287,7 +361,6 @@ class CFile(CNode):
     dirty: bool = False  # changed since its last commit was queued
     pending: int = 0  # items of it in the persist queue
     ticket: int = 0  # its last queued commit; durable once the durable ticket reaches it
-    abandoned: bool = False  # its writer died before close(): the step cannot complete
     error: DistorefsError | None = None  # a persist of it failed
     recorded: bool = True  # its record is in the catalog (a new file's goes in with its first commit)
 
@@ -295,14 +368,28 @@ class CFile(CNode):
         return {**super().record(), "size": self.size, "chunk_bytes": self.chunk_bytes}
 
 
+@dataclass(eq=False)
+class CLink(CNode):
+    """A symlink in a step (a step's files may link to each other, as any tree's)."""
+
+    target: bytes = b""
+
+    def record(self) -> dict:
+        return {**super().record(), "target": self.target.hex()}
+
+
 def _from_record(node_id: int, data: bytes) -> CNode:
     d = json.loads(data)
-    args = (node_id, d["kind"], d["parent"], bytes.fromhex(d["name"]), d["mode"], d["uid"], d["gid"], d["mtime_ns"])
+    atime, mtime, ctime = times_from(d, d["mtime_ns"])
+    args = (node_id, d["kind"], d["parent"], bytes.fromhex(d["name"]), d["mode"], d["uid"], d["gid"], mtime)
+    times = {"atime_ns": atime, "ctime_ns": ctime}
     if d["kind"] == STEP:
-        return CStep(*args, complete=d["complete"], pinned=d["pinned"])
+        return CStep(*args, complete=d["complete"], pinned=d["pinned"], reopened=d.get("reopened", False), **times)
     if d["kind"] == FILE:
-        return CFile(*args, size=d["size"], chunk_bytes=d["chunk_bytes"])
-    return CDir(*args)
+        return CFile(*args, size=d["size"], chunk_bytes=d["chunk_bytes"], unlinked=d.get("unlinked", False), **times)
+    if d["kind"] == LINK:
+        return CLink(*args, target=bytes.fromhex(d["target"]), **times)
+    return CDir(*args, **times)
 
 
 def _nkey(node_id: int) -> bytes:
@@ -318,7 +405,7 @@ _CHILD_KIND = {ROOT: RUN, RUN: STEP, STEP: DIR, DIR: DIR}
 
 
 def _may_hold(parent_kind: str, kind: str) -> bool:
-    return kind == _CHILD_KIND.get(parent_kind) or (kind == FILE and parent_kind in (STEP, DIR))
+    return kind == _CHILD_KIND.get(parent_kind) or (kind in (FILE, LINK) and parent_kind in (STEP, DIR))
 
 
 class Checkpoints:
@@ -333,7 +420,13 @@ class Checkpoints:
         self._memory_changed = services.memory_changed
         self.config = CheckpointsConfig()
         now = time.time_ns()
-        self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now)}
+        self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now, atime_ns=now,
+                                                      ctime_ns=now)}
+        self.unlinked_at_load: list[CFile] = []  # removed while open when the daemon last stopped
+        self.restore: dict[int, RestorePoint] = {}  # file id -> what a crash gives back (restorepoints.py)
+        self.pins = Pins()
+        self._restore_at_start: list[CStep] = []
+        self.after_crash = False  # the store was not closed cleanly (set by the store before `run`)
         self.next_id = ROOT_ID + 1
         self.budget = WritebackBudget(0)  # sized by the store's memory plan
         self.pool = BufferPool(self.budget)
@@ -353,7 +446,7 @@ class Checkpoints:
         self._removing: set[int] = set()
         self.counters = {"bytes_written": 0, "bytes_persisted": 0, "chunks_persisted": 0, "file_commits": 0,
                          "syncs": 0, "steps_completed": 0, "steps_removed": 0, "steps_reopened": 0,
-                         "chunk_reloads": 0, "evictions": 0, "abandoned_files": 0, "persist_failures": 0}
+                         "chunk_reloads": 0, "evictions": 0, "persist_failures": 0}
 
     # ----- loading -------------------------------------------------------------------
 
@@ -372,6 +465,10 @@ class Checkpoints:
             elif key[:1] == b"c":
                 chunks.append((_ID.unpack_from(key, 1)[0], _IDX.unpack_from(key, 9)[0],
                                StoredValue.unpack_from(bytes(v), 0)[0]))
+            elif key[:1] == b"r":
+                rp = RestorePoint.unpack(_ID.unpack_from(key, 1)[0], bytes(v))
+                self.restore[rp.file_id] = rp
+                self.pins.add(rp)
         for file_id, index, chunk in chunks:
             f = self.nodes.get(file_id)
             if isinstance(f, CFile):
@@ -384,10 +481,17 @@ class Checkpoints:
                 log.error("checkpoint node %d (%s) has no valid parent %d: left out", node.id, node.kind, node.parent)
                 node.attached = False
                 continue
+            if node.unlinked:
+                self.unlinked_at_load.append(node)  # type: ignore[arg-type]
+                continue
             parent.children[node.name] = node.id
             if isinstance(node, CStep) and not node.complete:
                 node.interrupted = node.sealed = True
         self.nodes = {i: n for i, n in self.nodes.items() if n.attached}
+        # steps a crash cut short after a restore point was taken: put back at start (`run`)
+        marked = {rp.step_id for rp in self.restore.values()}
+        self._restore_at_start = [n for n in self.nodes.values() if isinstance(n, CStep) and not n.complete
+                                  and (n.reopened or n.id in marked)]
 
     # ----- running -------------------------------------------------------------------
 
@@ -399,6 +503,15 @@ class Checkpoints:
             for node in list(self.nodes.values()):
                 if node.kind == RUN:
                     self._collect(node)
+            for step in self._restore_at_start:
+                if self.after_crash:
+                    await self.committer.submit(Restore(self, step))
+                elif step.reopened:  # a clean stop: what the step holds is what was left in it
+                    await self.committer.submit(Forget(self, step))
+            self._restore_at_start = []
+            for f in self.unlinked_at_load:  # removed while open: its last close was the stop
+                self.committer.submit_nowait(RemoveTree(self, f, background=False))
+            self.unlinked_at_load = []
             task_status.started()
 
     async def drain(self, patience: float = 600.0) -> None:
@@ -494,6 +607,7 @@ class Checkpoints:
         return node
 
     def child(self, parent_id: int, name: bytes) -> CNode:
+        check_name(name)
         child_id = self.dir(parent_id).children.get(name)
         if child_id is None:
             raise NotFound(f"no {name!r}")
@@ -541,9 +655,13 @@ class Checkpoints:
     def _settled(self, step: CStep) -> bool | None:
         """Whether every file below `step` is closed and durable; None if one never will be."""
         files = list(self.files_below(step))
-        if any(f.abandoned or f.error is not None for f in files):
+        if any(f.error is not None for f in files):
             return None
         return bool(files) and all(self._file_durable(f) for f in files)
+
+    def _synced(self, f: CFile) -> bool:
+        """Everything written to `f` so far is durable (its writers may still be open)."""
+        return not f.dirty and not f.mem and not f.pending and f.ticket <= self.durable
 
     def _file_durable(self, f: CFile) -> bool:
         return not f.writers and not f.dirty and not f.mem and not f.pending and f.ticket <= self.durable
@@ -560,7 +678,7 @@ class Checkpoints:
                 return INCOMPLETE
             return PERSISTING if node.sealed and any(True for _ in self.files_below(node)) else WRITING
         if isinstance(node, CFile):
-            if node.abandoned or node.error is not None:
+            if node.error is not None:
                 return INCOMPLETE
             if node.writers:
                 return WRITING
@@ -623,6 +741,18 @@ class Checkpoints:
         await self.committer.submit(change)
         return change.node  # type: ignore[return-value]
 
+    async def symlink(self, parent_id: int, name: bytes, target: bytes, owner: Owner) -> CLink:
+        parent = self.dir(parent_id)
+        check_name(name)
+        if parent.kind not in (STEP, DIR):
+            raise NotPermitted("symlinks go in a step directory: checkpoints/RUN/STEP/...")
+        if not target or b"\0" in target or len(target) > 4095:
+            raise InvalidArgument("invalid symlink target")
+        await self._reopen(self.step_of(parent))
+        change = MakeNode(self, parent_id, name, LINK, owner, target)
+        await self.committer.submit(change)
+        return change.node  # type: ignore[return-value]
+
     async def create(self, parent_id: int, name: bytes, owner: Owner) -> CFile:
         """A new empty file, open for writing (call `released` when its handle closes).
 
@@ -638,8 +768,10 @@ class Checkpoints:
             raise NotFound(f"{self.path_of(parent)} was removed")
         if name in parent.children:
             raise AlreadyExists(f"{name!r} exists")
-        f = CFile(self.next_id, FILE, parent_id, name, owner.mode, owner.uid, owner.gid, time.time_ns(),
-                  chunk_bytes=self.config.chunk_bytes, recorded=False)
+        now = now_ns()
+        f = CFile(self.next_id, FILE, parent_id, name, owner.mode, owner.uid, owner.gid, now,
+                  chunk_bytes=self.config.chunk_bytes, recorded=False, atime_ns=now, ctime_ns=now)
+        modified(parent, now)
         self.next_id += 1
         self.nodes[f.id] = f
         parent.children[name] = f.id
@@ -672,18 +804,14 @@ class Checkpoints:
         if write:
             f.writers += 1
             f.dirty = True
-            f.abandoned = False
             if step is not None:
                 step.writers += 1
                 step.active = time.monotonic()
 
-    def flushed(self, f: CFile, writer_exiting: bool) -> None:
-        """close() of a write handle: what it wrote is held; persist it in the background.
-        `writer_exiting`: the kernel closed it for a dying process (a save cut short)."""
-        if writer_exiting and f.attached:
-            f.abandoned = True
-            self.counters["abandoned_files"] += 1
-            log.warning("the writer of %s died before closing it: its step will not complete", self.path_of(f))
+    def flushed(self, f: CFile) -> None:
+        """close() of a write handle (a process exiting closes its files the same way: the
+        two cannot be told apart reliably): what it wrote is held; persist it in the
+        background."""
         self._queue_file(f)
         step = self.step_of(f)
         if step is not None:
@@ -701,6 +829,8 @@ class Checkpoints:
                 step.writers -= 1
                 step.active = time.monotonic()
             self._queue_file(f)
+        if f.unlinked and f.handles == 0:
+            self.committer.submit_nowait(RemoveTree(self, f, background=False))
         if step is not None and step.handles == 0 and (step.complete or step.interrupted):
             self._collect(self.nodes.get(step.parent))
 
@@ -716,7 +846,7 @@ class Checkpoints:
             self._sealed.discard(step)
             self._unsealed.add(step)
         if step.complete:
-            await self.committer.submit(SetStepFlags(self, step, complete=False))
+            await self.committer.submit(Reopen(self, step))
             self.counters["steps_reopened"] += 1
             log.info("%s is written again: no longer complete", self.path_of(step))
 
@@ -749,10 +879,11 @@ class Checkpoints:
         await self.committer.submit(change)
         return node
 
-    async def set_attrs(self, node: CNode, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
-        if node.id == ROOT_ID:
+    async def set_attrs(self, node: CNode, change: AttrChange) -> None:
+        """chmod, chown, utimes (a size in `change` is the caller's to apply: `truncate`)."""
+        if node.id == ROOT_ID or change.empty():
             return
-        await self.committer.submit(SetAttrs(self, node, mode, uid, gid, mtime_ns))
+        await self.committer.submit(SetAttrs(self, node, change))
 
     async def set_pinned(self, step: CStep, pinned: bool) -> None:
         await self.committer.submit(SetStepFlags(self, step, pinned=pinned))
@@ -776,6 +907,9 @@ class Checkpoints:
         if f.error is not None:
             raise type(f.error)(f"{self.path_of(f)}: an earlier persist failed ({f.error})")
         n = len(data)
+        if off + n > self.config.max_file_bytes:
+            raise TooLarge(f"{self.path_of(f)}: a write up to byte {off + n} passes max_file_bytes "
+                           f"{self.config.max_file_bytes}")
         step, view, pos, end = f.chunk_bytes, memoryview(data), off, off + n
         while pos < end:
             index, lo = divmod(pos, step)
@@ -784,14 +918,19 @@ class Checkpoints:
             pos += k
             f.size = max(f.size, pos)
         f.dirty = True
-        f.mtime_ns = time.time_ns()
+        modified(f)
         self.counters["bytes_written"] += n
         return n
 
     async def _put(self, f: CFile, index: int, lo: int, piece) -> None:
+        if await self._append(f, index, lo, piece):
+            return
         end = lo + len(piece)
         while True:
             buf = await self._writable(f, index)
+            if buf.pieces is not None:
+                await self._materialize(f, index, buf)
+                continue
             size = len(buf.data)
             want = size if end <= size else self._capacity(f, index, end)
             if want > size:
@@ -808,6 +947,46 @@ class Checkpoints:
             if buf.length >= f.chunk_bytes and not buf.queued:
                 self._queue_chunk(f, index, buf)  # a full chunk is persisted at once
             return
+
+    async def _append(self, f: CFile, index: int, lo: int, piece) -> bool:
+        """Keep a big write that starts a new chunk, or extends a chunk of pieces, as it came
+        (no copy on the request path); False when it does neither (the caller copies it)."""
+        n = len(piece)
+
+        def fits() -> Buf | None | bool:
+            buf = f.mem.get(index)
+            if buf is None:
+                return None if index not in f.stored and f.attached else False
+            return buf if buf.busy is None and buf.takes(lo, n) else False
+
+        if fits() is False:
+            return False
+        await self._take(n)
+        buf = fits()
+        if buf is False:
+            self.budget.give(n)  # changed while we waited
+            return False
+        if buf is None:
+            buf = f.mem[index] = Buf(bytearray())
+            buf.pieces = []
+            self._held[f] = None
+        buf.add(lo, piece)
+        f.dirty = True
+        if buf.covered >= f.chunk_bytes and not buf.queued:  # every byte of it here (pieces come in any order)
+            self._queue_chunk(f, index, buf)
+        return True
+
+    async def _materialize(self, f: CFile, index: int, buf: Buf) -> None:
+        """A chunk of pieces as one buffer (before a write that does not append to it)."""
+        size = self._capacity(f, index, max(buf.length, 1))
+        extra = size - buf.covered
+        await self._take(extra)
+        if f.mem.get(index) is not buf or buf.pieces is None or buf.busy is not None:
+            self.budget.give(extra)
+            return
+        data = self.pool.get(size) if size >= MIN_POOLED else bytearray(size)
+        data[:buf.length] = buf.read(0, buf.length)
+        buf.data, buf.pieces, buf.covered = data, None, 0
 
     def _capacity(self, f: CFile, index: int, end: int) -> int:
         """Buffer size for chunk `index` holding `end` bytes: exact while small; a file past
@@ -865,6 +1044,8 @@ class Checkpoints:
     async def truncate(self, f: CFile, size: int) -> None:
         if size < 0:
             raise InvalidArgument(f"negative size {size}")
+        if size > self.config.max_file_bytes:
+            raise TooLarge(f"{self.path_of(f)}: size {size} passes max_file_bytes {self.config.max_file_bytes}")
         await self._reopen(self.step_of(f))
         step = f.chunk_bytes
         keep = -(-size // step)  # chunks 0..keep-1 stay
@@ -881,22 +1062,33 @@ class Checkpoints:
             last = size - (keep - 1) * step
             if keep and last < step and (keep - 1 in f.mem or keep - 1 in f.stored):
                 buf = await self._writable(f, keep - 1)
+                if buf.pieces is not None:
+                    self.budget.give(buf.trim(last))
                 buf.length = min(buf.length, last)
-                if not buf.pooled and len(buf.data) > buf.length:
+                if buf.pieces is None and not buf.pooled and len(buf.data) > buf.length:
                     freed = len(buf.data) - buf.length
                     del buf.data[buf.length:]
                     self.budget.give(freed)
         f.size = size
         f.dirty = True
-        f.mtime_ns = time.time_ns()
+        modified(f)
 
     def _drop(self, f: CFile, index: int, reusable: bool = True) -> None:
         buf = f.mem.pop(index)
-        self.budget.give(len(buf.data))
+        self.budget.give(buf.held)
         if buf.pooled and reusable:
             self.pool.put(buf.data)
         if not f.mem:
             self._held.pop(f, None)
+
+    def free(self, txn, value: StoredValue) -> None:
+        """Free a chunk value the live tree no longer names, unless a restore point pins it."""
+        if value not in self.pins:
+            self.values.delete(txn, value)
+
+    def restore_point(self, f: CFile, step: CStep) -> RestorePoint:
+        return RestorePoint(f.id, step.id, f.parent, f.name, f.mode, f.uid, f.gid, f.atime_ns, f.mtime_ns,
+                            f.ctime_ns, f.size, f.chunk_bytes, dict(f.stored))
 
     def _what(self, f: CFile, index: int) -> str:
         return f"{self.path_of(f)} chunk {index}"
@@ -907,6 +1099,16 @@ class Checkpoints:
         await self._wait_durable(f.ticket)
         if f.error is not None:
             raise type(f.error)(f"{self.path_of(f)}: {f.error}")
+        await self._acknowledge([f])
+
+    async def _acknowledge(self, files: list[CFile]) -> None:
+        """An fsync returned: a crash gives these files back as they are now (restorepoints.py),
+        unless their step completes first (it is then itself what a crash keeps)."""
+        files = [f for f in files if f.attached and not f.unlinked and self._synced(f)
+                 and (step := self.step_of(f)) is not None and not step.complete]
+        if files:
+            await self.committer.submit(Acknowledge(self, files))
+            await self._store_sync()
 
     async def sync_dir(self, node: CNode) -> None:
         """fsync of a directory: everything written before it is made durable; a step
@@ -920,6 +1122,8 @@ class Checkpoints:
             self._recheck = True  # its completion is being written: wait for it
             self._kick()
             await self._durable_event.wait()
+        if isinstance(node, CDir) and node.kind in (STEP, DIR):
+            await self._acknowledge(list(self.files_below(node)))
 
     async def _wait_durable(self, ticket: int) -> None:
         self._wanted[ticket] = self._wanted.get(ticket, 0) + 1
@@ -959,7 +1163,7 @@ class Checkpoints:
     def _evict(self) -> bool:
         """Writers wait and nothing is queued: persist chunks still being filled (the
         largest first) so memory frees up; a later write to one loads it back."""
-        victims = sorted(((len(buf.data), f, i) for f in self._held for i, buf in f.mem.items()
+        victims = sorted(((buf.held, f, i) for f in self._held for i, buf in f.mem.items()
                           if not buf.queued and buf.busy is None), key=lambda t: -t[0])
         freed = 0
         for length, f, i in victims:
@@ -976,7 +1180,12 @@ class Checkpoints:
             return
         buf.queued = False
         buf.busy = done = trio.Event()
-        change = PersistChunk(self, f, index, memoryview(buf.data)[:buf.length])
+        target = None
+        if buf.pieces is not None:  # joined in the worker thread, into a buffer of the pool
+            target = self.pool.get(f.chunk_bytes) if buf.length >= MIN_POOLED else bytearray(buf.length)
+            change = PersistChunk(self, f, index, None, (list(buf.pieces), buf.length, target))
+        else:
+            change = PersistChunk(self, f, index, memoryview(buf.data)[:buf.length])
         try:
             await self.committer.submit(change)
             self.counters["chunks_persisted"] += 1
@@ -986,6 +1195,8 @@ class Checkpoints:
                 self._failed(f, exc)
         finally:
             reusable = change.release()  # a buffer still viewed elsewhere is not reused
+            if target is not None and reusable and len(target) >= MIN_POOLED:
+                self.pool.put(target)
             buf.busy = None
             done.set()
         if f.mem.get(index) is buf:
@@ -1056,8 +1267,9 @@ class Checkpoints:
         complete = sorted((s for s in steps if s.complete), key=lambda s: s.id)
         kept = set(complete[-self.config.keep_last:])
         newest = complete[-1].id if complete else 0
+        acknowledged = {rp.step_id for rp in self.restore.values()}
         return [s for s in steps if not s.pinned and s.handles == 0 and not (removing and s.id in self._removing)
-                and ((s.complete and s not in kept) or (s.interrupted and s.id < newest))]
+                and ((s.complete and s not in kept) or (s.interrupted and s.id < newest and s.id not in acknowledged))]
 
     def _collect(self, run: CNode | None) -> None:
         """Remove, in the background, steps no longer kept (see the module docstring)."""
@@ -1168,11 +1380,11 @@ class _CkptChange(Change):
 
 
 class MakeNode(_CkptChange):
-    """mkdir: a run, a step or a directory in a step (files are made by `create`)."""
+    """mkdir (a run, a step or a directory in a step) and symlink (files are made by `create`)."""
 
-    def __init__(self, tree, parent_id: int, name: bytes, kind: str, owner: Owner) -> None:
+    def __init__(self, tree, parent_id: int, name: bytes, kind: str, owner: Owner, target: bytes = b"") -> None:
         super().__init__(tree)
-        self.parent_id, self.name, self.kind, self.owner = parent_id, name, kind, owner
+        self.parent_id, self.name, self.kind, self.owner, self.target = parent_id, name, kind, owner, target
 
     def plan(self, overlay: Overlay) -> None:
         tree = self.tree
@@ -1182,17 +1394,28 @@ class MakeNode(_CkptChange):
         if (parent.kind == ROOT and self.name in CONTROL) or (parent.kind == RUN and self.name == LATEST):
             raise AlreadyExists(f"{self.name!r} is reserved")
         o = self.owner
-        args = (tree.next_id, self.kind, self.parent_id, self.name, o.mode, o.uid, o.gid, time.time_ns())
-        self.node = CStep(*args, active=time.monotonic()) if self.kind == STEP else CDir(*args)
+        self.now = now = now_ns()
+        args = (tree.next_id, self.kind, self.parent_id, self.name, o.mode, o.uid, o.gid, now)
+        times = {"atime_ns": now, "ctime_ns": now}
+        if self.kind == STEP:
+            self.node = CStep(*args, active=time.monotonic(), **times)
+        elif self.kind == LINK:
+            self.node = CLink(*args, target=self.target, **times)
+        else:
+            self.node = CDir(*args, **times)
         tree.next_id += 1
 
     def txn(self, txn) -> None:
         self._put(txn, self.node)
+        parent = self.tree.nodes[self.parent_id]
+        if parent.id != ROOT_ID:
+            self._put(txn, parent, mtime_ns=self.now, ctime_ns=self.now)
 
     def apply(self) -> None:
         tree, node = self.tree, self.node
         tree.nodes[node.id] = node
         parent = tree.nodes[self.parent_id]
+        modified(parent, self.now)
         parent.children[node.name] = node.id  # type: ignore[attr-defined]
         if isinstance(node, CStep):
             # a newer step: the save loop has moved on, so the older ones are closed
@@ -1207,9 +1430,9 @@ class PersistChunk(_CkptChange):
     """One chunk of a file from memory into its tier (the value and its record together).
     The chunk's buffer is read in place (it is busy: no write changes it meanwhile)."""
 
-    def __init__(self, tree, f: CFile, index: int, view: memoryview) -> None:
+    def __init__(self, tree, f: CFile, index: int, view: memoryview | None, join=None) -> None:
         super().__init__(tree)
-        self.f, self.index, self.view = f, index, view
+        self.f, self.index, self.view, self.join = f, index, view, join
         self.enc: codec.Encoded | None = None
 
     def plan(self, overlay: Overlay) -> None:
@@ -1219,6 +1442,10 @@ class PersistChunk(_CkptChange):
         self.record = None if self.f.recorded else self.f.record()  # a new file: its record too
 
     def prepare(self) -> None:
+        if self.join is not None:  # a chunk of pieces: one buffer first, without the GIL
+            pieces, length, target = self.join
+            self.view = join_pieces(pieces, length, target)
+            self.join = None
         view, config = self.view, self.tree.config
         if config.compression == "none":
             self.enc = codec.Encoded(view, codec.RAW, len(view), codec.checksum(view))  # type: ignore[arg-type]
@@ -1235,7 +1462,7 @@ class PersistChunk(_CkptChange):
         self.chunk = values.put(txn, vkey, self.enc)
         txn.put(_ckey(self.f.id, self.index), self.chunk.pack(), db=self.db)
         if self.old is not None:
-            values.delete(txn, self.old)
+            self.tree.free(txn, self.old)
         if self.record is not None:
             txn.put(_nkey(self.f.id), json.dumps(self.record).encode(), db=self.db)
 
@@ -1246,6 +1473,8 @@ class PersistChunk(_CkptChange):
     def release(self) -> bool:
         """Drop every view of the chunk's buffer; False if one is still held elsewhere."""
         self.enc = None
+        if self.view is None:
+            return True
         try:
             self.view.release()
         except BufferError:
@@ -1272,7 +1501,7 @@ class CommitFile(_CkptChange):
         for index, chunk in self.garbage:
             if index not in self.reused:
                 txn.delete(_ckey(self.f.id, index), db=self.db)
-            self.tree.values.delete(txn, chunk)
+            self.tree.free(txn, chunk)
 
     def apply(self) -> None:
         done = {id(c) for _, c in self.garbage}
@@ -1292,21 +1521,37 @@ class SetStepFlags(_CkptChange):
         if self.complete and (step.sealed is False or step.interrupted or self.tree._settled(step) is not True):
             raise NotFound(f"{self.tree.path_of(step)} changed before it completed")
         self.values = {k: v for k, v in (("complete", self.complete), ("pinned", self.pinned)) if v is not None}
+        self.dropped: list[RestorePoint] = []
+        if self.complete:  # complete: the step itself is what a crash keeps now
+            self.values["reopened"] = False
+            self.dropped = [rp for rp in self.tree.restore.values() if rp.step_id == step.id]
+            self.live = {(c.tier, c.loc) for f in self.tree.files_below(step) for c in f.stored.values()}
 
     def txn(self, txn) -> None:
         self._put(txn, self.step, **self.values)
+        if self.dropped:
+            _drop_restore_txn(self, txn, self.dropped, self.live, set())
 
     def apply(self) -> None:
         for k, v in self.values.items():
             setattr(self.step, k, v)
+        _forget_restore(self.tree, self.dropped)
 
 
 class SetAttrs(_CkptChange):
-    def __init__(self, tree, node: CNode, mode, uid, gid, mtime_ns) -> None:
+    def __init__(self, tree, node: CNode, change: AttrChange) -> None:
         super().__init__(tree)
         self.node = node
-        self.values = {k: v for k, v in (("mode", mode), ("uid", uid), ("gid", gid), ("mtime_ns", mtime_ns))
-                       if v is not None}
+        self.change = change
+
+    def plan(self, overlay: Overlay) -> None:
+        n = self.node
+        self.updated = CNode(n.id, n.kind, n.parent, n.name, n.mode, n.uid, n.gid, n.mtime_ns, atime_ns=n.atime_ns,
+                             ctime_ns=n.ctime_ns)
+        apply_setattr(self.updated, self.change)
+        u = self.updated
+        self.values = {"mode": u.mode, "uid": u.uid, "gid": u.gid, "atime_ns": u.atime_ns, "mtime_ns": u.mtime_ns,
+                       "ctime_ns": u.ctime_ns}
 
     def txn(self, txn) -> None:
         if self.node.attached:
@@ -1340,17 +1585,70 @@ def _subtree(tree: Checkpoints, node: CNode) -> list[CNode]:
     return out
 
 
+def _rkey(file_id: int) -> bytes:
+    return b"r" + _ID.pack(file_id)
+
+
+def _dropped_restore_points(tree: "Checkpoints", nodes: list[CNode]) -> list[RestorePoint]:
+    """The restore points a removal of `nodes` ends: those of a step removed whole, and of a
+    file removed from a step that was never complete (its user removed what was acknowledged;
+    in a reopened step the file comes back if a crash cuts the step short)."""
+    steps = {n.id for n in nodes if isinstance(n, CStep)}
+    files = {n.id for n in nodes if isinstance(n, CFile)}
+    out = []
+    for rp in tree.restore.values():
+        step = tree.nodes.get(rp.step_id)
+        if rp.step_id in steps or (rp.file_id in files and not (isinstance(step, CStep) and step.reopened)):
+            out.append(rp)
+    return out
+
+
+def _drop_restore_txn(change: _CkptChange, txn, rps: list[RestorePoint], live: set, freed: set) -> None:
+    """Delete restore points; free the values they alone pinned that nothing live names."""
+    tree = change.tree
+    gone: Counter = Counter()
+    for rp in rps:
+        gone.update(rp.values())
+        txn.delete(_rkey(rp.file_id), db=change.db)
+    for rp in rps:
+        for chunk in rp.chunks.values():
+            key = (chunk.tier, chunk.loc)
+            if key in freed or key in live or tree.pins.count.get(key, 0) - gone[key] > 0:
+                continue
+            freed.add(key)
+            tree.values.delete(txn, chunk)
+
+
 def _remove_txn(change: _CkptChange, txn, nodes: list[CNode]) -> None:
-    values = change.tree.values
+    tree = change.tree
+    dropped = _dropped_restore_points(tree, nodes)
+    gone: Counter = Counter()
+    for rp in dropped:
+        gone.update(rp.values())
+    freed: set = set()
     for n in nodes:
         txn.delete(_nkey(n.id), db=change.db)
         if isinstance(n, CFile):
             for index, chunk in list(n.stored.items()) + n.garbage:
                 txn.delete(_ckey(n.id, index), db=change.db)
-                values.delete(txn, chunk)
+                key = (chunk.tier, chunk.loc)
+                if tree.pins.count.get(key, 0) - gone[key] > 0 or key in freed:
+                    continue  # a restore point still names it
+                freed.add(key)
+                tree.values.delete(txn, chunk)
+    _drop_restore_txn(change, txn, dropped, set(), freed)
+    change.dropped = dropped  # type: ignore[attr-defined]
 
 
-def _remove_apply(tree: Checkpoints, nodes: list[CNode]) -> None:
+def _forget_restore(tree: "Checkpoints", rps: list[RestorePoint]) -> None:
+    for rp in rps:
+        if tree.restore.get(rp.file_id) is rp:
+            del tree.restore[rp.file_id]
+            tree.pins.remove(rp)
+
+
+def _remove_apply(tree: Checkpoints, nodes: list[CNode], dropped: list[RestorePoint] = ()) -> None:
+    _forget_restore(tree, list(dropped))
     top = nodes[0]
     parent = tree.nodes.get(top.parent)
     if isinstance(parent, CDir) and parent.children.get(top.name) == top.id:
@@ -1385,13 +1683,27 @@ class RemoveTree(_CkptChange):
                 raise NotFound(f"{tree.path_of(node)} is kept after all")
         elif isinstance(node, CDir) and node.children:
             raise NotEmpty(f"{tree.path_of(node)} is not empty")
+        # a file still open loses its name now and its data at its last close
+        self.keep_open = isinstance(node, CFile) and node.handles > 0 and not node.unlinked
         self.nodes = _subtree(tree, node)
+        self.now = now_ns()
 
     def txn(self, txn) -> None:
-        _remove_txn(self, txn, self.nodes)
+        if self.keep_open:
+            self._put(txn, self.node, unlinked=True)
+        else:
+            _remove_txn(self, txn, self.nodes)
 
     def apply(self) -> None:
-        _remove_apply(self.tree, self.nodes)
+        parent = self.tree.nodes.get(self.node.parent)
+        if isinstance(parent, CDir) and parent.children.get(self.node.name) == self.node.id:
+            modified(parent, self.now)
+        if self.keep_open:
+            del parent.children[self.node.name]  # type: ignore[union-attr]
+            self.node.unlinked = True
+            changed(self.node, self.now)
+            return
+        _remove_apply(self.tree, self.nodes, self.dropped)
         if self.background:
             self.tree.counters["steps_removed"] += 1
             for listener in self.tree.listeners:
@@ -1411,41 +1723,209 @@ class Rename(_CkptChange):
         if not node.attached:
             raise NotFound(f"{tree.path_of(node)} is gone")
         dst = tree.dir(self.new_parent)
-        p: CNode | None = dst
-        while p is not None and p.id != ROOT_ID:  # a directory cannot move below itself
-            if p is node:
-                raise InvalidArgument("cannot move a directory into itself")
-            p = tree.nodes.get(p.parent)
+        ancestors, p = [], dst
+        while p is not None:
+            ancestors.append(p.id)
+            p = tree.nodes.get(p.parent) if p.id != ROOT_ID else None
         target_id = dst.children.get(self.new_name)
-        target = tree.nodes[target_id] if target_id is not None and target_id != node.id else None
-        if target is not None:
-            if self.noreplace:
-                raise AlreadyExists(f"{self.new_name!r} exists")
-            if isinstance(target, CDir) != isinstance(node, CDir):
-                raise NotPermitted("rename between a directory and a non-directory")
-            if isinstance(target, CDir) and target.children:
-                raise NotEmpty(f"{self.new_name!r} is not empty")
-            if isinstance(target, CStep) and target.handles:
-                raise NotPermitted(f"{tree.path_of(target)} is open")
+        target = tree.nodes[target_id] if target_id is not None else None
+        check_rename(node, node.name, target, self.new_name, ancestors, noreplace=self.noreplace, exchange=False,
+                     target_empty=lambda: not target.children)  # type: ignore[union-attr]
+        if target is node:
+            target = None
+        if isinstance(target, CStep) and target.handles:
+            raise NotPermitted(f"{tree.path_of(target)} is open")
         self.target = target
-        self.victims = _subtree(tree, target) if target is not None else []
+        # a replaced file still open loses its name now and its data at its last close
+        self.held = target if isinstance(target, CFile) and target.handles > 0 else None
+        self.victims = _subtree(tree, target) if target is not None and self.held is None else []
 
     def txn(self, txn) -> None:
         self._put(txn, self.node, parent=self.new_parent, name=self.new_name)
+        if self.held is not None:
+            self._put(txn, self.held, unlinked=True)
         _remove_txn(self, txn, self.victims)
 
     def apply(self) -> None:
         tree, node = self.tree, self.node
+        if self.held is not None:
+            self.held.unlinked = True
+            changed(self.held)
         if self.victims:
-            _remove_apply(tree, self.victims)
+            _remove_apply(tree, self.victims, getattr(self, "dropped", []))
         old_parent = tree.nodes[node.parent]
         if old_parent.children.get(node.name) == node.id:  # type: ignore[attr-defined]
             del old_parent.children[node.name]  # type: ignore[attr-defined]
         tree.nodes[self.new_parent].children[self.new_name] = node.id  # type: ignore[attr-defined]
         node.parent, node.name = self.new_parent, self.new_name
+        now = now_ns()
+        changed(node, now)
+        modified(old_parent, now)
+        modified(tree.nodes[self.new_parent], now)
         if isinstance(node, CFile):
             node.recorded = True
 
 
-__all__ = ["Checkpoints", "CNode", "CDir", "CStep", "CFile", "DB_CKPT", "ROOT_ID", "RUN", "STEP", "DIR", "FILE",
+class Reopen(_CkptChange):
+    """A complete step is written again: it stops being complete, and each of its files gets
+    a restore point (its content now), so a crash before the step completes again gives
+    the step back as it was (restorepoints.py)."""
+
+    def __init__(self, tree, step: CStep) -> None:
+        super().__init__(tree)
+        self.step = step
+
+    def plan(self, overlay: Overlay) -> None:
+        if not self.step.attached:
+            raise NotFound(f"{self.tree.path_of(self.step)} was removed")
+        tree = self.tree
+        self.points = [tree.restore_point(f, self.step) for f in tree.files_below(self.step)
+                       if f.id not in tree.restore]
+
+    def txn(self, txn) -> None:
+        self._put(txn, self.step, complete=False, reopened=True)
+        for rp in self.points:
+            txn.put(_rkey(rp.file_id), rp.pack(), db=self.db)
+
+    def apply(self) -> None:
+        self.step.complete, self.step.reopened = False, True
+        for rp in self.points:
+            self.tree.restore[rp.file_id] = rp
+            self.tree.pins.add(rp)
+
+
+class Forget(_CkptChange):
+    """At a clean start, a reopened step's restore points are no longer needed (no crash)."""
+
+    def __init__(self, tree, step: CStep) -> None:
+        super().__init__(tree)
+        self.step = step
+
+    def plan(self, overlay: Overlay) -> None:
+        tree = self.tree
+        self.points = [rp for rp in tree.restore.values() if rp.step_id == self.step.id]
+        self.live = {(c.tier, c.loc) for f in tree.files_below(self.step) for c in f.stored.values()}
+
+    def txn(self, txn) -> None:
+        self._put(txn, self.step, reopened=False)
+        _drop_restore_txn(self, txn, self.points, self.live, set())
+
+    def apply(self) -> None:
+        self.step.reopened = False
+        _forget_restore(self.tree, self.points)
+
+
+class Acknowledge(_CkptChange):
+    """An fsync returned: each file's restore point becomes what it holds now (durable)."""
+
+    def __init__(self, tree, files: list[CFile]) -> None:
+        super().__init__(tree)
+        self.files = files
+
+    def plan(self, overlay: Overlay) -> None:
+        tree = self.tree
+        self.points = []
+        for f in self.files:
+            step = tree.step_of(f)
+            if f.attached and not f.unlinked and step is not None and tree._synced(f):
+                self.points.append((tree.restore.get(f.id), tree.restore_point(f, step)))
+
+    def txn(self, txn) -> None:
+        for old, new in self.points:
+            txn.put(_rkey(new.file_id), new.pack(), db=self.db)
+            if old is not None:  # what only the old point named, and the file no longer does, goes
+                keep = new.values()
+                for chunk in old.chunks.values():
+                    key = (chunk.tier, chunk.loc)
+                    if key not in keep and self.tree.pins.count.get(key, 0) <= 1:
+                        self.tree.values.delete(txn, chunk)
+
+    def apply(self) -> None:
+        for old, new in self.points:
+            if old is not None:
+                self.tree.pins.remove(old)
+            self.tree.restore[new.file_id] = new
+            self.tree.pins.add(new)
+
+
+class Restore(_CkptChange):
+    """At start, a step a crash cut short after restore points were taken: each file with a
+    restore point is put back to it (recreated if it was removed); in a step that was
+    complete before, files without one (new since) go, and the step is complete again."""
+
+    def __init__(self, tree, step: CStep) -> None:
+        super().__init__(tree)
+        self.step = step
+
+    def plan(self, overlay: Overlay) -> None:
+        tree, step = self.tree, self.step
+        self.points = [rp for rp in tree.restore.values() if rp.step_id == step.id]
+        pointed = {rp.file_id for rp in self.points}
+        self.extra = [f for f in tree.files_below(step) if f.id not in pointed] if step.reopened else []
+        below = {n.id for n in _subtree(tree, step)}
+        self.places = {}
+        for rp in self.points:
+            parent = rp.parent if rp.parent in below and isinstance(tree.nodes.get(rp.parent), CDir) else step.id
+            self.places[rp.file_id] = parent
+        self.complete = step.reopened
+
+    def txn(self, txn) -> None:
+        tree = self.tree
+        pinned = {k for rp in self.points for k in rp.values()}
+        extra_ids = {f.id for f in self.extra}
+        for f in self.extra:
+            txn.delete(_nkey(f.id), db=self.db)
+            for index, chunk in list(f.stored.items()) + f.garbage:
+                txn.delete(_ckey(f.id, index), db=self.db)
+                if (chunk.tier, chunk.loc) not in pinned:
+                    tree.values.delete(txn, chunk)
+        for rp in self.points:
+            f = tree.nodes.get(rp.file_id)
+            if isinstance(f, CFile):
+                for index, chunk in list(f.stored.items()) + f.garbage:
+                    if rp.chunks.get(index) is not chunk:
+                        txn.delete(_ckey(f.id, index), db=self.db)
+                        if (chunk.tier, chunk.loc) not in pinned and f.id not in extra_ids:
+                            tree.values.delete(txn, chunk)
+            record = {"kind": FILE, "parent": self.places[rp.file_id], "name": rp.name.hex(), "mode": rp.mode,
+                      "uid": rp.uid, "gid": rp.gid, "mtime_ns": rp.mtime_ns, "atime_ns": rp.atime_ns,
+                      "ctime_ns": rp.ctime_ns, "size": rp.size, "chunk_bytes": rp.chunk_bytes}
+            txn.put(_nkey(rp.file_id), json.dumps(record).encode(), db=self.db)
+            for index, chunk in rp.chunks.items():
+                txn.put(_ckey(rp.file_id, index), chunk.pack(), db=self.db)
+            if self.complete:
+                txn.delete(_rkey(rp.file_id), db=self.db)
+        if self.complete:
+            self._put(txn, self.step, complete=True, reopened=False)
+
+    def apply(self) -> None:
+        tree, step = self.tree, self.step
+        for f in self.extra:
+            parent = tree.nodes.get(f.parent)
+            if isinstance(parent, CDir) and parent.children.get(f.name) == f.id:
+                del parent.children[f.name]
+            f.attached = False
+            tree.nodes.pop(f.id, None)
+        for rp in self.points:
+            old = tree.nodes.get(rp.file_id)
+            if isinstance(old, CFile):
+                parent = tree.nodes.get(old.parent)
+                if isinstance(parent, CDir) and parent.children.get(old.name) == old.id:
+                    del parent.children[old.name]
+            f = CFile(rp.file_id, FILE, self.places[rp.file_id], rp.name, rp.mode, rp.uid, rp.gid, rp.mtime_ns,
+                      size=rp.size, chunk_bytes=rp.chunk_bytes, atime_ns=rp.atime_ns, ctime_ns=rp.ctime_ns)
+            f.stored = dict(rp.chunks)
+            tree.nodes[f.id] = f
+            clash = tree.nodes[f.parent].children.get(f.name)  # type: ignore[attr-defined]
+            if clash is not None and clash != f.id:
+                log.warning("%s: restored over %s", tree.path_of(f), clash)
+            tree.nodes[f.parent].children[f.name] = f.id  # type: ignore[attr-defined]
+        if self.complete:
+            step.complete, step.reopened, step.interrupted, step.sealed = True, False, False, False
+            _forget_restore(tree, self.points)
+        log.warning("%s was cut short by a crash: put back to its restore points (%d files%s)", tree.path_of(step),
+                    len(self.points), ", complete again" if self.complete else "")
+
+
+__all__ = ["Checkpoints", "CNode", "CDir", "CStep", "CFile", "CLink", "LINK", "DB_CKPT", "ROOT_ID", "RUN", "STEP", "DIR", "FILE",
            "FileReader", "LATEST", "CONTROL", "WRITING", "PERSISTING", "DURABLE", "INCOMPLETE", "WritebackBudget"]

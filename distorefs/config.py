@@ -192,7 +192,7 @@ class DatasetConfig(_Config):
     compression: str = "zstd"
     compression_level: int = 1
     chunk_bytes: int = 4 << 20
-    max_item_bytes: int = 256 << 20  # items written through the mount are staged in memory
+    max_item_bytes: int = 256 << 20  # the largest file written through the mount (EFBIG past it)
 
     def validate(self) -> None:
         _require(self.compression in COMPRESSIONS,
@@ -229,9 +229,11 @@ class WeightsConfig(_Config):
     keep_versions: int = 2
     chunk_bytes: int = 4 << 20
     compression: str = "none"
+    max_file_bytes: int = 64 << 30  # a write or truncate past it fails with EFBIG
 
     def validate(self) -> None:
         _require(1 <= self.keep_versions <= 1000, f"keep_versions must be in 1..1000, got {self.keep_versions}")
+        _require(1 <= self.max_file_bytes <= 1 << 50, f"max_file_bytes must be in 1..2^50, got {self.max_file_bytes}")
         _require(64 << 10 <= self.chunk_bytes <= 256 << 20,
                  f"chunk_bytes must be in 64 KiB..256 MiB, got {self.chunk_bytes}")
         _require(self.compression in COMPRESSIONS,
@@ -247,10 +249,12 @@ class CheckpointsConfig(_Config):
     seal_after: float = 5.0  # seconds without writes after which a step nobody writes is closed
     chunk_bytes: int = 8 << 20
     compression: str = "none"
+    max_file_bytes: int = 16 << 40  # a write or truncate past it fails with EFBIG (sparse files stay sparse)
 
     def validate(self) -> None:
         _require(64 << 10 <= self.chunk_bytes <= 256 << 20,
                  f"chunk_bytes must be in 64 KiB..256 MiB, got {self.chunk_bytes}")
+        _require(1 <= self.max_file_bytes <= 1 << 50, f"max_file_bytes must be in 1..2^50, got {self.max_file_bytes}")
         _require(self.writeback_bytes is None or self.writeback_bytes >= 4 * self.chunk_bytes,
                  f"writeback_bytes must be at least 4 chunks ({4 * self.chunk_bytes}), got {self.writeback_bytes}")
         _require(1 <= self.keep_last <= 100000, f"keep_last must be in 1..100000, got {self.keep_last}")

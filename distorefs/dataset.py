@@ -15,6 +15,7 @@ a scan of the directory. Records in the `dsnodes` db, keys prefixed by the datas
   o + dir + ordinal        child by position (readdir): kind, id, name
   i + id / s + number      file (staging id / sealed item number): size, checksum, owner,
                            mtimes, parent, chunks, name, per-item metadata (JSON)
+  l + id                   symlink (an item record: its target in place of metadata)
 
 A file's content is a list of chunks (`chunks.py`), each checksummed. Changes are
 planned against LMDB inside the group's write transaction, so changes of one group
@@ -31,7 +32,7 @@ import struct
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
@@ -43,6 +44,9 @@ from .config import DatasetConfig
 from .catalog import DB_NS
 from .errors import (AlreadyExists, DistorefsError, InvalidArgument, IsADirectory, NotADirectory, NotEmpty,
                      NotFound, ReadOnly, TooLarge)
+from .codec import crc32_combine
+from .draft import Draft
+from .fileattrs import AttrChange, apply_setattr
 from .names import check_name
 from .owner import Owner
 from .prefetcher import Prefetcher
@@ -55,8 +59,9 @@ log = logging.getLogger(__name__)
 
 DB_DSNODES = b"dsnodes"
 ROOT_DIR = 1
-DIR, FILE = 0, 1
+DIR, FILE, LINK = 0, 1, 2
 STAGING, SEALED = b"i", b"s"
+LINKS = b"l"  # symlinks: an Item record whose `meta` is the target (never numbered, sealed or not)
 PREPARE_MAX = 8 << 20  # files up to this size are read and compressed in parallel before the commit
 
 _DS = struct.Struct(">I")
@@ -66,6 +71,7 @@ _DIR = struct.Struct("<QIIIqQ")
 _CHILD = struct.Struct("<BQQ")
 _POS = struct.Struct("<BQ")
 _ITEM = struct.Struct("<QIIIIqqQHHI")
+_TIMES = struct.Struct("<qq")  # atime, ctime (after a record's older fields)
 
 
 @dataclass
@@ -95,13 +101,22 @@ class DirRec:
     mtime_ns: int
     next_ordinal: int
     name: bytes
+    atime_ns: int = 0
+    ctime_ns: int = 0
 
     def pack(self) -> bytes:
-        return _DIR.pack(self.parent, self.mode, self.uid, self.gid, self.mtime_ns, self.next_ordinal) + self.name
+        # atime and ctime follow the name after a NUL (a name holds none); older records end at the name
+        return (_DIR.pack(self.parent, self.mode, self.uid, self.gid, self.mtime_ns, self.next_ordinal) + self.name
+                + b"\0" + _TIMES.pack(self.atime_ns or self.mtime_ns, self.ctime_ns or self.mtime_ns))
 
     @classmethod
     def unpack(cls, dir_id: int, data) -> "DirRec":
-        return cls(dir_id, *_DIR.unpack_from(data), bytes(data[_DIR.size:]))
+        rest = bytes(data[_DIR.size:])
+        name, sep, times = rest.partition(b"\0")
+        rec = cls(dir_id, *_DIR.unpack_from(data), name)
+        rec.atime_ns, rec.ctime_ns = _TIMES.unpack(times) if sep and len(times) == _TIMES.size else (
+            rec.mtime_ns, rec.mtime_ns)
+        return rec
 
 
 @dataclass(slots=True)
@@ -119,6 +134,8 @@ class Item:
     name: bytes
     meta: bytes = b""
     tag: bytes = STAGING
+    atime_ns: int = 0
+    ctime_ns: int = 0
 
     @property
     def stored_size(self) -> int:
@@ -127,7 +144,8 @@ class Item:
     def pack(self) -> bytes:
         head = _ITEM.pack(self.size, self.checksum, self.mode, self.uid, self.gid, self.mtime_ns,
                           self.src_mtime_ns, self.parent, len(self.chunks), len(self.name), len(self.meta))
-        return head + b"".join(c.pack() for c in self.chunks) + self.name + self.meta
+        return (head + b"".join(c.pack() for c in self.chunks) + self.name + self.meta
+                + _TIMES.pack(self.atime_ns or self.mtime_ns, self.ctime_ns or self.mtime_ns))
 
     @classmethod
     def unpack(cls, item_id: int, data, tag: bytes) -> "Item":
@@ -139,7 +157,9 @@ class Item:
             chunks.append(chunk)
         name = bytes(data[off:off + name_len])
         meta = bytes(data[off + name_len:off + name_len + meta_len])
-        return cls(item_id, size, crc, mode, uid, gid, mtime, src_mtime, parent, chunks, name, meta, tag)
+        off += name_len + meta_len
+        atime, ctime = _TIMES.unpack_from(data, off) if len(data) - off >= _TIMES.size else (mtime, mtime)
+        return cls(item_id, size, crc, mode, uid, gid, mtime, src_mtime, parent, chunks, name, meta, tag, atime, ctime)
 
 
 @dataclass
@@ -263,7 +283,7 @@ class Dataset:
             data = txn.get(self._dkey(dir_id), db=DB_DSNODES)
             if data is None:  # the root exists from creation; its record only once changed
                 o = self.owner
-                return DirRec(ROOT_DIR, 0, 0o40755, o.uid, o.gid, self.ctime_ns, 0, b"")
+                return DirRec(ROOT_DIR, 0, 0o40755, o.uid, o.gid, self.ctime_ns, 0, b"", self.ctime_ns, self.ctime_ns)
             return DirRec.unpack(dir_id, data)
         data = txn.get(self._dkey(dir_id), db=DB_DSNODES)
         return None if data is None else DirRec.unpack(dir_id, data)
@@ -286,6 +306,11 @@ class Dataset:
             raise NotFound(f"datasets/{self.name}: item {item_id} is gone")
         return item
 
+    def _node_txn(self, txn, kind: int, node_id: int, tag: bytes):
+        if kind == DIR:
+            return self._dir_txn(txn, node_id)
+        return self._item_txn(txn, LINKS if kind == LINK else tag, node_id)
+
     def _item_txn(self, txn, tag: bytes, item_id: int) -> Item | None:
         data = txn.get(self._ikey(tag, item_id), db=DB_DSNODES)
         return None if data is None else Item.unpack(item_id, data, tag)
@@ -299,7 +324,7 @@ class Dataset:
             if found is None:
                 return None
             kind, node_id = found
-            rec = self._dir_txn(txn, node_id) if kind == DIR else self._item_txn(txn, tag, node_id)
+            rec = self._node_txn(txn, kind, node_id, tag)
             return None if rec is None else (kind, node_id, rec)
         return self._read(fn)
 
@@ -319,8 +344,7 @@ class Dataset:
                     break
                 kind, child_id = _POS.unpack_from(value)
                 out.append((bytes(value[_POS.size:]), kind, child_id, _U64.unpack(bytes(key[-8:]))[0]))
-            return [(name, kind, i, o, self._dir_txn(txn, i) if kind == DIR else self._item_txn(txn, tag, i))
-                    for name, kind, i, o in out]
+            return [(name, kind, i, o, self._node_txn(txn, kind, i, tag)) for name, kind, i, o in out]
         return self._read(fn)
 
     def path_of(self, parent: int, name: bytes) -> str:
@@ -483,17 +507,63 @@ class Dataset:
         if self.sealed:
             raise ReadOnly(f"datasets/{self.name} is sealed (read-only)")
 
-    async def put(self, dir_id: int, name: bytes, data: bytes, owner: Owner) -> Item:
-        """Create or replace file `name` in `dir_id` with `data` (a write through the mount)."""
+    async def draft(self, item: Item | None) -> Draft:
+        """A draft of a file written through the mount, over `item`'s chunks (copy on write,
+        on disk: memory stays bounded however big the file; max_item_bytes bounds it)."""
+        step = self.config.chunk_bytes
+        fits = item is not None and all(c.size <= step for c in item.chunks) and _step_of(item, step) == step
+
+        async def fetch(index: int, chunk: StoredValue) -> bytes:
+            assert item is not None
+            return await self.values.fetch_one(self._cache_key(item, index), chunk, self._what(item, index))
+        draft = Draft(self.spool_dir, step, self.config.max_item_bytes, list(item.chunks) if fits else [],
+                      item.size if fits else 0, fetch)  # type: ignore[union-attr]
+        if item is not None and not fits and item.size:  # stored in chunks of another size: copied in once
+            try:
+                for off in range(0, item.size, step):
+                    await draft.write(off, await self.read_range(item, off, step))
+            except BaseException:
+                draft.close()
+                raise
+            draft.changes = 0
+        return draft
+
+    async def put_draft(self, dir_id: int, name: bytes, draft: Draft, owner: Owner,
+                        times: tuple[int | None, int | None] = (None, None)) -> Item:
+        """Create or replace file `name` with a draft's content: the chunks written are stored,
+        the others kept."""
+        self._writable()
+        check_name(name)
+        async with draft.lock:
+            change = PutItem(self, dir_id, [name], owner, draft=draft, times=times)
+            await self.committer.submit(change)
+            draft.changes = 0
+        assert change.item is not None
+        return change.item
+
+    async def put(self, dir_id: int, name: bytes, data: bytes, owner: Owner,
+                  times: tuple[int | None, int | None] = (None, None)) -> Item:
+        """Create or replace file `name` in `dir_id` with `data` (a write through the mount);
+        `times`: the atime and mtime set on it before it was closed (None: now)."""
         self._writable()
         check_name(name)
         if len(data) > self.config.max_item_bytes:
             raise TooLarge(f"datasets/{self.name}: {len(data)} bytes exceed max_item_bytes "
                            f"{self.config.max_item_bytes}; stage big files with `distorefs stage`")
-        change = PutItem(self, dir_id, [name], owner, data=data)
+        change = PutItem(self, dir_id, [name], owner, data=data, times=times)
         await self.committer.submit(change)
         assert change.item is not None
         return change.item
+
+    async def symlink(self, dir_id: int, name: bytes, target: bytes, owner: Owner) -> Item:
+        """A symlink in the unsealed tree (its record an Item whose `meta` is the target)."""
+        self._writable()
+        check_name(name)
+        if not target or b"\0" in target or len(target) > 4095:
+            raise InvalidArgument("invalid symlink target")
+        change = MakeLink(self, dir_id, name, target, owner)
+        await self.committer.submit(change)
+        return change.rec
 
     async def mkdir(self, dir_id: int, name: bytes, owner: Owner) -> DirRec:
         self._writable()
@@ -510,9 +580,27 @@ class Dataset:
         check_name(new)
         await self.committer.submit(RenameNode(self, old_dir, old, new_dir, new))
 
-    async def set_attrs(self, kind: int, node_id: int, mode=None, uid=None, gid=None, mtime_ns=None) -> None:
+    async def set_attrs(self, kind: int, node_id: int, change: AttrChange) -> None:
+        """chmod, chown, utimes of a file or directory (not its size)."""
         self._writable()
-        await self.committer.submit(SetNodeAttrs(self, kind, node_id, mode, uid, gid, mtime_ns))
+        await self.committer.submit(SetNodeAttrs(self, kind, node_id, replace(change, size=None)))
+
+    def subdirs(self, dir_id: int, limit: int = 10000) -> int | None:
+        """How many directories `dir_id` holds (None past `limit` children: not counted)."""
+        def fn(txn):
+            prefix = self._key(b"n", _U64.pack(dir_id))
+            cursor = txn.cursor(db=DB_DSNODES)
+            count = seen = 0
+            if cursor.set_range(prefix):
+                for key, value in cursor:
+                    if bytes(key[:len(prefix)]) != prefix:
+                        break
+                    seen += 1
+                    if seen > limit:
+                        return None
+                    count += value[0] == DIR
+            return count
+        return self._read(fn)
 
     async def seal(self) -> None:
         """Number the files in path order, build index.npy, make the tree read-only."""
@@ -795,6 +883,7 @@ class _DsChange(Change):
         ds = self.ds
         ordinal = parent.next_ordinal
         parent.next_ordinal += 1
+        parent.mtime_ns = parent.ctime_ns = time.time_ns()
         txn.put(ds._nkey(parent.id, name), _CHILD.pack(kind, child_id, ordinal), db=self.db)
         txn.put(ds._okey(parent.id, ordinal), _POS.pack(kind, child_id) + name, db=self.db)
         txn.put(ds._dkey(parent.id), parent.pack(), db=self.db)
@@ -806,6 +895,10 @@ class _DsChange(Change):
             _, _, ordinal = _CHILD.unpack(data)
             txn.delete(ds._nkey(parent_id, name), db=self.db)
             txn.delete(ds._okey(parent_id, ordinal), db=self.db)
+            parent = ds._dir_txn(txn, parent_id)
+            if parent is not None:
+                parent.mtime_ns = parent.ctime_ns = time.time_ns()
+                txn.put(ds._dkey(parent_id), parent.pack(), db=self.db)
 
     def child_or_fail(self, txn, dir_id: int, name: bytes) -> tuple[int, int]:
         found = self.ds._child_txn(txn, dir_id, name)
@@ -827,10 +920,12 @@ class PutItem(_DsChange):
     """Create or replace one file (a write through the mount, or one staged source file)."""
 
     def __init__(self, ds: Dataset, dir_id: int, parts: list[bytes], owner: Owner, *, data: bytes | None = None,
-                 source: _Source | None = None) -> None:
+                 source: _Source | None = None, times: tuple[int | None, int | None] = (None, None),
+                 draft: Draft | None = None) -> None:
         super().__init__(ds)
-        self.dir_id, self.parts, self.owner = dir_id, parts, owner
-        self.data, self.source = data, source
+        self.dir_id, self.parts, self.owner, self.times = dir_id, parts, owner, times
+        self.data, self.source, self.draft = data, source, draft
+        self.layout = draft.plan() if draft is not None else None
         self.encoded: list[codec.Encoded] | None = source.encoded if source else None
         self.item: Item | None = None
 
@@ -867,10 +962,13 @@ class PutItem(_DsChange):
         if found is not None:
             if found[0] == DIR:
                 raise AlreadyExists(f"{os.fsdecode(name)} is a directory")
+            if found[0] == LINK:
+                raise AlreadyExists(f"{os.fsdecode(name)} is a symlink")
             old = ds._item_txn(txn, STAGING, found[1])
+        kept = {(c.tier, c.loc) for c in self.layout or [] if isinstance(c, StoredValue)}
         if old is not None:
             item_id = old.id
-            ds.values.delete_all(txn, old.chunks)
+            ds.values.delete_all(txn, [c for c in old.chunks if (c.tier, c.loc) not in kept])
             c.items -= 1
             c.bytes -= old.size
             c.stored_bytes -= old.stored_size
@@ -879,7 +977,9 @@ class PutItem(_DsChange):
             c.next_file += 1
             self.add_child(txn, parent, name, FILE, item_id)
         base = b"D" + ds._prefix + _U64.pack(item_id)
-        if self.encoded is not None:
+        if self.draft is not None:
+            chunks, size, crc = self._from_draft(txn, base)
+        elif self.encoded is not None:
             chunks = [ds.values.put(txn, base + _DS.pack(i), enc) for i, enc in enumerate(self.encoded)]
             size = sum(e.size for e in self.encoded)
             crc = self.source.crc if self.source else codec.checksum(self.data or b"")
@@ -888,13 +988,32 @@ class PutItem(_DsChange):
         now = time.time_ns()
         src_mtime = self.source.mtime_ns if self.source else 0
         mode = (owner.mode & 0o7777) | 0o100000
-        self.item = Item(item_id, size, crc, mode, owner.uid, owner.gid, now, src_mtime, parent.id, chunks,
-                         name, self.source.meta if self.source else b"", STAGING)
+        atime, mtime = self.times
+        self.item = Item(item_id, size, crc, mode, owner.uid, owner.gid, now if mtime is None else mtime, src_mtime,
+                         parent.id, chunks, name, self.source.meta if self.source else b"", STAGING,
+                         now if atime is None else atime, now)
         txn.put(ds._ikey(STAGING, item_id), self.item.pack(), db=self.db)
         c.items += 1
         c.bytes += size
         c.stored_bytes += self.item.stored_size
         self.save(txn, c)
+
+    def _from_draft(self, txn, base: bytes) -> tuple[list[StoredValue], int, int]:
+        """The draft's chunks: those written stored (one at a time from its spool), the others
+        kept; the CRC of the whole from each chunk's own."""
+        draft, cfg = self.draft, self.ds.config
+        assert draft is not None and self.layout is not None
+        chunks, crc = [], 0
+        for i, part in enumerate(self.layout):
+            if isinstance(part, StoredValue):
+                chunk = part
+            else:  # written (an int), or a hole: stored (compressed, a hole costs next to nothing)
+                raw = draft.chunk(i, holes=False) if part is not None else bytes(
+                    max(0, min(draft.chunk_bytes, draft.size - i * draft.chunk_bytes)))
+                chunk = self.ds.values.put_raw(txn, base + _DS.pack(i), raw, cfg.compression, cfg.compression_level)
+            crc = crc32_combine(crc, chunk.checksum, chunk.size)
+            chunks.append(chunk)
+        return chunks, draft.size, crc
 
     def _stream(self, txn, base: bytes) -> tuple[list[StoredValue], int, int]:
         """A big source file, read and stored one chunk at a time (memory stays bounded)."""
@@ -935,6 +1054,26 @@ class MakeDir(_DsChange):
         self.save(txn, c)
 
 
+class MakeLink(_DsChange):
+    def __init__(self, ds: Dataset, dir_id: int, name: bytes, target: bytes, owner: Owner) -> None:
+        super().__init__(ds)
+        self.dir_id, self.name, self.target, self.owner = dir_id, name, target, owner
+
+    def txn(self, txn) -> None:
+        c = self.counters(txn)
+        parent = self.dir_txn(txn, self.dir_id)
+        if self.ds._child_txn(txn, parent.id, self.name) is not None:
+            raise AlreadyExists(f"{os.fsdecode(self.name)} exists")
+        now = time.time_ns()
+        o = self.owner
+        self.rec = Item(c.next_file, len(self.target), 0, 0o120777, o.uid, o.gid, now, 0, parent.id, [], self.name,
+                        self.target, LINKS, now, now)
+        c.next_file += 1
+        self.add_child(txn, parent, self.name, LINK, self.rec.id)
+        txn.put(self.ds._ikey(LINKS, self.rec.id), self.rec.pack(), db=self.db)
+        self.save(txn, c)
+
+
 class RemoveNode(_DsChange):
     def __init__(self, ds: Dataset, dir_id: int, name: bytes, want_dir: bool) -> None:
         super().__init__(ds)
@@ -944,7 +1083,7 @@ class RemoveNode(_DsChange):
         c = self.counters(txn)
         kind, node_id = self.child_or_fail(txn, self.dir_id, self.name)
         if self.want_dir and kind != DIR:
-            raise InvalidArgument(f"{os.fsdecode(self.name)} is not a directory")
+            raise NotADirectory(f"{os.fsdecode(self.name)} is not a directory")
         if not self.want_dir and kind == DIR:
             raise IsADirectory(f"{os.fsdecode(self.name)} is a directory")
         remove_node_txn(self, txn, c, kind, node_id)
@@ -958,6 +1097,9 @@ def remove_node_txn(change: _DsChange, txn, c: Counters, kind: int, node_id: int
         if not change.is_empty(txn, node_id):
             raise NotEmpty("directory not empty")
         txn.delete(ds._dkey(node_id), db=change.db)
+        return
+    if kind == LINK:
+        txn.delete(ds._ikey(LINKS, node_id), db=change.db)
         return
     item = ds._item_txn(txn, STAGING, node_id)
     if item is not None:
@@ -987,9 +1129,11 @@ class RenameNode(_DsChange):
         if target is not None:
             if target == (kind, node_id):
                 return
-            if target[0] != kind:
+            if (target[0] == DIR) != (kind == DIR):
                 raise (IsADirectory if target[0] == DIR else NotADirectory)(
                     f"cannot replace {os.fsdecode(self.new)} with a {'directory' if kind == DIR else 'file'}")
+            if target[0] == DIR and not self.is_empty(txn, target[1]):
+                raise NotEmpty(f"{os.fsdecode(self.new)} is not empty")
             remove_node_txn(self, txn, c, target[0], target[1])
             self.drop_child(txn, self.new_dir, self.new)
         self.drop_child(txn, self.old_dir, self.old)
@@ -999,35 +1143,29 @@ class RenameNode(_DsChange):
             rec.parent, rec.name = self.new_dir, self.new
             txn.put(ds._dkey(node_id), rec.pack(), db=self.db)
         else:
-            item = ds._item_txn(txn, STAGING, node_id)
+            tag = LINKS if kind == LINK else STAGING
+            item = ds._item_txn(txn, tag, node_id)
             if item is not None:
                 item.parent, item.name = self.new_dir, self.new
-                txn.put(ds._ikey(STAGING, node_id), item.pack(), db=self.db)
+                item.ctime_ns = time.time_ns()
+                txn.put(ds._ikey(tag, node_id), item.pack(), db=self.db)
         self.save(txn, c)
 
 
 class SetNodeAttrs(_DsChange):
-    def __init__(self, ds: Dataset, kind: int, node_id: int, mode, uid, gid, mtime_ns) -> None:
+    def __init__(self, ds: Dataset, kind: int, node_id: int, change: AttrChange) -> None:
         super().__init__(ds)
-        self.kind, self.node_id = kind, node_id
-        self.mode, self.uid, self.gid, self.mtime_ns = mode, uid, gid, mtime_ns
+        self.kind, self.node_id, self.change = kind, node_id, change
 
     def txn(self, txn) -> None:
         ds = self.ds
         self.counters(txn)
-        rec = (self.dir_txn(txn, self.node_id) if self.kind == DIR
-               else ds._item_txn(txn, STAGING, self.node_id))
+        tag = LINKS if self.kind == LINK else STAGING
+        rec = self.dir_txn(txn, self.node_id) if self.kind == DIR else ds._item_txn(txn, tag, self.node_id)
         if rec is None:
             raise NotFound(f"datasets/{ds.name}: gone")
-        if self.mode is not None:
-            rec.mode = (rec.mode & ~0o7777) | (self.mode & 0o7777)
-        if self.uid is not None:
-            rec.uid = self.uid
-        if self.gid is not None:
-            rec.gid = self.gid
-        if self.mtime_ns is not None:
-            rec.mtime_ns = self.mtime_ns
-        key = ds._dkey(self.node_id) if self.kind == DIR else ds._ikey(STAGING, self.node_id)
+        apply_setattr(rec, self.change)
+        key = ds._dkey(self.node_id) if self.kind == DIR else ds._ikey(tag, self.node_id)
         txn.put(key, rec.pack(), db=self.db)
 
 
@@ -1169,6 +1307,11 @@ class Seal(_DsChange):
             ds.fields, ds.sealed_ns, ds.index_mode = self.fields, self.sealed_ns, self.index_mode
 
 
+def _step_of(item: Item, default: int) -> int:
+    """The chunk size of an item (every chunk but the last is this big)."""
+    return item.chunks[0].size if len(item.chunks) > 1 else default
+
+
 def _listable_by(dir_mode: int, mode: int) -> int:
     """`mode` (read bits) less the group and other bits of the classes that may not list
     a directory of `dir_mode` (they need both read and search)."""
@@ -1196,4 +1339,4 @@ def _meta_fields(metas: dict[str, list]) -> list[tuple[str, str, object, str]]:
     return fields
 
 
-__all__ = ["Dataset", "Item", "DirRec", "StageResult", "DIR", "FILE", "ROOT_DIR", "DB_DSNODES"]
+__all__ = ["Dataset", "Item", "DirRec", "StageResult", "DIR", "FILE", "LINK", "ROOT_DIR", "DB_DSNODES"]

@@ -21,6 +21,12 @@ class InvalidName(DistorefsError):
     errno = _errno.EINVAL
 
 
+class NameTooLong(InvalidName):
+    """A name over 255 bytes (ENAMETOOLONG, as Linux filesystems answer)."""
+
+    errno = _errno.ENAMETOOLONG
+
+
 class InvalidArgument(DistorefsError):
     errno = _errno.EINVAL
 
@@ -47,6 +53,18 @@ class ReadOnly(DistorefsError):
 
 class NotPermitted(DistorefsError):
     errno = _errno.EACCES
+
+
+class OperationNotPermitted(DistorefsError):
+    """What a Linux filesystem refuses with EPERM (special files, hard links here)."""
+
+    errno = _errno.EPERM
+
+
+class Unsupported(DistorefsError):
+    """An extended attribute name the namespace does not know (ENOTSUP)."""
+
+    errno = _errno.ENOTSUP
 
 
 class TooLarge(DistorefsError):

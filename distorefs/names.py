@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidName
+from .errors import InvalidName, NameTooLong
 
 MAX_NAME_BYTES = 255
 
 
 def check_name(name: bytes) -> bytes:
-    """Return `name` if it is a valid single path component, else raise InvalidName (EINVAL)."""
+    """Return `name` if it is a valid single path component, else raise InvalidName (EINVAL;
+    NameTooLong, ENAMETOOLONG, past 255 bytes)."""
     if not name:
         raise InvalidName("empty name")
     if len(name) > MAX_NAME_BYTES:
-        raise InvalidName(f"name longer than {MAX_NAME_BYTES} bytes ({len(name)})")
+        raise NameTooLong(f"name longer than {MAX_NAME_BYTES} bytes ({len(name)})")
     if name in (b".", b".."):
         raise InvalidName(f"reserved name {name!r}")
     if b"/" in name or b"\0" in name:

@@ -140,6 +140,8 @@ class Store:
                                  spawn=self.spawn, sync=self.sync, collect=self.collect,
                                  entry_changed=self._entry_changed, hot_value_added=self._hot_value_added,
                                  memory_changed=self.apply_memory_plan, read_only=self.read_only)
+        if not self.read_only:
+            self._clear_spool()
         self.mover = TierMover(self.values, self.committer, self.rings, lambda: self.memory.transfer)
         self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
         self.buffers: dict[str, Buffer] = self.namespaces["buffers"]  # type: ignore[assignment]
@@ -153,8 +155,18 @@ class Store:
         stored = self.env.read(lambda txn: _copy(txn.get(b"weights", db=DB_META)))
         self.weights = WeightsTree(self.services, WeightsConfig.from_json(stored) if stored else WeightsConfig())
         self.checkpoints = Checkpoints(self.services)
+        self.checkpoints.after_crash = self.recovery.ran  # steps cut short go back to their restore points
         self.env.read(self._load_namespaces)
         self.apply_memory_plan()
+
+    def _clear_spool(self) -> None:
+        """Spool files are scratch of writers (drafts, a seal's index) that never finished:
+        none is needed once the store is open again."""
+        spool = self.services.spool_dir
+        if spool.exists():
+            for stale in spool.iterdir():
+                stale.unlink(missing_ok=True)
+        spool.mkdir(mode=0o700, exist_ok=True)
 
     def _merge_dirs(self, stored: list[NvmeDir], given: list[NvmeDir]) -> list[NvmeDir]:
         """The NVMe directories after a mount names some: the stored ones (a directory that

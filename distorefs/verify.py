@@ -632,9 +632,7 @@ def check_weights(check: Check) -> str:
     tree = _WeightsNames(nodes, ROOT_ID)
     versions = 0
     for node in detached.values():
-        for v in node.versions:
-            what = f"weights node {node.id} (unlinked) version {v.number}"
-            check.ref_chunks(what, v.chunks, Whole(what, v.size, v.checksum if v.checksum or not v.size else None))
+        _ref_versions(check, node, f"weights node {node.id} (unlinked)")
     for node in nodes.values():
         path = tree.path(node)
         if node.kind not in (DIR, FILE, LINK):
@@ -647,12 +645,8 @@ def check_weights(check: Check) -> str:
         numbers = [v.number for v in node.versions]
         if numbers != sorted(set(numbers)):
             check.error(f"{path}: version numbers out of order {numbers}")
-        for v in node.versions:
-            versions += 1
-            what = f"{path} version {v.number}"
-            if sum(c.size for c in v.chunks) != v.size:
-                check.error(f"{what}: chunks hold {sum(c.size for c in v.chunks)} bytes, the version {v.size}")
-            check.ref_chunks(what, v.chunks, Whole(what, v.size, v.checksum if v.checksum or not v.size else None))
+        versions += len(node.versions)
+        _ref_versions(check, node, path)
     # Names: unique per directory (the daemon shows one of two), parents that exist.
     names: dict[tuple[int, bytes], int] = {}
     for node in sorted(nodes.values(), key=lambda n: n.id):
@@ -677,6 +671,29 @@ def check_weights(check: Check) -> str:
     check.report.counts["weights_versions"] = versions
     return f"{len(nodes)} nodes, {versions} versions" + (f", {len(detached)} unlinked while read (freed at "
                                                          f"the next mount)" if detached else "")
+
+
+def _ref_versions(check: Check, node, path: str) -> None:
+    """The chunks of a weights file's versions. A rewrite keeps the chunks it did not change,
+    so versions of one file may share chunks (each is referenced once), and a hole is no
+    chunk at all (None, or past the last chunk); a version checked whole is one with neither."""
+    seen: set = set()
+    for v in node.versions:
+        what = f"{path} version {v.number}"
+        step = v.step(1 << 62)
+        stored = [c for c in v.chunks if c is not None]
+        for i, c in enumerate(v.chunks):
+            if c is not None and c.size > max(0, min(step, v.size - i * step)):
+                check.error(f"{what}: chunk {i} holds {c.size} bytes, more than its place in the file")
+        if v.chunk_bytes == 0 and sum(c.size for c in stored) != v.size:  # written before holes were kept
+            check.error(f"{what}: chunks hold {sum(c.size for c in stored)} bytes, the version {v.size}")
+        plain = (len(stored) == len(v.chunks) and sum(c.size for c in stored) == v.size
+                 and not any((c.tier, c.loc) in seen for c in stored))
+        whole = Whole(what, v.size, v.checksum if v.checksum or not v.size else None) if plain else None
+        for i, c in enumerate(v.chunks):
+            if c is not None and (c.tier, c.loc) not in seen:
+                seen.add((c.tier, c.loc))
+                check.ref(f"{what} chunk {i}", c, whole)
 
 
 class _WeightsNames:
@@ -816,6 +833,7 @@ def check_checkpoints(check: Check) -> str:
         return "none"
     nodes: dict[int, dict] = {}
     chunks: list[tuple[bytes, int, int, StoredValue]] = []
+    restore: list = []  # restore points: what a crash gives back (distorefs/restorepoints.py)
     for key, value in check.scan(db):
         tag = key[:1]
         try:
@@ -824,6 +842,9 @@ def check_checkpoints(check: Check) -> str:
             elif tag == b"c" and len(key) == 13:
                 file_id, index = struct.unpack(">QI", key[1:])
                 chunks.append((key, file_id, index, StoredValue.unpack_from(value, 0)[0]))
+            elif tag == b"r" and len(key) == 9:
+                from .restorepoints import RestorePoint
+                restore.append(RestorePoint.unpack(struct.unpack(">Q", key[1:])[0], value))
         except (ValueError, struct.error) as exc:
             check.error(f"checkpoint record {key[:16].hex()} does not parse ({exc})")
             check.incomplete("a checkpoint record does not parse")
@@ -850,7 +871,14 @@ def check_checkpoints(check: Check) -> str:
                 txn.delete(k, db=db)
         check.error(f"{len(dangling)} checkpoint chunks belong to no file", fix,
                     f"deleted {len(dangling)} rows (their values are freed below)")
+    live = {(c.tier, c.loc) for _, _, _, c in chunks}
+    for rp in restore:  # values a restore point keeps for a crash (the live file may name them too)
+        for index, chunk in sorted(rp.chunks.items()):
+            if (chunk.tier, chunk.loc) not in live:
+                live.add((chunk.tier, chunk.loc))
+                check.ref(f"{path(rp.step_id)} restore point of file {rp.file_id} chunk {index}", chunk)
     check.report.counts["checkpoint_chunks"] = len(chunks)
+    check.report.counts["checkpoint_restore_points"] = len(restore)
     return f"{len(nodes)} nodes, {len(chunks)} chunks"
 
 

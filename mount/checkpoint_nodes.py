@@ -17,36 +17,43 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
 
-from distorefs.checkpoints import (CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CNode, CStep, FileReader,
+from distorefs.checkpoints import (CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CLink, CNode, CStep, FileReader,
                                    checksum_of)
 from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted
+from distorefs.fileattrs import dir_nlink, without_privileges
 from distorefs.owner import Owner
 
 from .handles import Handle, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
-from .weights_nodes import _exiting
+from .treeattrs import attr_change, stamp_attrs
 
 if TYPE_CHECKING:
     from .operations import Filesystem
 
 
 def _key(node: CNode) -> tuple:
+    if isinstance(node, CLink):
+        return ("cklink", node.id)
     return ("ckdir", node.id) if isinstance(node, CDir) else ("ckfile", node.id)
 
 
 class CheckpointWriter(Handle):
-    """An open for writing: every write goes to the core's memory, close() hands it over."""
+    """An open for writing: every write goes to the core's memory, close() hands it over.
+    Write-only opens (torch.save, np.save) bypass the page cache (direct I/O: one copy
+    less); read-write opens go through it, so a shared writable mmap works (it needs
+    O_RDWR, and FUSE refuses it on a direct-I/O file)."""
 
-    direct_io = True
-
-    def __init__(self, fs: "Filesystem", f: CFile, readable: bool, pid: int) -> None:
-        self.tree, self.f, self.pid = fs.store.checkpoints, f, pid
+    def __init__(self, fs: "Filesystem", f: CFile, readable: bool, pid: int, uid: int = 0) -> None:
+        self.tree, self.f, self.pid, self.uid = fs.store.checkpoints, f, pid, uid
+        self.privileges_checked = False
         self.reader = FileReader(self.tree, f) if readable else None
+        self.direct_io = not readable
 
     async def read(self, off: int, size: int) -> bytes:
         if self.reader is None:
@@ -54,10 +61,15 @@ class CheckpointWriter(Handle):
         return await self.reader.read(off, size)
 
     async def write(self, off: int, buf: bytes) -> int:
+        if self.direct_io and not self.privileges_checked:  # the kernel drops setuid only for cached writes
+            self.privileges_checked = True
+            change = without_privileges(self.f.mode, self.uid)
+            if change is not None:
+                await self.tree.set_attrs(self.f, change)
         return await self.tree.write(self.f, off, buf)
 
     async def flush(self) -> None:
-        self.tree.flushed(self.f, writer_exiting=_exiting(self.pid))
+        self.tree.flushed(self.f)
 
     async def fsync(self) -> None:
         await self.tree.fsync(self.f)
@@ -99,14 +111,18 @@ class CheckpointsDir(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         n = self.cnode()
-        uid, gid = (self.fs.uid, self.fs.gid) if n.kind == ROOT else (n.uid, n.gid)
-        return make_attrs(self.ino, stat.S_IFDIR | (n.mode & 0o7777), 0, uid, gid, n.mtime_ns, DIR_LONG,
-                          nlink=2 + sum(1 for c in n.children.values() if isinstance(self.tree.nodes[c], CDir)))
+        a = stamp_attrs(self.ino, stat.S_IFDIR | (n.mode & 0o7777), 0, n, NO_CACHE, entry_timeout=DIR_LONG,
+                        nlink=dir_nlink(sum(1 for c in n.children.values() if isinstance(self.tree.nodes[c], CDir))))
+        if n.kind == ROOT:
+            a.st_uid, a.st_gid = self.fs.uid, self.fs.gid
+        return a
 
     def node_for(self, c: CNode) -> Node:
         intern = self.fs.inodes.intern
         if isinstance(c, CDir):
             return intern(_key(c), lambda: CheckpointsDir(self.fs, c.id))
+        if isinstance(c, CLink):
+            return intern(_key(c), lambda: CheckpointLink(self.fs, c))
         return intern(_key(c), lambda: CheckpointFile(self.fs, c))  # type: ignore[arg-type]
 
     def _extra(self, name: bytes) -> Node | None:
@@ -117,7 +133,7 @@ class CheckpointsDir(Node):
             if name == b"config.json":
                 return self.fs.inodes.intern(("ckctl", name), lambda: RenderedFile(
                     self.fs, lambda: tree.config.to_json(), write=tree.configure))
-            return self.fs.inodes.intern(("ckctl", name), lambda: RenderedFile(self.fs, lambda: _json(tree.stats())))
+            return self.fs.inodes.intern(("ckctl", name), lambda: RenderedFile(self.fs, lambda: _json(tree.stats()), size_known=False))
         if kind == RUN and name == LATEST:
             if self.tree.latest(self.cnode()) is None:
                 raise NotFound("no complete step yet")
@@ -147,6 +163,11 @@ class CheckpointsDir(Node):
         owner = Owner(stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
         return self.node_for(await self.tree.mkdir(self.node_id, name, owner))
 
+    async def symlink(self, name: bytes, target: bytes, ctx) -> Node:
+        self._reserved(name)
+        return self.node_for(await self.tree.symlink(self.node_id, name, target,
+                                                     Owner(stat.S_IFLNK | 0o777, ctx.uid, ctx.gid)))
+
     async def create(self, name: bytes, mode: int, flags: int, ctx):
         self._reserved(name)
         existing = self.cnode().children.get(name)
@@ -157,10 +178,12 @@ class CheckpointsDir(Node):
             if flags & os.O_EXCL:
                 raise AlreadyExists(f"{name!r} exists")
             f = self.tree.nodes[existing]
+            if isinstance(f, CLink):
+                raise NotPermitted(f"{name!r} is a symlink")  # the kernel follows links before CREATE
             if not isinstance(f, CFile):
                 raise IsADirectory(f"{name!r} is a directory")
             await self.tree.open_write(f, truncate=bool(flags & os.O_TRUNC))
-        return self.node_for(f), CheckpointWriter(self.fs, f, wants_read(flags), ctx.pid)
+        return self.node_for(f), CheckpointWriter(self.fs, f, wants_read(flags), ctx.pid, ctx.uid)
 
     async def unlink(self, name: bytes) -> None:
         self._reserved(name)
@@ -181,7 +204,10 @@ class CheckpointsDir(Node):
                                noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
-        await _set_attrs(self.tree, self.cnode(), attr, fields)
+        change = attr_change(attr, fields)
+        if change.size is not None:
+            raise IsADirectory("a directory has no size to set")
+        await self.tree.set_attrs(self.cnode(), change)
 
     def xattrs(self) -> dict[bytes, bytes]:
         n = self.cnode()
@@ -230,6 +256,28 @@ class LatestLink(Node):
         return make_attrs(self.ino, stat.S_IFLNK | 0o777, len(target), run.uid, run.gid, run.mtime_ns, NO_CACHE)
 
 
+class CheckpointLink(Node):
+    """A symlink in a step."""
+
+    def __init__(self, fs: "Filesystem", link: CLink) -> None:
+        super().__init__(fs)
+        self.link = link
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        n = self.link
+        return stamp_attrs(self.ino, stat.S_IFLNK | 0o777, len(n.target), n, NO_CACHE,
+                           nlink=1 if n.attached else 0, entry_timeout=DIR_LONG)
+
+    def readlink(self) -> bytes:
+        return self.link.target
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        change = attr_change(attr, fields)
+        if change.size is not None:
+            raise NotPermitted("a symlink has no size to set")
+        await self.fs.store.checkpoints.set_attrs(self.link, change)
+
+
 class CheckpointFile(Node):
     def __init__(self, fs: "Filesystem", f: CFile) -> None:
         super().__init__(fs)
@@ -241,21 +289,25 @@ class CheckpointFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         f = self.f
-        return make_attrs(self.ino, stat.S_IFREG | (f.mode & 0o7777), f.size, f.uid, f.gid, f.mtime_ns, NO_CACHE,
-                          nlink=1 if f.attached else 0, entry_timeout=DIR_LONG)
+        return stamp_attrs(self.ino, stat.S_IFREG | (f.mode & 0o7777), f.size, f, NO_CACHE,
+                           nlink=1 if f.attached and not f.unlinked else 0, entry_timeout=DIR_LONG)
 
     async def open(self, flags: int, ctx) -> Handle:
         if not self.f.attached:
             raise NotFound("the file was removed")
         if wants_write(flags):
             await self.tree.open_write(self.f, truncate=bool(flags & os.O_TRUNC))
-            return CheckpointWriter(self.fs, self.f, wants_read(flags), ctx.pid if ctx is not None else 0)
+            return CheckpointWriter(self.fs, self.f, wants_read(flags), ctx.pid if ctx is not None else 0,
+                                    ctx.uid if ctx is not None else 0)
         return CheckpointReader(self.fs, self.f)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
-        if fields.update_size:
-            await self.tree.truncate(self.f, attr.st_size)
-        await _set_attrs(self.tree, self.f, attr, fields)
+        change = attr_change(attr, fields)
+        if change.size is not None:
+            await self.tree.truncate(self.f, change.size)
+            if not isinstance(handle, CheckpointWriter) and not self.f.writers:
+                self.tree.flushed(self.f)  # truncate(2) by path: nothing else hands it over
+        await self.tree.set_attrs(self.f, replace(change, size=None))
 
     def xattrs(self, crc: int | None = -1) -> dict[bytes, bytes]:
         f, tree = self.f, self.tree
@@ -278,15 +330,6 @@ class CheckpointFile(Node):
         parts = self.tree.checksum_parts(self.f)
         crc = None if parts is None else await trio.to_thread.run_sync(checksum_of, *parts)
         return self.xattrs(crc)
-
-
-async def _set_attrs(tree, node: CNode, attr, fields) -> None:
-    mode = (node.mode & ~0o7777) | (attr.st_mode & 0o7777) if fields.update_mode else None
-    uid = attr.st_uid if fields.update_uid else None
-    gid = attr.st_gid if fields.update_gid else None
-    mtime = attr.st_mtime_ns if fields.update_mtime else None
-    if (mode, uid, gid, mtime) != (None, None, None, None):
-        await tree.set_attrs(node, mode=mode, uid=uid, gid=gid, mtime_ns=mtime)
 
 
 def checkpoints_root(fs: "Filesystem") -> tuple[tuple, Node]:

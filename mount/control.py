@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from typing import TYPE_CHECKING
 
 import pyfuse3
@@ -71,7 +70,7 @@ class WaitHandle(Handle):
 
 class WaitFile(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
-        return make_attrs(self.ino, stat.S_IFREG | 0o666, 0, self.fs.uid, self.fs.gid, time.time_ns(), NO_CACHE)
+        return make_attrs(self.ino, stat.S_IFREG | 0o666, 0, self.fs.uid, self.fs.gid, self.fs.started_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         return WaitHandle(self.fs, bool(flags & os.O_NONBLOCK), ctx.pid if ctx is not None else 0)
@@ -108,9 +107,9 @@ class CallerStatsFile(Node):
         self.render = render  # stats dict -> bytes
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
-        # Read with direct_io: the size is a hint; it is the caller's own when it is known.
-        size = len(self.render(stats_for(self.fs, caller(ctx)))) if ctx is not None else 0
-        return make_attrs(self.ino, stat.S_IFREG | 0o444, size, self.fs.uid, self.fs.gid, time.time_ns(), NO_CACHE)
+        # Size 0, as /proc files: read with direct_io to the end; a size that moved with the
+        # content made `tar c MNT` report the file changed as it read it.
+        return make_attrs(self.ino, stat.S_IFREG | 0o444, 0, self.fs.uid, self.fs.gid, self.fs.started_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):

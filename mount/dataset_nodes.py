@@ -14,19 +14,22 @@ import logging
 import os
 import stat
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pyfuse3
 
-from distorefs.dataset import DIR, FILE, ROOT_DIR, SEALED, Dataset, DirRec, Item
+from distorefs.dataset import DIR, FILE, LINK, ROOT_DIR, SEALED, Dataset, DirRec, Item
 from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted,
-                              ReadOnly)
+                              ReadOnly, TooLarge)
+from distorefs.fileattrs import apply_setattr, dir_nlink
 from distorefs.names import check_name
 from distorefs.owner import Owner
 from distorefs.sources import Credentials, check_can_act_for
 
-from .handles import BytesReader, ConfigWriter, Handle, StagingWriter, wants_read, wants_write
+from .handles import BytesReader, ConfigWriter, Handle, wants_read, wants_write
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
+from .treeattrs import attr_change, stamp_attrs
 
 if TYPE_CHECKING:
     from .operations import Filesystem
@@ -53,7 +56,7 @@ class DatasetDir(Node):
             b"config.json": lambda: intern(("config", i), lambda: RenderedFile(
                 fs, lambda: ds.config.to_json(), owner=lambda: ds.owner, write=configure)),
             b"stats.json": lambda: intern(("stats", i), lambda: RenderedFile(
-                fs, lambda: _json(ds.stats()), owner=lambda: ds.owner)),
+                fs, lambda: _json(ds.stats()), size_known=False, owner=lambda: ds.owner)),
             b"items": lambda: intern(("dsdir", i, ROOT_DIR), lambda: ItemsDir(fs, ds, ROOT_DIR)),
             b"order": lambda: intern(("dsorder", i), lambda: OrderFile(fs, ds)),
             b"index.npy": lambda: intern(("dsindex", i), lambda: IndexFile(fs, ds)),
@@ -122,14 +125,19 @@ class ItemsDir(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         rec = self.record()
-        timeout = self.fs.store.config.entry_timeout if self.ds.sealed else NO_CACHE
-        return make_attrs(self.ino, stat.S_IFDIR | (rec.mode & 0o7777), 0, rec.uid, rec.gid, rec.mtime_ns,
-                          timeout, nlink=2, entry_timeout=DIR_LONG)
+        if self.ds.sealed:
+            return make_attrs(self.ino, stat.S_IFDIR | (rec.mode & 0o7777), 0, rec.uid, rec.gid, rec.mtime_ns,
+                              self.fs.store.config.entry_timeout, nlink=2, entry_timeout=DIR_LONG)
+        subdirs = self.ds.subdirs(self.dir_id)  # None in a very big directory: 1, "not counted", as btrfs
+        return stamp_attrs(self.ino, stat.S_IFDIR | (rec.mode & 0o7777), 0, rec, NO_CACHE,
+                           nlink=1 if subdirs is None else dir_nlink(subdirs), entry_timeout=DIR_LONG)
 
     def node_for(self, kind: int, node_id: int, name: bytes, rec=None) -> Node:
         fs, ds = self.fs, self.ds
         if kind == DIR:
             node = fs.inodes.intern(("dsdir", ds.ds_id, node_id), lambda: ItemsDir(fs, ds, node_id))
+        elif kind == LINK:
+            return fs.inodes.intern(("dslink", ds.ds_id, node_id), lambda: DatasetLink(fs, ds, node_id))
         else:
             node = fs.inodes.intern(("dsitem", ds.ds_id, ds.tag, node_id),
                                     lambda: ItemNode(fs, ds, self.dir_id, name, node_id))
@@ -139,6 +147,7 @@ class ItemsDir(Node):
         return node
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
+        check_name(name)
         pending = self.fs.pending_items.get((self.ds.ds_id, self.dir_id, name))
         if pending is not None:
             return pending
@@ -166,7 +175,7 @@ class ItemsDir(Node):
             return node, await node.open(flags, ctx)
         node = ItemNode(self.fs, self.ds, self.dir_id, name, None)
         node = self.fs.inodes.intern(("dspending",) + key, lambda: node)
-        handle = ItemWriter(node, self._owner(mode, ctx, stat.S_IFREG), self.ds.config.max_item_bytes,
+        handle = ItemWriter(node, self._owner(mode, ctx, stat.S_IFREG), await self.ds.draft(None),
                             wants_read(flags), fresh=True)
         node.writers.append(handle)
         self.fs.pending_items[key] = node
@@ -176,15 +185,39 @@ class ItemsDir(Node):
         rec = await self.ds.mkdir(self.dir_id, name, self._owner(mode, ctx, stat.S_IFDIR))
         return self.node_for(DIR, rec.id, name)
 
+    async def symlink(self, name: bytes, target: bytes, ctx) -> Node:
+        rec = await self.ds.symlink(self.dir_id, name, target, Owner(stat.S_IFLNK | 0o777, ctx.uid, ctx.gid))
+        return self.node_for(LINK, rec.id, name)
+
     async def rmdir(self, name: bytes) -> None:
         await self.ds.remove(self.dir_id, name, want_dir=True)
 
+    def _open_node(self, name: bytes) -> "ItemNode | None":
+        """The node of `name` if the kernel holds it (an open file among them)."""
+        pending = self.fs.pending_items.get((self.ds.ds_id, self.dir_id, name))
+        if pending is not None:
+            return pending
+        found = self.ds.child(self.dir_id, name)
+        if found is None or found[0] != FILE:
+            return None
+        return self.fs.inodes.node_of(("dsitem", self.ds.ds_id, self.ds.tag, found[1]))
+
     async def unlink(self, name: bytes) -> None:
+        node = self._open_node(name)
+        if node is not None and node.item_id is None:  # created, not written yet: only its writers hold it
+            node.removed = True
+            del self.fs.pending_items[(self.ds.ds_id, self.dir_id, name)]
+            return
         await self.ds.remove(self.dir_id, name, want_dir=False)
+        if node is not None:
+            node.removed = True  # its writers' close commits nothing; its readers read their copy
 
     async def rename(self, old: bytes, new_parent: Node, new: bytes, flags: int) -> None:
         if not isinstance(new_parent, ItemsDir) or new_parent.ds is not self.ds:
             raise CrossDevice("items move between datasets by copy")
+        pending = self._open_node(old)
+        if pending is not None and pending.item_id is None and pending.writers:
+            await pending.writers[-1]._commit()  # a file still being written moves with what it holds
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise InvalidArgument("RENAME_EXCHANGE is not supported in datasets")
         if flags & pyfuse3.RENAME_NOREPLACE and self.ds.child(new_parent.dir_id, new) is not None:
@@ -197,21 +230,43 @@ class ItemsDir(Node):
                 node.parent_id, node.name = new_parent.dir_id, new
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
-        await _set_attrs(self.ds, DIR, self.dir_id, attr, fields, stat.S_IFDIR)
+        change = attr_change(attr, fields)
+        if change.size is not None:
+            raise IsADirectory("a directory has no size to set")
+        if not change.empty():
+            await self.ds.set_attrs(DIR, self.dir_id, change)
 
     def xattrs(self) -> dict[bytes, bytes]:
         rec = self.record()
         return {b"path": self.ds.path_of(rec.parent, rec.name).encode()}
 
 
-async def _set_attrs(ds: Dataset, kind: int, node_id: int, attr, fields, fmt: int) -> None:
-    mode = fmt | (attr.st_mode & 0o7777) if fields.update_mode else None
-    uid = attr.st_uid if fields.update_uid else None
-    gid = attr.st_gid if fields.update_gid else None
-    mtime = attr.st_mtime_ns if fields.update_mtime else None
-    if mode is None and uid is None and gid is None and mtime is None:
-        return
-    await ds.set_attrs(kind, node_id, mode, uid, gid, mtime)
+class DatasetLink(Node):
+    """A symlink under items/ (its record: the target in place of metadata)."""
+
+    def __init__(self, fs: "Filesystem", ds: Dataset, link_id: int) -> None:
+        super().__init__(fs)
+        self.ds, self.link_id = ds, link_id
+
+    def record(self) -> Item:
+        rec = self.ds._read(lambda txn: self.ds._node_txn(txn, LINK, self.link_id, b""))
+        if rec is None:
+            raise NotFound("the symlink was removed")
+        return rec
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        rec = self.record()
+        return stamp_attrs(self.ino, stat.S_IFLNK | 0o777, len(rec.meta), rec, NO_CACHE, entry_timeout=DIR_LONG)
+
+    def readlink(self) -> bytes:
+        return self.record().meta
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        change = attr_change(attr, fields)
+        if change.size is not None:
+            raise NotPermitted("a symlink has no size to set")
+        if not change.empty():
+            await self.ds.set_attrs(LINK, self.link_id, change)
 
 
 class ItemNode(Node):
@@ -226,6 +281,8 @@ class ItemNode(Node):
         self.tag = ds.tag
         self.writers: list[ItemWriter] = []
         self._rec: Item | None = None
+        self.removed = False  # unlinked while open: its writers commit nothing
+        self.last: Item | None = None  # the record last read (attributes of a removed, open file)
 
     def item(self) -> Item:
         ds = self.ds
@@ -242,43 +299,58 @@ class ItemNode(Node):
             raise NotFound("not written yet")
         rec = ds.item(self.item_id)
         self._rec = rec if ds.sealed else None
+        self.last = rec
         return rec
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        nlink = 0 if self.removed else 1
         if self.writers:
             w = self.writers[-1]
             o = w.owner
-            return make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, time.time_ns(), NO_CACHE,
-                              entry_timeout=DIR_LONG)
-        item = self.item()
-        timeout = self.fs.store.config.entry_timeout if self.ds.sealed else NO_CACHE
-        return make_attrs(self.ino, item.mode, item.size, item.uid, item.gid, item.mtime_ns, timeout,
-                          entry_timeout=DIR_LONG)
+            a = make_attrs(self.ino, o.mode, w.size, o.uid, o.gid, w.mtime_ns, NO_CACHE, nlink=nlink,
+                           entry_timeout=DIR_LONG)
+            a.st_atime_ns, a.st_ctime_ns = w.atime_ns, w.ctime_ns
+            return a
+        if self.removed and self.last is not None:
+            item = self.last
+        else:
+            item = self.item()
+        if self.ds.sealed:
+            return make_attrs(self.ino, item.mode, item.size, item.uid, item.gid, item.mtime_ns,
+                              self.fs.store.config.entry_timeout, entry_timeout=DIR_LONG)
+        return stamp_attrs(self.ino, item.mode, item.size, item, NO_CACHE, nlink=nlink, entry_timeout=DIR_LONG)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
             if self.ds.sealed:
                 raise ReadOnly(f"datasets/{self.ds.name} is sealed (read-only)")
             item = None if self.item_id is None else self.item()
-            if item is None or flags & os.O_TRUNC:
-                initial = b""
-            else:
-                initial = await self.ds.read_item(item) if self.ds.whole_in_memory(item) \
-                    else await self.ds.read_range(item, 0, item.size)
+            draft = await self.ds.draft(None if flags & os.O_TRUNC else item)
             owner = Owner(item.mode, item.uid, item.gid) if item else Owner(0o100644, ctx.uid, ctx.gid)
-            w = ItemWriter(self, owner, self.ds.config.max_item_bytes, wants_read(flags),
-                           fresh=bool(flags & os.O_TRUNC), initial=initial)
+            w = ItemWriter(self, owner, draft, wants_read(flags), fresh=bool(flags & os.O_TRUNC))
+            if item is not None:
+                w.atime_ns, w.ctime_ns = item.atime_ns, item.ctime_ns
+                if not flags & os.O_TRUNC:
+                    w.mtime_ns = item.mtime_ns
             self.writers.append(w)
             return w
         item = self.item()
         reader = ItemReader(self.ds, item)
+        if not self.ds.sealed and self.ds.whole_in_memory(item) and reader.data is None:
+            reader.data = await self.ds.read_item(item)  # its own copy: a rewrite or rm cannot take it away
         pusher = self.fs.pusher
         if reader.data is not None and reader.keep_cache and not self.open_handles and pusher is not None:
-            pusher.store_at_open(self.ino, reader.data)  # a prefetched value: no READ for it
+            pusher.store_at_open(self.ino, reader.data)  # a value already here: no READ for it
         return reader
 
-    async def commit(self, data: bytes, owner: Owner) -> None:
-        item = await self.ds.put(self.parent_id, self.name, data, owner)
+    async def commit(self, content, owner: Owner, times=(None, None)) -> None:
+        """Commit a writer's draft (or bytes: a truncate by path) as this file's content."""
+        if self.removed:
+            return  # unlinked while open: nothing to commit
+        if isinstance(content, bytes):
+            item = await self.ds.put(self.parent_id, self.name, content, owner, times)
+        else:
+            item = await self.ds.put_draft(self.parent_id, self.name, content, owner, times)
         if self.item_id is None:
             self.item_id = item.id
             key = (self.ds.ds_id, self.parent_id, self.name)
@@ -295,26 +367,27 @@ class ItemNode(Node):
                 del self.fs.pending_items[key]  # created, never committed (a failed write)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
-        if fields.update_size:
-            w = handle if isinstance(handle, ItemWriter) else (self.writers[-1] if self.writers else None)
-            if w is None:
+        change = attr_change(attr, fields)
+        w = handle if isinstance(handle, ItemWriter) else (self.writers[-1] if self.writers else None)
+        if change.size is not None:
+            if w is not None:
+                await w.truncate(change.size)
+            else:  # truncate(2) by path: the item rewritten at its new size
                 if self.ds.sealed:
                     raise ReadOnly(f"datasets/{self.ds.name} is sealed (read-only)")
-                if attr.st_size != 0:
-                    raise NotPermitted("truncate items to 0 or rewrite them")
-                await self.commit(b"", Owner(self.item().mode, self.item().uid, self.item().gid))
-            else:
-                w.truncate(attr.st_size)
-        if self.item_id is None:
-            for w in self.writers:  # not committed yet: the attributes go in with the commit
-                o = w.owner
-                w.owner = Owner(stat.S_IFREG | (attr.st_mode & 0o7777) if fields.update_mode else o.mode,
-                                attr.st_uid if fields.update_uid else o.uid,
-                                attr.st_gid if fields.update_gid else o.gid)
+                item = self.item()
+                if change.size > self.ds.config.max_item_bytes:
+                    raise TooLarge(f"{change.size} bytes exceed max_item_bytes {self.ds.config.max_item_bytes}")
+                data = await self.ds.read_range(item, 0, min(item.size, change.size)) if item.size else b""
+                await self.commit(data + bytes(change.size - len(data)), Owner(item.mode, item.uid, item.gid))
+        meta = replace(change, size=None)
+        if meta.empty():
             return
-        if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_mtime:
+        for writer in self.writers:  # what the writers commit at close carries it too
+            apply_setattr(writer, meta)
+        if self.item_id is not None and not self.removed:
             self.item()  # follows a renumbering
-            await _set_attrs(self.ds, FILE, self.item_id, attr, fields, stat.S_IFREG)
+            await self.ds.set_attrs(FILE, self.item_id, meta)
 
     def xattrs(self) -> dict[bytes, bytes]:
         if self.item_id is None:
@@ -372,18 +445,86 @@ class ItemReader(Handle):
             self.ds.prefetcher.served_by_page_cache()
 
 
-class ItemWriter(StagingWriter):
-    """A file written through the mount: staged in memory, committed whole at close."""
+class ItemWriter(Handle):
+    """A file written through the mount: staged in a draft on disk (distorefs/draft.py: copy on
+    write over the item's chunks, memory bounded whatever the size), committed at every close
+    (a created or truncated file too: it is listed once close() returns)."""
 
-    def __init__(self, node: ItemNode, owner: Owner, limit: int, readable: bool, fresh: bool,
-                 initial: bytes = b"") -> None:
-        super().__init__(initial, limit, readable)
+    def __init__(self, node: ItemNode, owner: Owner, draft, readable: bool, fresh: bool) -> None:
         self.node = node
         self.owner = owner
-        self.dirty = fresh
+        self.draft = draft
+        self.readable = readable
+        self.dirty = fresh  # created or truncated: committed even if nothing is written
+        self.failed: Exception | None = None
+        now = time.time_ns()
+        self.atime_ns = self.mtime_ns = self.ctime_ns = now
 
-    async def apply(self, data: bytes) -> None:
-        await self.node.commit(data, self.owner)
+    # the attributes chmod/chown/utimes set before the first close (fileattrs.apply_setattr)
+    @property
+    def mode(self) -> int:
+        return self.owner.mode
+
+    @mode.setter
+    def mode(self, value: int) -> None:
+        self.owner = Owner(value, self.owner.uid, self.owner.gid)
+
+    @property
+    def uid(self) -> int:
+        return self.owner.uid
+
+    @uid.setter
+    def uid(self, value: int) -> None:
+        self.owner = Owner(self.owner.mode, value, self.owner.gid)
+
+    @property
+    def gid(self) -> int:
+        return self.owner.gid
+
+    @gid.setter
+    def gid(self, value: int) -> None:
+        self.owner = Owner(self.owner.mode, self.owner.uid, value)
+
+    @property
+    def size(self) -> int:
+        return self.draft.size
+
+    async def read(self, off: int, size: int) -> bytes:
+        if not self.readable:
+            raise NotPermitted("not open for reading")
+        return await self.draft.read(off, size)
+
+    async def write(self, off: int, buf: bytes) -> int:
+        try:
+            n = await self.draft.write(off, buf)
+        except TooLarge as exc:
+            self.failed = exc  # close() reports it too; a partial item is never committed
+            raise
+        self.mtime_ns = self.ctime_ns = time.time_ns()
+        self.dirty = True
+        return n
+
+    async def truncate(self, size: int) -> None:
+        await self.draft.truncate(size)
+        self.mtime_ns = self.ctime_ns = time.time_ns()
+        self.dirty = True
+
+    async def flush(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+        if self.dirty:
+            await self._commit()
+
+    async def release(self) -> None:
+        try:
+            if self.dirty and self.failed is None:
+                await self._commit()
+        finally:
+            self.draft.close()
+
+    async def _commit(self) -> None:
+        self.dirty = False  # a failed commit was reported to close() and is not retried later
+        await self.node.commit(self.draft, self.owner, (self.atime_ns, self.mtime_ns))
 
 
 class OrderFile(Node):
@@ -396,7 +537,7 @@ class OrderFile(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
         return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o664), len(self.ds.order_npy()), o.uid, o.gid,
-                          time.time_ns(), NO_CACHE)
+                          self.ds.ctime_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
@@ -458,7 +599,7 @@ class StageFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
-        return make_attrs(self.ino, stat.S_IFREG | 0o600, 0, o.uid, o.gid, time.time_ns(), NO_CACHE)
+        return make_attrs(self.ino, stat.S_IFREG | 0o600, 0, o.uid, o.gid, self.ds.ctime_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         cred = Credentials.of_caller(ctx.pid, ctx.uid, ctx.gid)

@@ -21,7 +21,8 @@ from distorefs import __version__
 from distorefs.batch import BatchFile, Blob
 from distorefs.buffer import Buffer
 from distorefs.catalog import EntryMeta
-from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, WouldBlock)
+from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, Unsupported,
+                              WouldBlock)
 from distorefs.names import check_name
 from distorefs.owner import Owner
 
@@ -117,7 +118,9 @@ class Node:
         return self.xattrs()
 
     async def setxattr(self, name: bytes, value: bytes) -> None:
-        raise NotPermitted(f"attribute {name!r} is read-only")
+        if name in self.xattrs():
+            raise NotPermitted(f"attribute {name!r} is read-only")
+        raise Unsupported(f"no attribute {name!r} here")
 
     async def fsyncdir(self) -> None:
         """fsync of this directory: wait for what it keeps itself (before the store's sync)."""
@@ -151,7 +154,8 @@ class StaticDir(Node):
 
 
 class RenderedFile(Node):
-    """A read-only control file rendered at open (stats.json, config.json, version)."""
+    """A read-only control file rendered at open (stats.json, config.json, version).
+    `size_known` False (stats.json): size 0, as /proc files, read to the end with direct_io."""
 
     def __init__(self, fs: "Filesystem", render, size_known: bool = True, owner: Callable[[], Owner] | None = None,
                  write=None) -> None:
@@ -168,7 +172,8 @@ class RenderedFile(Node):
         if owner is not None:  # a namespace's files follow its mode (chmod 0700 hides them)
             mode &= owner.mode
         uid, gid = (owner.uid, owner.gid) if owner else (self.fs.uid, self.fs.gid)
-        return make_attrs(self.ino, stat.S_IFREG | mode, size, uid, gid, time.time_ns(), NO_CACHE)
+        # times fixed at mount: a time that moved at every stat made `tar c MNT` see a change
+        return make_attrs(self.ino, stat.S_IFREG | mode, size, uid, gid, self.fs.started_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
@@ -246,7 +251,7 @@ class RingDir(Node):
             b"config.json": lambda: intern(("config", nsid), lambda: RenderedFile(
                 fs, lambda: ns.config.to_json(), owner=lambda: ns.owner, write=configure)),
             b"stats.json": lambda: intern(("stats", nsid), lambda: RenderedFile(
-                fs, lambda: _json(ns.stats()), owner=lambda: ns.owner)),
+                fs, lambda: _json(ns.stats()), size_known=False, owner=lambda: ns.owner)),
             b"entries": lambda: intern(("entries", nsid), lambda: EntriesDir(fs, ns)),
         }
 

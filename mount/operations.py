@@ -14,11 +14,11 @@ import logging
 import os
 import time
 from collections import Counter
+from typing import NoReturn
 
 import pyfuse3
-import trio
 
-from distorefs.errors import DistorefsError, NotFound, Stale
+from distorefs.errors import DistorefsError, NotFound, OperationNotPermitted, Stale
 
 from .badinput import BAD_INPUT, bad_input_log
 from distorefs.ring import Ring
@@ -75,9 +75,8 @@ class Filesystem(pyfuse3.Operations):
         self.started_ns = time.time_ns()
         self.invalidator: Invalidator | None = None
         self.pusher: PageCachePusher | None = None
-        self.pending_weights: dict = {}  # (dir id, name) -> writer of a created, unpublished file
         self.pending_items: dict = {}  # (dataset id, dir id, name) -> node of a created, uncommitted item
-        self.writer_redirects: dict = {}  # (file key, pid) -> True: its next lookup gets a private inode
+        self.writer_redirects: dict = {}  # (file key, pid) -> True: its next lookup gets another inode (entries: a private one; weights: the writers' one)
         self.root = build_tree(self)
         store.listeners.append(self._entry_changed)
 
@@ -106,11 +105,12 @@ class Filesystem(pyfuse3.Operations):
 
     # ----- writers of shared, cached inodes -----------------------------------------
 
-    def redirect_writer(self, key, pid: int) -> None:
+    def redirect_writer(self, key, pid: int) -> NoReturn:
         """An open for writing reached an inode whose pages readers share (a published
         version): refuse it with ESTALE so the kernel looks the name up again, and answer
-        that lookup of process `pid` with a private inode (`take_redirect`). The kernel's
-        atomic O_TRUNC would otherwise zero the size every reader of the shared inode sees."""
+        that lookup of process `pid` with another inode (an entry's private one, a weights
+        file's writers' one) until `take_redirect`. The kernel's atomic O_TRUNC would
+        otherwise zero the size every reader of the shared inode sees."""
         self.writer_redirects[(key, pid)] = True
         raise Stale("redirecting a writer to a private inode")
 
@@ -267,20 +267,16 @@ class Filesystem(pyfuse3.Operations):
         return self._entry(node)
 
     @_translate
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        raise OperationNotPermitted("special files (FIFOs, sockets, devices) are not supported")
+
+    @_translate
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        raise OperationNotPermitted("hard links are not supported")
+
+    @_translate
     async def readlink(self, inode, ctx):
         return self.inodes.get(inode).readlink()
-
-    async def forget_name(self, parent_id: int, name: bytes) -> None:
-        """Make the kernel drop its cached weights/ name before close() returns, so every
-        later open looks it up again and finds the newly published version."""
-        parent = self.inodes.ino_of(("wdir", parent_id))
-        if parent is None:
-            return  # the kernel never looked the directory up: nothing cached
-        try:
-            await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENOTCONN):
-                log.warning("invalidating weights name %r: %s", name, exc)
 
     # ----- files ---------------------------------------------------------------------
 

@@ -6,7 +6,9 @@
    and 32 x 2 MiB), written by a fresh process in 64 MiB write() calls of incompressible
    bytes, twice per system (the second write of a daemon whose buffers are warm is what
    a training job sees from its second checkpoint on):
-   - distorefs: MNT/checkpoints/bench/STEP; *visible* = until every close() returned;
+   - distorefs: MNT/checkpoints/bench/STEP, with `writeback_bytes` sized to the checkpoint
+     (1.25x, as a job would set it; `--default-budget`: the default share); *visible* =
+     until every close() returned;
      *durable* = until an fsync of the step directory returned (then the step is complete
      and RUN/latest names it);
    - ext4 (the work directory's file system): write and close every file, then fsync
@@ -385,7 +387,7 @@ def _plot(res: dict, labels: dict[str, str], path: Path, title: str) -> None:
 
 # ----- entry point -------------------------------------------------------------------------
 
-def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
+def run(out: Path, quick: bool = False, workdir: Path | None = None, fit_budget: bool = True) -> dict:
     """Run the checkpoint benchmark; write OUT/checkpoints.json and .png; return the results."""
     r = start_run(out, workdir)
     out, root, notes, machine, started = r.out, r.root, r.notes, r.machine, r.started
@@ -421,6 +423,12 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     def on_distorefs() -> None:
         dfs.mount()
         ck = dfs.mnt / "checkpoints"
+        if fit_budget:  # a job sizes the write-back budget to its checkpoint (README, checkpoints/)
+            memory = json.loads((dfs.mnt / ".distorefs" / "config.json").read_bytes())["memory_bytes"]
+            want = min(int(total * 1.25), int(memory * 0.6))
+            (ck / "config.json").write_text(json.dumps({"writeback_bytes": want}))
+            log(f"  writeback_bytes set to {want / 2**30:.2f} GiB (the checkpoint and a quarter; "
+                f"memory_bytes {memory / 2**30:.2f} GiB)")
         result["distorefs_config"] = json.loads((ck / "config.json").read_bytes())
         result["one_shot"]["distorefs"] = _one_shot("distorefs", "distorefs", ck / "bench", p, dfs.pid, log)
         result["loop"]["distorefs"] = _loop("distorefs", ck / "loop", p, n_work, dfs.pid, log)
@@ -479,5 +487,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--default-budget", action="store_true",
+                    help="keep the default writeback_bytes (30%% of memory_bytes) instead of fitting the checkpoint")
     a = ap.parse_args()
-    run(Path(a.out), quick=a.quick, workdir=Path(a.workdir) if a.workdir else None)
+    run(Path(a.out), quick=a.quick, workdir=Path(a.workdir) if a.workdir else None, fit_budget=not a.default_budget)

@@ -85,9 +85,21 @@ def test_a_read_only_mount_serves_a_store_and_changes_nothing(fresh_mount):
     for name, a in arrays.items():
         with open(b / "entries" / name, "wb") as f:
             np.save(f, a)
+    (m.mnt / "weights" / "policy").mkdir()
+    weights = os.urandom(300_000)
+    (m.mnt / "weights" / "policy" / "w.bin").write_bytes(weights)
+    (m.mnt / "checkpoints" / "run" / "step-1").mkdir(parents=True)
+    (m.mnt / "checkpoints" / "run" / "step-1" / "model.pt").write_bytes(weights[:5000])
+    for name, sealed in (("frozen", True), ("open", False)):
+        (m.mnt / "datasets" / name).mkdir()
+        (m.mnt / "datasets" / name / "items" / "a.bin").write_bytes(name.encode() * 100)
+        if sealed:
+            os.setxattr(m.mnt / "datasets" / name, "user.distorefs.sealed", b"1")
     m.umount()
     data, lock = m.store / "meta" / "data.mdb", m.store / "lock"
     before = _sha(data)
+    scratch = m.store / "spool" / "draft-left-by-a-crash"
+    scratch.write_bytes(b"x")  # a read-write open removes such files; a read-only one must not
     m.mount(flags=("--read-only",))
     assert "read-only" in lock.read_text()
     assert sorted(entry_names(b)) == sorted(arrays)
@@ -104,8 +116,16 @@ def test_a_read_only_mount_serves_a_store_and_changes_nothing(fresh_mount):
     assert_errno(errno.EROFS, os.unlink, b / "entries" / "e00.npy")
     assert_errno(errno.EROFS, os.setxattr, b / "entries" / "e01.npy", "user.distorefs.priority", b"2")
     assert_errno(errno.EROFS, open, b / "priorities", "w")
+    assert (m.mnt / "weights" / "policy" / "w.bin").read_bytes() == weights
+    assert (m.mnt / "checkpoints" / "run" / "step-1" / "model.pt").read_bytes() == weights[:5000]
+    for name in ("frozen", "open"):
+        assert (m.mnt / "datasets" / name / "items" / "a.bin").read_bytes() == name.encode() * 100
+        assert_errno(errno.EROFS, open, m.mnt / "datasets" / name / "items" / "b.bin", "wb")
+    assert_errno(errno.EROFS, open, m.mnt / "weights" / "policy" / "w.bin", "r+b")
+    assert_errno(errno.EROFS, os.mkdir, m.mnt / "checkpoints" / "run" / "step-2")
     assert m.alive()
     m.umount()
+    assert scratch.exists()
     assert _sha(data) == before  # not a byte of the catalog changed
     assert lock.read_text() == ""  # clean as it was found
     m.mount(flags=("-o", "ro"))  # mount(8)'s way of saying it

@@ -113,5 +113,14 @@ def test_namespaces_never_reach_the_store():
     """Namespaces are built with Services (values, committer, ...), not with the Store."""
     graph = _graph()
     for name in ("ring", "buffer", "bank", "weights", "dataset", "checkpoints", "tiering", "values", "verify",
-                 "recovery", "batch", "sampler", "prefetcher"):
+                 "recovery", "batch", "sampler", "prefetcher", "treerules", "fileattrs", "draft", "restorepoints"):
         assert "distorefs.store" not in graph[f"distorefs.{name}"], name
+
+
+def test_the_file_tree_rules_stand_alone():
+    """The general file trees' shared rules (names, renames, attributes, drafts) know no
+    namespace: weights, checkpoints and datasets use them, never the other way round."""
+    graph = _graph()
+    namespaces = {"distorefs.weights", "distorefs.checkpoints", "distorefs.dataset", "distorefs.store"}
+    for name in ("treerules", "fileattrs", "draft", "restorepoints"):
+        assert not graph[f"distorefs.{name}"] & namespaces, name

@@ -1,7 +1,5 @@
-"""The weights tree as a library (no FUSE): publish from a spool, versions, reads across
+"""The weights tree as a library (no FUSE): publish from a draft, versions, reads across
 chunks, renames, collection and persistence."""
-
-import os
 
 import numpy as np
 
@@ -15,13 +13,7 @@ DATA = np.random.default_rng(0).integers(0, 256, (3 << 20) + 123, dtype=np.uint8
 
 
 async def publish(tree, parent, name, data):
-    fd, spool = tree.new_spool()
-    try:
-        os.pwrite(fd, data, 0)
-        return await tree.publish(parent, name, FILE, fd, len(data), None)
-    finally:
-        os.close(fd)
-        os.unlink(spool)
+    return await tree.write_file(parent, name, data, FILE)
 
 
 def test_publish_read_versions_rename_and_persist(tmp_path):
