@@ -495,8 +495,10 @@ class EntriesDir(Node):
         check_name(name)
         pid = ctx.pid if ctx is not None else 0
         meta = self.buf.ring.by_key.get(name)
-        if meta is not None and self.fs.redirected(self.name_key(name), pid):
-            return self.private_node(name, meta)  # the retry of a writer refused on the shared inode
+        if self.fs.redirected(self.name_key(name), pid):  # the retry of a writer refused on a shared inode
+            if meta is not None:
+                return self.private_node(name, meta)
+            self.fs.take_redirect(self.name_key(name), pid)  # gone meanwhile: an O_CREAT creates it
         node = self.fs.inodes.node_of(self.name_key(name))
         if node is not None and node.version is None and node.writers:
             return node  # being created by a writer (other openers get ENOENT)
@@ -510,6 +512,7 @@ class EntriesDir(Node):
 
     async def create(self, name: bytes, mode: int, flags: int, ctx) -> tuple[Node, Handle]:
         self.buf.ring.check_insert(name, 0)
+        self.fs.take_redirect(self.name_key(name), ctx.pid)
         existing = self.buf.ring.by_key.get(name)
         if existing is not None:
             if flags & os.O_EXCL:
@@ -605,14 +608,13 @@ class EntryNode(Node):
 
     async def commit(self, data: bytes, owner: Owner) -> None:
         """A writer of this inode closed: its bytes become the entry's next version, and
-        this inode the one its name resolves to."""
-        if self.key is None:
-            raise NotFound("entry was removed while open for writing")
+        this inode the one its name resolves to (unless another inode took the name since)."""
         current = self.buf.ring.by_key.get(self.name)
         if current is not None:  # a rewrite keeps the entry's owner and mode
             owner = Owner(current.mode, current.uid, current.gid)
-        elif self.base is not None:
-            raise NotFound("entry was removed while open for writing")
+        # else: evicted or removed while a writer held it. A writer's close stores what it
+        # wrote under the name whatever happened to the name meanwhile (evicted, removed, or
+        # another writer's close first: the last close wins), as a queue of values would.
         meta = await self.buf.insert(self.name, data, owner)
         self.version, self.base = meta, None
         if self.private and self.key is not None:  # the rewrite is the name's version now
@@ -628,10 +630,11 @@ class EntryNode(Node):
             if self.writers or (self.version is None and self.base is None):
                 return self.writer(b"", flags, self.writers[-1].owner if self.writers else
                                    Owner(0o100644, ctx.uid, ctx.gid), bool(flags & os.O_TRUNC))
-            if self.version is not None and self.current():
-                # never write into (or truncate) the inode readers share: a private one
-                if not self.fs.take_redirect(self.parent.name_key(self.name), pid):
-                    self.fs.redirect_writer(self.parent.name_key(self.name), pid)
+            if self.version is not None and not self.fs.take_redirect(self.parent.name_key(self.name), pid):
+                # never write into (or truncate) an inode readers share, the name's version or
+                # an older one (a stale name in the kernel): the name's own private inode, or
+                # a create if the entry is gone
+                self.fs.redirect_writer(self.parent.name_key(self.name), pid)
             base = self.base or self.latest()
             if base is None:
                 raise NotFound("no such entry (not committed yet, or removed)")
