@@ -213,6 +213,7 @@ class Dataset:
         self.index_size: int = record.get("index_size", 0)
         self.fields: list = record.get("fields", [])
         self.counters = Counters()
+        self.file_ids_taken = 0  # ids handed to files created through the mount, not committed yet, are below it
         self.order = np.zeros(0, dtype=np.int64)
         self.stats_counters = {"reads": 0, "read_bytes": 0, "staged": 0, "staged_bytes": 0, "skipped": 0,
                                "stage_errors": 0, "verify_failures": 0, "orders": 0}
@@ -528,21 +529,38 @@ class Dataset:
             draft.changes = 0
         return draft
 
+    def take_file_id(self) -> int:
+        """The item id a file created through the mount will have once its first close
+        commits it, given at its create: its inode number is made from it and stays the
+        same for the file's life (mount/inodes.py). Not stored: an id of a file never
+        committed (a crash before its close) is simply given again later."""
+        self.file_ids_taken = max(self.file_ids_taken, self.counters.next_file) + 1
+        return self.file_ids_taken - 1
+
+    def _new_file_id(self, c: Counters, wanted: int | None = None) -> int:
+        """The id of a file or link new to the tree (inside a commit): `wanted` if it was
+        taken at create, else one above every id taken."""
+        item_id = wanted if wanted is not None else max(c.next_file, self.file_ids_taken)
+        c.next_file = max(c.next_file, item_id + 1)
+        if wanted is None:
+            self.file_ids_taken = max(self.file_ids_taken, c.next_file)
+        return item_id
+
     async def put_draft(self, dir_id: int, name: bytes, draft: Draft, owner: Owner,
-                        times: tuple[int | None, int | None] = (None, None)) -> Item:
+                        times: tuple[int | None, int | None] = (None, None), new_id: int | None = None) -> Item:
         """Create or replace file `name` with a draft's content: the chunks written are stored,
-        the others kept."""
+        the others kept. `new_id`: the id taken at create (`take_file_id`), if it is new."""
         self._writable()
         check_name(name)
         async with draft.lock:
-            change = PutItem(self, dir_id, [name], owner, draft=draft, times=times)
+            change = PutItem(self, dir_id, [name], owner, draft=draft, times=times, new_id=new_id)
             await self.committer.submit(change)
             draft.changes = 0
         assert change.item is not None
         return change.item
 
     async def put(self, dir_id: int, name: bytes, data: bytes, owner: Owner,
-                  times: tuple[int | None, int | None] = (None, None)) -> Item:
+                  times: tuple[int | None, int | None] = (None, None), new_id: int | None = None) -> Item:
         """Create or replace file `name` in `dir_id` with `data` (a write through the mount);
         `times`: the atime and mtime set on it before it was closed (None: now)."""
         self._writable()
@@ -550,7 +568,7 @@ class Dataset:
         if len(data) > self.config.max_item_bytes:
             raise TooLarge(f"datasets/{self.name}: {len(data)} bytes exceed max_item_bytes "
                            f"{self.config.max_item_bytes}; stage big files with `distorefs stage`")
-        change = PutItem(self, dir_id, [name], owner, data=data, times=times)
+        change = PutItem(self, dir_id, [name], owner, data=data, times=times, new_id=new_id)
         await self.committer.submit(change)
         assert change.item is not None
         return change.item
@@ -921,9 +939,10 @@ class PutItem(_DsChange):
 
     def __init__(self, ds: Dataset, dir_id: int, parts: list[bytes], owner: Owner, *, data: bytes | None = None,
                  source: _Source | None = None, times: tuple[int | None, int | None] = (None, None),
-                 draft: Draft | None = None) -> None:
+                 draft: Draft | None = None, new_id: int | None = None) -> None:
         super().__init__(ds)
         self.dir_id, self.parts, self.owner, self.times = dir_id, parts, owner, times
+        self.new_id = new_id
         self.data, self.source, self.draft = data, source, draft
         self.layout = draft.plan() if draft is not None else None
         self.encoded: list[codec.Encoded] | None = source.encoded if source else None
@@ -973,8 +992,7 @@ class PutItem(_DsChange):
             c.bytes -= old.size
             c.stored_bytes -= old.stored_size
         else:
-            item_id = c.next_file
-            c.next_file += 1
+            item_id = ds._new_file_id(c, self.new_id)
             self.add_child(txn, parent, name, FILE, item_id)
         base = b"D" + ds._prefix + _U64.pack(item_id)
         if self.draft is not None:
@@ -1066,9 +1084,8 @@ class MakeLink(_DsChange):
             raise AlreadyExists(f"{os.fsdecode(self.name)} exists")
         now = time.time_ns()
         o = self.owner
-        self.rec = Item(c.next_file, len(self.target), 0, 0o120777, o.uid, o.gid, now, 0, parent.id, [], self.name,
-                        self.target, LINKS, now, now)
-        c.next_file += 1
+        self.rec = Item(self.ds._new_file_id(c), len(self.target), 0, 0o120777, o.uid, o.gid, now, 0, parent.id, [],
+                        self.name, self.target, LINKS, now, now)
         self.add_child(txn, parent, self.name, LINK, self.rec.id)
         txn.put(self.ds._ikey(LINKS, self.rec.id), self.rec.pack(), db=self.db)
         self.save(txn, c)

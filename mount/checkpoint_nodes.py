@@ -30,6 +30,7 @@ from distorefs.fileattrs import dir_nlink, without_privileges
 from distorefs.owner import Owner
 
 from .handles import Handle, wants_read, wants_write
+from .inodes import CHECKPOINT_DIR, CHECKPOINT_FILE, CHECKPOINT_LINK, stable_number
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
 from .treeattrs import attr_change, stamp_attrs
 
@@ -120,10 +121,11 @@ class CheckpointsDir(Node):
     def node_for(self, c: CNode) -> Node:
         intern = self.fs.inodes.intern
         if isinstance(c, CDir):
-            return intern(_key(c), lambda: CheckpointsDir(self.fs, c.id))
+            return intern(_key(c), lambda: CheckpointsDir(self.fs, c.id), stable_number(CHECKPOINT_DIR, 0, c.id))
         if isinstance(c, CLink):
-            return intern(_key(c), lambda: CheckpointLink(self.fs, c))
-        return intern(_key(c), lambda: CheckpointFile(self.fs, c))  # type: ignore[arg-type]
+            return intern(_key(c), lambda: CheckpointLink(self.fs, c), stable_number(CHECKPOINT_LINK, 0, c.id))
+        return intern(_key(c), lambda: CheckpointFile(self.fs, c),  # type: ignore[arg-type]
+                      stable_number(CHECKPOINT_FILE, 0, c.id))
 
     def _extra(self, name: bytes) -> Node | None:
         """The names the filesystem makes: control files in checkpoints/, `latest` in a run."""

@@ -28,6 +28,7 @@ from distorefs.owner import Owner
 from distorefs.sources import Credentials, check_can_act_for
 
 from .handles import BytesReader, ConfigWriter, Handle, wants_read, wants_write
+from .inodes import DATASET_DIR, DATASET_FILE, DATASET_LINK, stable_number
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
 from .treeattrs import attr_change, stamp_attrs
 
@@ -135,12 +136,16 @@ class ItemsDir(Node):
     def node_for(self, kind: int, node_id: int, name: bytes, rec=None) -> Node:
         fs, ds = self.fs, self.ds
         if kind == DIR:
-            node = fs.inodes.intern(("dsdir", ds.ds_id, node_id), lambda: ItemsDir(fs, ds, node_id))
+            node = fs.inodes.intern(("dsdir", ds.ds_id, node_id), lambda: ItemsDir(fs, ds, node_id),
+                                    stable_number(DATASET_DIR, ds.ds_id, node_id))
         elif kind == LINK:
-            return fs.inodes.intern(("dslink", ds.ds_id, node_id), lambda: DatasetLink(fs, ds, node_id))
+            return fs.inodes.intern(("dslink", ds.ds_id, node_id), lambda: DatasetLink(fs, ds, node_id),
+                                    stable_number(DATASET_LINK, ds.ds_id, node_id))
         else:
+            # sealing renumbers the items (a new tag): a number then, not before and after
             node = fs.inodes.intern(("dsitem", ds.ds_id, ds.tag, node_id),
-                                    lambda: ItemNode(fs, ds, self.dir_id, name, node_id))
+                                    lambda: ItemNode(fs, ds, self.dir_id, name, node_id),
+                                    stable_number(DATASET_FILE, ds.ds_id, node_id))
             node.parent_id, node.name = self.dir_id, name
         if rec is not None and ds.sealed:
             node._rec = rec  # read in the same transaction as the name; sealed records never change
@@ -174,7 +179,9 @@ class ItemsDir(Node):
             node = self.node_for(found[0], found[1], name)
             return node, await node.open(flags, ctx)
         node = ItemNode(self.fs, self.ds, self.dir_id, name, None)
-        node = self.fs.inodes.intern(("dspending",) + key, lambda: node)
+        node.new_id = self.ds.take_file_id()  # its inode number is its item's from the start
+        node = self.fs.inodes.intern(("dspending",) + key, lambda: node,
+                                     stable_number(DATASET_FILE, self.ds.ds_id, node.new_id))
         handle = ItemWriter(node, self._owner(mode, ctx, stat.S_IFREG), await self.ds.draft(None),
                             wants_read(flags), fresh=True)
         node.writers.append(handle)
@@ -282,6 +289,7 @@ class ItemNode(Node):
         self.writers: list[ItemWriter] = []
         self._rec: Item | None = None
         self.removed = False  # unlinked while open: its writers commit nothing
+        self.new_id: int | None = None  # created through the mount: the item id taken at create
         self.last: Item | None = None  # the record last read (attributes of a removed, open file)
 
     def item(self) -> Item:
@@ -347,10 +355,11 @@ class ItemNode(Node):
         """Commit a writer's draft (or bytes: a truncate by path) as this file's content."""
         if self.removed:
             return  # unlinked while open: nothing to commit
+        new_id = self.new_id if self.item_id is None else None
         if isinstance(content, bytes):
-            item = await self.ds.put(self.parent_id, self.name, content, owner, times)
+            item = await self.ds.put(self.parent_id, self.name, content, owner, times, new_id)
         else:
-            item = await self.ds.put_draft(self.parent_id, self.name, content, owner, times)
+            item = await self.ds.put_draft(self.parent_id, self.name, content, owner, times, new_id)
         if self.item_id is None:
             self.item_id = item.id
             key = (self.ds.ds_id, self.parent_id, self.name)

@@ -1,10 +1,15 @@
 """The inode table: inode number <-> node, with the kernel's lookup counts.
 
-Fixed nodes (the root, `.distorefs/`, `buffers/`) have fixed numbers. Every other node
-gets a number when first looked up; numbers are never reused, so a kernel that still
-holds an old number can never reach a different object through it. A node whose
-object is gone (an evicted entry, a dropped buffer) stays reachable by number until the
-kernel forgets it, but no longer by its name.
+Fixed nodes (the root, `.distorefs/`, `buffers/`) have fixed numbers. Objects of the
+general file trees (weights/, checkpoints/, an unsealed dataset's items/) have a stable
+number derived from their own id (`stable_number`): the kernel forgets inodes nobody
+holds whenever it likes (dentry cache pressure), and pyfuse3 answers the node number as
+`st_ino`, which POSIX keeps for the life of a file (pjdfstest, `find -inum`, tar and git
+compare it). Every other node gets a number from a counter when first looked up; those
+numbers are never reused, and a stable number only ever names its own object, so a
+kernel that still holds an old number can never reach a different object through it. A
+node whose object is gone (an evicted entry, a dropped buffer) stays reachable by number
+until the kernel forgets it, but no longer by its name.
 """
 
 from __future__ import annotations
@@ -17,6 +22,22 @@ import pyfuse3
 from distorefs.errors import NotFound
 
 ROOT_INODE = pyfuse3.ROOT_INODE
+
+# Kinds of objects with stable numbers (6 bits of the number each).
+WEIGHTS_DIR, WEIGHTS_LINK, WEIGHTS_FILE = 1, 2, 3
+CHECKPOINT_DIR, CHECKPOINT_LINK, CHECKPOINT_FILE = 4, 5, 6
+DATASET_DIR, DATASET_LINK, DATASET_FILE = 7, 8, 9
+
+_STABLE = 1 << 62  # above anything the counter reaches
+
+
+def stable_number(kind: int, space: int, obj: int) -> int | None:
+    """The inode number of object `obj` of `kind` in `space` (a dataset, a weights file's
+    inode generation), the same every time the kernel looks it up; None outside the ranges
+    a number holds (20 bits of space, 36 of object id: the counter gives one then)."""
+    if not (0 < kind < 64 and 0 <= space < 1 << 20 and 0 <= obj < 1 << 36):
+        return None
+    return _STABLE | kind << 56 | space << 36 | obj
 
 
 class InodeTable:
@@ -49,13 +70,14 @@ class InodeTable:
         ino = self._by_key.get(key)
         return None if ino is None else self._nodes[ino]
 
-    def intern(self, key: Hashable, make: Callable[[], object]):
-        """The node for `key`, creating it (with a fresh inode number) if new."""
+    def intern(self, key: Hashable, make: Callable[[], object], number: int | None = None):
+        """The node for `key`, creating it if new: numbered `number` (a `stable_number`) when
+        given and free, else with a fresh number from the counter."""
         ino = self._by_key.get(key)
         if ino is not None:
             return self._nodes[ino]
         node = make()
-        ino = next(self._next)
+        ino = number if number is not None and number not in self._nodes else next(self._next)
         node.ino = ino  # type: ignore[attr-defined]
         node.key = key  # type: ignore[attr-defined]
         self._nodes[ino] = node

@@ -26,6 +26,7 @@ from distorefs.owner import Owner
 from distorefs.weights import DIR, LINK, ROOT_ID, ReadHandle, WNode, WriteHandle
 
 from .handles import Handle, wants_read, wants_write
+from .inodes import WEIGHTS_DIR, WEIGHTS_FILE, WEIGHTS_LINK, stable_number
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json
 from .treeattrs import attr_change, stamp_attrs
 
@@ -103,11 +104,14 @@ class WeightsDir(_TreeNode):
     def node_for(self, child: WNode, pid: int = 0) -> Node:
         intern = self.fs.inodes.intern
         if child.kind == DIR:
-            return intern(("wdir", child.id), lambda: WeightsDir(self.fs, child.id))
+            return intern(("wdir", child.id), lambda: WeightsDir(self.fs, child.id),
+                          stable_number(WEIGHTS_DIR, 0, child.id))
         if child.kind == LINK:
-            return intern(("wlink", child.id), lambda: WeightsLink(self.fs, child))
+            return intern(("wlink", child.id), lambda: WeightsLink(self.fs, child),
+                          stable_number(WEIGHTS_LINK, 0, child.id))
         gen = self.tree.lookup_gen(child, self.fs.redirected(child.id, pid))
-        return intern(("wfile", child.id, gen), lambda: WeightsFile(self.fs, child, gen))
+        return intern(("wfile", child.id, gen), lambda: WeightsFile(self.fs, child, gen),
+                      stable_number(WEIGHTS_FILE, gen, child.id))
 
     def _control(self, name: bytes) -> Node | None:
         if self.node_id != ROOT_ID or name not in CONTROL:

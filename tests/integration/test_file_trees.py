@@ -191,6 +191,24 @@ def test_inode_is_stable_across_a_publish(tree):
     assert os.stat(p).st_ino == ino
 
 
+def test_inode_numbers_survive_the_kernel_forgetting_them(tree):
+    """The kernel forgets inodes nobody holds whenever it likes (here: made to, by dropping
+    the dentry and inode caches, as memory pressure does); a file's st_ino is its number for
+    its whole life all the same (pjdfstest rename/09 compares it across renames)."""
+    (tree / "d").mkdir()
+    with open(tree / "d" / "f", "wb") as f:
+        f.write(b"x")
+        created = os.fstat(f.fileno()).st_ino  # a file's number from its create on
+    os.symlink("d/f", tree / "l")
+    before = {n: os.lstat(tree / n).st_ino for n in ("d", "d/f", "l")}
+    assert before["d/f"] == created
+    os.rename(tree / "d" / "f", tree / "d" / "g")
+    before["d/g"] = before.pop("d/f")
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2\n")  # dentries and inodes only (no page cache): every unused one is forgotten
+    assert {n: os.lstat(tree / n).st_ino for n in before} == before
+
+
 def test_sqlite_database_round_trips(tree):
     db = tree / "t.db"
     con = sqlite3.connect(db)
