@@ -23,21 +23,23 @@ from distorefs.errors import NotFound
 
 ROOT_INODE = pyfuse3.ROOT_INODE
 
-# Kinds of objects with stable numbers (6 bits of the number each).
+# Kinds of objects with stable numbers (4 bits of the number).
 WEIGHTS_DIR, WEIGHTS_LINK, WEIGHTS_FILE = 1, 2, 3
 CHECKPOINT_DIR, CHECKPOINT_LINK, CHECKPOINT_FILE = 4, 5, 6
 DATASET_DIR, DATASET_LINK, DATASET_FILE = 7, 8, 9
 
-_STABLE = 1 << 62  # above anything the counter reaches
+# Above anything the counter reaches, and below 2^53 (tools that hold st_ino in a double
+# stay exact).
+_STABLE = 1 << 52
 
 
 def stable_number(kind: int, space: int, obj: int) -> int | None:
     """The inode number of object `obj` of `kind` in `space` (a dataset, a weights file's
     inode generation), the same every time the kernel looks it up; None outside the ranges
-    a number holds (20 bits of space, 36 of object id: the counter gives one then)."""
-    if not (0 < kind < 64 and 0 <= space < 1 << 20 and 0 <= obj < 1 << 36):
+    a number holds (16 bits of space, 32 of object id: the counter gives one then)."""
+    if not (0 < kind < 16 and 0 <= space < 1 << 16 and 0 <= obj < 1 << 32):
         return None
-    return _STABLE | kind << 56 | space << 36 | obj
+    return _STABLE | kind << 48 | space << 32 | obj
 
 
 class InodeTable:

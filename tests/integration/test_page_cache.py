@@ -45,6 +45,17 @@ def test_a_second_read_of_an_entry_is_served_by_the_page_cache(fs, buf):
     assert read_entry(buf, "cached") == data
 
 
+def test_a_weights_version_read_again_is_served_by_the_page_cache(fs):
+    """Collectors re-reading the same weights read memory (their inode's pages are kept)."""
+    d = fs.mnt / "weights" / f"pc{os.getpid()}"
+    d.mkdir()
+    data = os.urandom(8 << 20)
+    (d / "w.bin").write_bytes(data)
+    assert (d / "w.bin").read_bytes() == data
+    assert reads_during(fs, lambda: (d / "w.bin").read_bytes()) == 0
+    assert (d / "w.bin").read_bytes() == data
+
+
 def test_the_first_read_of_an_entry_needs_no_read_request(fs, buf):
     """The value taken at open goes into the page cache before OPEN is answered."""
     data = os.urandom(300_000)
