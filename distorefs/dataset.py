@@ -214,6 +214,7 @@ class Dataset:
         self.fields: list = record.get("fields", [])
         self.counters = Counters()
         self.file_ids_taken = 0  # ids handed to files created through the mount, not committed yet, are below it
+        self.generation = 0  # bumped by every change of the tree: a record read at this generation is current
         self.order = np.zeros(0, dtype=np.int64)
         self.stats_counters = {"reads": 0, "read_bytes": 0, "staged": 0, "staged_bytes": 0, "skipped": 0,
                                "stage_errors": 0, "verify_failures": 0, "orders": 0}
@@ -930,6 +931,7 @@ class _DsChange(Change):
         return not (cursor.set_range(prefix) and bytes(cursor.key()[:len(prefix)]) == prefix)
 
     def apply(self) -> None:
+        self.ds.generation += 1  # records read before this change may be stale now
         if self.after is not None:
             self.ds.counters = self.after
 

@@ -288,6 +288,7 @@ class ItemNode(Node):
         self.tag = ds.tag
         self.writers: list[ItemWriter] = []
         self._rec: Item | None = None
+        self._rec_generation = -1  # ds.generation when _rec was read (unsealed datasets)
         self.removed = False  # unlinked while open: its writers commit nothing
         self.new_id: int | None = None  # created through the mount: the item id taken at create
         self.last: Item | None = None  # the record last read (attributes of a removed, open file)
@@ -295,7 +296,9 @@ class ItemNode(Node):
     def item(self) -> Item:
         ds = self.ds
         rec = self._rec
-        if rec is not None and rec.tag == ds.tag:
+        # a sealed record never changes; an unsealed one is reused until the tree changes (a
+        # record of a file of thousands of chunks costs more to unpack than its stat is worth)
+        if rec is not None and rec.tag == ds.tag and (ds.sealed or self._rec_generation == ds.generation):
             return rec
         if self.tag != ds.tag and self.item_id is not None:
             # Sealing renumbered the files: find this one again by its name.
@@ -305,8 +308,9 @@ class ItemNode(Node):
             self.item_id, self.tag = found[1], ds.tag
         if self.item_id is None:
             raise NotFound("not written yet")
+        generation = ds.generation
         rec = ds.item(self.item_id)
-        self._rec = rec if ds.sealed else None
+        self._rec, self._rec_generation = rec, generation
         self.last = rec
         return rec
 
