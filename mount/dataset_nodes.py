@@ -469,7 +469,6 @@ class ItemWriter(Handle):
         self.draft = draft
         self.readable = readable
         self.dirty = fresh  # created or truncated: committed even if nothing is written
-        self.failed: Exception | None = None
         now = time.time_ns()
         self.atime_ns = self.mtime_ns = self.ctime_ns = now
 
@@ -508,11 +507,7 @@ class ItemWriter(Handle):
         return await self.draft.read(off, size)
 
     async def write(self, off: int, buf: bytes) -> int:
-        try:
-            n = await self.draft.write(off, buf)
-        except TooLarge as exc:
-            self.failed = exc  # close() reports it too; a partial item is never committed
-            raise
+        n = await self.draft.write(off, buf)  # EFBIG fails this write only (the draft is unchanged)
         self.mtime_ns = self.ctime_ns = time.time_ns()
         self.dirty = True
         return n
@@ -523,14 +518,12 @@ class ItemWriter(Handle):
         self.dirty = True
 
     async def flush(self) -> None:
-        if self.failed is not None:
-            raise self.failed
         if self.dirty:
             await self._commit()
 
     async def release(self) -> None:
         try:
-            if self.dirty and self.failed is None:
+            if self.dirty:
                 await self._commit()
         finally:
             self.draft.close()

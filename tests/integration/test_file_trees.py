@@ -302,6 +302,19 @@ def test_holes_stay_holes_and_files_have_a_size_bound(fs, wtree):
         assert_errno(errno.EFBIG, f.truncate, 1 << 41)
 
 
+def test_a_write_past_the_size_bound_fails_alone(tree):
+    """EFBIG fails that write only: the file created and what was written before stay, as on a
+    local filesystem (pjdfstest open/25: an unsealed dataset lost the whole file)."""
+    p = tree / "bounded"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"kept")
+        assert_errno(errno.EFBIG, os.pwrite, fd, b"a", 1 << 50)
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"kept"
+
+
 # ----- whole-mount tools --------------------------------------------------------------------
 
 def test_tar_of_the_whole_mount(fresh_mount, tmp_path):
