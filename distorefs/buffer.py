@@ -28,7 +28,7 @@ from .batch import Batch, BatchFile, batch_file
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
 from .config import MAX_PRIORITY, BufferConfig, check_priority
-from .errors import InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
+from .errors import DistorefsError, InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
 from .layout import Layout, NotStackable, SlotPlaces, parse, place
 from .namespace import update_record
 from .names import escape_key
@@ -109,6 +109,20 @@ class Buffer(RingNamespace):
                 layout = None
             await self.committer.submit(FixLayout(self, layout))
         return await self.ring.insert(key, data, owner, self.initial_priority())
+
+    async def insert_many(self, items: list[tuple[bytes, bytes]], owner: Owner) -> list[EntryMeta | BaseException]:
+        """Insert many entries in order, sharing commit groups (see Ring.insert_many); the
+        first of a buffer without a schema fixes it, as with `insert`."""
+        if items and self.layout is None and not self.config.raw:
+            first = await self._insert_first(*items[0], owner)
+            return [first] + await self.ring.insert_many(items[1:], owner, self.initial_priority())
+        return await self.ring.insert_many(items, owner, self.initial_priority())
+
+    async def _insert_first(self, key: bytes, data: bytes, owner: Owner) -> EntryMeta | BaseException:
+        try:
+            return await self.insert(key, data, owner)
+        except DistorefsError as exc:
+            return exc
 
     def _place(self, data: bytes) -> list[tuple[int, int]] | None:
         """Where the arrays of a new entry are (the ring calls it when the insert is
