@@ -29,10 +29,11 @@ from . import clientwire as wire
 from .backends.segments import LOCATION
 from .batch import Batch
 from .buffer import Buffer
+from .dataset import Dataset
 from .errors import DistorefsError, InvalidArgument
 from .owner import Owner
 from .placement import TIER_NVME
-from .values import ValueLayer
+from .values import StoredValue, ValueLayer
 from .waiting import Abandoned, wait_event
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class ClientSession:
             n, nonblocking = wire.parse_draw(payload)
             return await self.draw(n, nonblocking)
         if op == wire.LOCATE:
-            return await self.locate(wire.parse_locate(payload))
+            return await self.locate(wire.parse_numbers(payload))
         if op == wire.PRIORITIES:
             self.set_priorities(wire.parse_priorities(payload))
             return None
@@ -119,15 +120,7 @@ class ClientSession:
         return wire.pack_tables({"segments": self._segment_paths(metas)}, tables)
 
     def _segment_paths(self, metas) -> dict[str, str | None]:
-        out: dict[str, str | None] = {}
-        for m in metas:
-            if m.value.tier == TIER_NVME:
-                seg = LOCATION.unpack(m.value.loc)[0]
-                if seg not in self.told:
-                    self.told.add(seg)
-                    path = self.values.nvme.path_of(seg)
-                    out[str(seg)] = str(path) if path is not None else None
-        return out
+        return segment_paths(self.values, self.told, [m.value for m in metas])
 
     def set_priorities(self, pairs: list[tuple[bytes, float]]) -> None:
         """Checked now (the write fails on a bad value), committed behind it."""
@@ -209,4 +202,57 @@ class ClientSession:
         self.closed = True
 
 
-__all__ = ["ClientSession", "MAX_INFLIGHT"]
+def segment_paths(values: ValueLayer, told: set[int], stored: list[StoredValue]) -> dict[str, str | None]:
+    """Paths of the segments `stored` values are in that a session has not given yet."""
+    out: dict[str, str | None] = {}
+    for v in stored:
+        if v.tier == TIER_NVME:
+            seg = LOCATION.unpack(v.loc)[0]
+            if seg not in told:
+                told.add(seg)
+                path = values.nvme.path_of(seg)
+                out[str(seg)] = str(path) if path is not None else None
+    return out
+
+
+class DatasetSession:
+    """A session of a client of a sealed dataset: where items' chunks are (ITEMS), so that
+    MountedDataset reads them in its own process; the dataset's stats. Sealed items never
+    change, so locations handed out stay good until the dataset is dropped."""
+
+    def __init__(self, dataset: Dataset, values: ValueLayer, lmdb_path: Path, *, read_only: bool = False) -> None:
+        self.dataset = dataset
+        self.values = values
+        self.lmdb_path = lmdb_path
+        self.read_only = read_only
+        self.told: set[int] = set()
+
+    async def request(self, op: int, payload: memoryview) -> bytes | None:
+        ds = self.dataset
+        if op == wire.HELLO:
+            return wire.reply_json({"protocol": wire.PROTOCOL, "lmdb": str(self.lmdb_path), "dataset": ds.name,
+                                    "items": ds.counters.items, "read_only": self.read_only})
+        if op == wire.ITEMS:
+            numbers = wire.parse_numbers(payload)
+            if not ds.sealed:
+                raise InvalidArgument(f"datasets/{ds.name} is not sealed: its items are read through the mount")
+            if len(numbers) and numbers.min() < 0:
+                raise InvalidArgument("item numbers are >= 0")
+            if len(numbers) > MAX_ITEMS:
+                raise InvalidArgument(f"at most {MAX_ITEMS} items a request, got {len(numbers)}")
+            items = await trio.to_thread.run_sync(ds.sealed_items, numbers.tolist())
+            return wire.pack_tables({"segments": segment_paths(self.values, self.told,
+                                                               [c for it in items if it is not None for c in it.chunks])},
+                                    wire.item_tables(items))
+        if op == wire.STATS:
+            return wire.reply_json(ds.stats())
+        raise InvalidArgument(f"a dataset's client has no request {wire.OPS.get(op, op)}")
+
+    def close(self) -> None:
+        pass
+
+
+MAX_ITEMS = 1 << 16  # items one ITEMS request may ask for
+
+
+__all__ = ["ClientSession", "DatasetSession", "MAX_INFLIGHT", "MAX_ITEMS"]

@@ -33,9 +33,10 @@ LOCATE = 3  # payload: int64 seqs; reply: entry tables of those still present (`
 PRIORITIES = 4  # payload: key table + float64 priorities; no reply (the write fails on bad input)
 INSERT = 5  # payload: u16 key length, key, data; no reply (committed behind: see FLUSH)
 FLUSH = 6  # reply: {"committed", "errors": [[key, errno, message], ...]} of the inserts since the last
-STATS = 7  # reply: the buffer's stats.json as JSON
+STATS = 7  # reply: the buffer's (dataset's) stats.json as JSON
+ITEMS = 8  # datasets: payload int64 item numbers; reply: their chunks' tables (see item_tables)
 OPS = {HELLO: "hello", DRAW: "draw", LOCATE: "locate", PRIORITIES: "priorities", INSERT: "insert",
-       FLUSH: "flush", STATS: "stats"}
+       FLUSH: "flush", STATS: "stats", ITEMS: "items"}
 
 FRAME = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
@@ -113,13 +114,18 @@ def parse_priorities(payload: memoryview) -> list[tuple[bytes, float]]:
     return list(zip(keys, values.tolist()))
 
 
+def items_request(items: Sequence[int] | np.ndarray) -> bytes:
+    return frame(ITEMS, np.ascontiguousarray(items, dtype="<i8").tobytes())
+
+
 def locate_request(seqs: Sequence[int] | np.ndarray) -> bytes:
     return frame(LOCATE, np.ascontiguousarray(seqs, dtype="<i8").tobytes())
 
 
-def parse_locate(payload: memoryview) -> np.ndarray:
+def parse_numbers(payload: memoryview) -> np.ndarray:
+    """The int64 numbers of a LOCATE (sequence numbers) or ITEMS (item numbers) request."""
     if len(payload) % 8:
-        raise WireError("a locate request is int64 sequence numbers")
+        raise WireError("the request is int64 numbers")
     return np.frombuffer(payload, dtype="<i8")
 
 
@@ -178,15 +184,14 @@ def keys_of(arrays: dict[str, np.ndarray]) -> list[bytes]:
     return [blob[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
-def entry_tables(records: Sequence[Any]) -> dict[str, np.ndarray]:
-    """The tables of entries given as EntryMeta-like records (seq, key, value: StoredValue)."""
-    n = len(records)
-    values = [r.value for r in records]
+def value_tables(values: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The tables of stored values (StoredValue-like: size, stored_size, checksum, codec,
+    tier, loc)."""
+    n = len(values)
     locs = [v.loc for v in values]
     loc_offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum([len(loc) for loc in locs], out=loc_offsets[1:])
     return {
-        "seqs": np.fromiter((r.seq for r in records), dtype=np.int64, count=n),
         "sizes": np.fromiter((v.size for v in values), dtype=np.int64, count=n),
         "stored_sizes": np.fromiter((v.stored_size for v in values), dtype=np.int64, count=n),
         "checksums": np.fromiter((v.checksum for v in values), dtype=np.uint32, count=n),
@@ -194,8 +199,25 @@ def entry_tables(records: Sequence[Any]) -> dict[str, np.ndarray]:
         "tiers": np.fromiter((v.tier for v in values), dtype=np.uint8, count=n),
         "loc_offsets": loc_offsets,
         "locs": np.frombuffer(b"".join(locs), dtype=np.uint8),
-        **key_table([r.key for r in records]),
     }
+
+
+def entry_tables(records: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The tables of entries given as EntryMeta-like records (seq, key, value: StoredValue)."""
+    return {"seqs": np.fromiter((r.seq for r in records), dtype=np.int64, count=len(records)),
+            **value_tables([r.value for r in records]), **key_table([r.key for r in records])}
+
+
+def item_tables(items: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The tables of dataset items (Item-like: size, checksum, chunks) or None for a missing
+    one: per item its size and checksum, and where its chunks are in the value tables."""
+    present = [it for it in items if it is not None]
+    first = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum([len(it.chunks) if it is not None else 0 for it in items], out=first[1:])
+    return {"present": np.array([it is not None for it in items], dtype=np.bool_),
+            "item_sizes": np.array([it.size if it is not None else 0 for it in items], dtype=np.int64),
+            "item_checksums": np.array([it.checksum if it is not None else 0 for it in items], dtype=np.uint32),
+            "first_chunk": first, **value_tables([c for it in present for c in it.chunks])}
 
 
 def reply_json(data: Any) -> bytes:

@@ -32,7 +32,7 @@ from .bank import Bank
 from .buffer import Buffer
 from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, EntryMeta, pack_u32, unpack_u32
 from .checkpoints import DB_CKPT, Checkpoints
-from .clientsession import ClientSession
+from .clientsession import ClientSession, DatasetSession
 from .committer import Change, Committer, Overlay
 from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
 from .dataset import DB_DSNODES, Dataset
@@ -195,6 +195,10 @@ class Store:
         """A session of the client beside the mount with `buffer` (distorefs/clientsession.py)."""
         return ClientSession(buffer, self.values, self.env.path, owner, abandoned=abandoned,
                              read_only=self.read_only)
+
+    def dataset_session(self, dataset: Dataset) -> DatasetSession:
+        """A session of the client beside the mount with a sealed dataset (MountedDataset)."""
+        return DatasetSession(dataset, self.values, self.env.path, read_only=self.read_only)
 
     def rings(self) -> list[Ring]:
         return [ns.ring for kind in ("buffers", "banks") for ns in self.namespaces[kind].values()]

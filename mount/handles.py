@@ -12,7 +12,7 @@ import os
 from distorefs import clientwire as wire
 from distorefs.batch import Batch, BatchFile
 from distorefs.buffer import Buffer
-from distorefs.clientsession import ClientSession
+from distorefs.clientsession import ClientSession, DatasetSession
 from distorefs.errors import InvalidArgument, NotPermitted, TooLarge
 from distorefs.names import unescape_key
 
@@ -79,13 +79,13 @@ class SampleReader(Handle):
 
 
 class ClientHandle(Handle):
-    """`buffers/NAME/client`: request frames written from offset 0 (one write may carry
+    """`buffers/NAME/client`, `datasets/NAME/client`: request frames written from offset 0 (one write may carry
     several, and the kernel may split it into several WRITEs), each carried out by the
     session as it completes; the last reply is read back from offset 0."""
 
     direct_io = True
 
-    def __init__(self, session: ClientSession) -> None:
+    def __init__(self, session: ClientSession | DatasetSession) -> None:
         self.session = session
         self.inbox = b""  # the start of a frame not complete yet
         self.received = 0  # bytes of the current write (offsets continue from here)
