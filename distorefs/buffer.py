@@ -153,9 +153,12 @@ class Buffer(RingNamespace):
         if not 1 <= n <= self.limits.max_batch_entries:
             raise InvalidArgument(f"batch size must be in 1..{self.limits.max_batch_entries}, got {n}")
 
-    async def sample(self, n: int, nonblocking: bool = False, abandoned: Abandoned | None = None) -> Batch:
+    async def sample(self, n: int, nonblocking: bool = False, abandoned: Abandoned | None = None, *,
+                     presample: bool = True) -> Batch:
         """Draw a batch of n entries (waiting for `min_size_to_sample` entries unless nonblocking;
-        the wait ends with Interrupted once `abandoned()` says the caller gave up)."""
+        the wait ends with Interrupted once `abandoned()` says the caller gave up). `presample`
+        False: the caller reads the values itself (the client beside the mount), so nothing
+        is drawn and read ahead into the daemon's memory for it."""
         self.check_batch_size(n)
         while self.sampler.drawable_count() < self.config.min_size_to_sample:
             if nonblocking:
@@ -184,7 +187,8 @@ class Buffer(RingNamespace):
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(metas)
         self._record_sampled(metas)
-        self._schedule_presample(n)
+        if presample:
+            self._schedule_presample(n)
         return batch
 
     def _record_sampled(self, metas: list[EntryMeta]) -> None:

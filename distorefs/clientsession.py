@@ -39,6 +39,7 @@ from .waiting import Abandoned, wait_event
 log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = 64 << 20  # bytes of sent, uncommitted inserts a session holds
+MAX_PRIORITY_UPDATES = 256  # priority writes of a session not committed yet before a draw waits
 
 
 class ClientSession:
@@ -53,7 +54,7 @@ class ClientSession:
         self.read_only = read_only
         self.batch: Batch | None = None
         self.told: set[int] = set()  # segments whose path the client was given
-        self.priorities: list = []  # queued priority commits, waited for by the next draw
+        self.priorities: list = []  # queued priority commits (failed or not done yet), waited for by FLUSH
         self.queue: list[tuple[bytes, bytes]] = []
         self.inflight = 0  # bytes sent and not yet committed
         self.committing = False
@@ -89,14 +90,14 @@ class ClientSession:
 
     async def draw(self, n: int, nonblocking: bool) -> bytes:
         self.release()
-        priorities, self.priorities = self.priorities, []
-        for pending in priorities:  # a draw sees the session's own priority updates
-            try:
-                await pending.wait()
-            except DistorefsError as exc:
-                log.debug("priority update of a client failed: %s", exc)
+        # Priority updates commit behind (a draw does not wait for them: the learner's loop
+        # would take a commit's latency per step); FLUSH waits for them.
+        self.priorities = [p for p in self.priorities if not p.done.is_set() or p.error is not None]
+        while len(self.priorities) > MAX_PRIORITY_UPDATES:  # commits lag far behind: wait for the oldest
+            await wait_event(self.priorities[0].done, self.abandoned, f"buffers/{self.buffer.name}: priorities")
+            self.priorities = [p for p in self.priorities if not p.done.is_set() or p.error is not None]
         buf = self.buffer
-        batch = await buf.sample(n, nonblocking, self.abandoned)
+        batch = await buf.sample(n, nonblocking, self.abandoned, presample=False)
         self.batch = batch
         tables = wire.entry_tables(batch.metas)
         tables["probabilities"] = np.asarray(batch.probabilities, dtype=np.float64)

@@ -25,14 +25,16 @@ from .filepath import FileBuffer
 _warned: set[str] = set()
 
 
-def open_buffer(path: str | os.PathLike, *, direct: bool | None = None) -> ClientBuffer | FileBuffer:
+def open_buffer(path: str | os.PathLike, *, direct: bool | None = None,
+                read_ahead: bool = False) -> ClientBuffer | FileBuffer:
     """buffers/NAME of a mounted store. `direct` None: read the store's files when this
     process may, else (said once, as a warning) the file path; True: the store's files or an
-    error; False: the file path."""
+    error; False: the file path. `read_ahead`: each sample(n) draws and reads the next
+    batch of n in a thread while the caller works (see ClientBuffer.sample)."""
     if direct is False:
         return FileBuffer(path)
     try:
-        return ClientBuffer.open(path)
+        return ClientBuffer.open(path, read_ahead=read_ahead)
     except OSError as exc:
         if direct:
             raise

@@ -12,9 +12,12 @@ daemon's EIO there makes it a CorruptValue naming the entry.
 
 from __future__ import annotations
 
+import functools
 import io
+import json
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -24,13 +27,27 @@ from ..errors import CorruptValue, NotFound
 from ..layout import Layout, batch_name
 from ..names import check_name
 from .channel import Channel
-from .storereader import StoreReader, Wanted, segment_of
+from .storereader import StoreReader, Wanted, store_reader, segment_of
 from ..placement import TIER_NVME
 
 DRAW_ATTEMPTS = 3  # batches drawn again when an entry went meanwhile
 LOCATE_ROUNDS = 8  # times a moving value is looked for again
 SEND_BYTES = 1 << 20  # inserts sent to the daemon once this much is waiting
 SEND_COUNT = 64
+SMALL_BATCH = 256 << 10  # a batch of values up to this many bytes is gathered field by field
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(text: str) -> Layout:
+    return Layout.from_json(json.loads(text))
+
+
+def _wait_quietly(future: Future) -> None:
+    """A batch drawn ahead that nobody will take: wait for it, whatever its outcome."""
+    try:
+        future.result()
+    except Exception:
+        pass
 
 
 class InsertFailed(OSError):
@@ -68,18 +85,23 @@ class ClientBuffer:
 
     direct = True  # values are read from the store's files here
 
-    def __init__(self, path: str | os.PathLike, channel: Channel, reader: StoreReader) -> None:
+    def __init__(self, path: str | os.PathLike, channel: Channel, reader: StoreReader, *,
+                 read_ahead: bool = False) -> None:
         self.path = os.fspath(path)
         self.name = os.path.basename(self.path.rstrip("/"))
         self.channel = channel
         self.reader = reader
-        self._lock = threading.RLock()
+        self.read_ahead = read_ahead
+        self._lock = threading.RLock()  # the session: one request and its reply at a time
+        self._queue_lock = threading.Lock()  # requests queued to go with the next one
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._ahead: tuple[int, Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self.counters = {"draws": 0, "redraws": 0, "relocated": 0, "read_through_mount": 0}
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "ClientBuffer":
+    def open(cls, path: str | os.PathLike, *, read_ahead: bool = False) -> "ClientBuffer":
         """Open a session; OSError (Unreadable among them) when the caller cannot use this way."""
         channel = Channel(os.path.join(os.fspath(path), "client"))
         try:
@@ -87,28 +109,47 @@ class ClientBuffer:
             if meta.get("protocol") != wire.PROTOCOL:
                 raise OSError(f"{path}: the daemon speaks client protocol {meta.get('protocol')}, "
                               f"this client {wire.PROTOCOL}")
-            reader = StoreReader(meta["lmdb"])
+            reader = store_reader(meta["lmdb"])
         except BaseException:
             channel.close()
             raise
-        return cls(path, channel, reader)
+        return cls(path, channel, reader, read_ahead=read_ahead)
 
     def _check_fork(self) -> None:
         """A forked child (a DataLoader worker) opens its own session and environment."""
         if self.channel.pid != os.getpid():
             fresh = ClientBuffer.open(self.path)
             self.channel, self.reader = fresh.channel, fresh.reader
-            self._lock = threading.RLock()
+            self._lock, self._queue_lock = threading.RLock(), threading.Lock()
             self._pending, self._pending_bytes = [], 0
+            self._ahead, self._pool = None, None  # threads do not survive a fork
 
     # ----- sampling ---------------------------------------------------------------------------
 
     def sample(self, n: int, *, nonblocking: bool = False) -> dict[str, np.ndarray]:
-        """Draw a batch of n: the arrays `batch/N.npz` would hold for this draw."""
+        """Draw a batch of n: the arrays `batch/N.npz` would hold for this draw. With
+        `read_ahead`, the next batch of n is drawn and read in a thread meanwhile (as
+        Reverb's datasets stream samples ahead): priorities written now reach the draw
+        after it."""
         self._check_fork()
+        if not self.read_ahead or nonblocking:
+            return self._draw(n, nonblocking)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == n:
+            batch = ahead[1].result()
+        else:
+            if ahead is not None:
+                _wait_quietly(ahead[1])
+            batch = self._draw(n, False)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="distorefs-client")
+        self._ahead = (n, self._pool.submit(self._draw, n, False))
+        return batch
+
+    def _draw(self, n: int, nonblocking: bool) -> dict[str, np.ndarray]:
         with self._lock:
             for attempt in range(DRAW_ATTEMPTS):
-                meta, arrays = self.channel.call(wire.draw_request(n, nonblocking))
+                meta, arrays = self.channel.call(self._with_pending(wire.draw_request(n, nonblocking)))
                 self.counters["draws"] += 1
                 self.reader.learn_segments(meta["segments"])
                 values = self._read_entries(arrays)
@@ -118,19 +159,21 @@ class ClientBuffer:
             raise NotFound(f"{self.path}: entries of {DRAW_ATTEMPTS} draws in a row went while being read; "
                            f"try again")
 
-    def _wanted(self, arrays: dict, i: int, keys: list[bytes]) -> Wanted:
-        lo, hi = arrays["loc_offsets"][i], arrays["loc_offsets"][i + 1]
-        return Wanted(int(arrays["tiers"][i]), arrays["locs"][lo:hi].tobytes(), int(arrays["sizes"][i]),
-                      int(arrays["stored_sizes"][i]), int(arrays["checksums"][i]), int(arrays["codecs"][i]),
-                      self._what(keys[i], int(arrays["seqs"][i])))
-
-    def _what(self, key: bytes, seq: int) -> str:
-        return f"buffers/{self.name}/entries/{key.decode(errors='replace')} (seq {seq})"
+    def _wanted_all(self, arrays: dict, keys: list[bytes]) -> list[Wanted]:
+        """Where each entry of a draw's (or a locate's) tables is, and how to check it."""
+        locs = arrays["locs"].tobytes()
+        bounds = arrays["loc_offsets"].tolist()
+        what = f"buffers/{self.name}/entries/"
+        return [Wanted(tier, locs[bounds[i]:bounds[i + 1]], size, stored, crc, cdc,
+                       f"{what}{keys[i].decode(errors='replace')} (seq {seq})")
+                for i, (tier, size, stored, crc, cdc, seq) in enumerate(zip(
+                    arrays["tiers"].tolist(), arrays["sizes"].tolist(), arrays["stored_sizes"].tolist(),
+                    arrays["checksums"].tolist(), arrays["codecs"].tolist(), arrays["seqs"].tolist()))]
 
     def _read_entries(self, arrays: dict) -> list[bytes] | None:
         """The drawn entries' values; None when one went (evicted, rewritten) meanwhile."""
         keys = wire.keys_of(arrays)
-        wanted = [self._wanted(arrays, i, keys) for i in range(len(keys))]
+        wanted = self._wanted_all(arrays, keys)
         results = self.reader.read(wanted)
         for _round in range(LOCATE_ROUNDS):
             failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
@@ -146,9 +189,10 @@ class ClientBuffer:
             if not present.all():
                 return None
             now_keys = wire.keys_of(now)
+            now_wanted = self._wanted_all(now, now_keys)
             retry = []
             for j, i in enumerate(failed):
-                current = self._wanted(now, j, now_keys)
+                current = now_wanted[j]
                 old = wanted[i]
                 if current.checksum != old.checksum or current.size != old.size or now_keys[j] != keys[i]:
                     return None  # rewritten (or renamed): not the entry that was drawn
@@ -184,12 +228,20 @@ class ClientBuffer:
         layout = meta.get("layout")
         if layout is not None:
             places = arrays["places"]
-            for j, f in enumerate(Layout.from_json(layout).fields):
-                stacked = np.empty((n, *f.shape), dtype=np.dtype(f.dtype))
-                rows = stacked.reshape(n, -1).view(np.uint8) if stacked.size else None
+            fields = _layout(json.dumps(layout)).fields  # field order matters: as given
+            total = sum(len(v) for v in values)
+            if total <= SMALL_BATCH:  # small values: one gather per field, not one copy per entry
+                joined = np.frombuffer(b"".join(values), dtype=np.uint8)
+                starts = np.zeros(n, dtype=np.int64)
+                np.cumsum([len(v) for v in values[:-1]], out=starts[1:])
+            for j, f in enumerate(fields):
                 nbytes = f.nbytes
-                if rows is not None:
-                    rows = rows.reshape(n, nbytes)
+                if total <= SMALL_BATCH:
+                    index = (starts + places[:, j])[:, None] + np.arange(nbytes, dtype=np.int64)
+                    stacked = joined[index].view(np.dtype(f.dtype)).reshape((n, *f.shape))
+                else:
+                    stacked = np.empty((n, *f.shape), dtype=np.dtype(f.dtype))
+                    rows = stacked.reshape(n, -1).view(np.uint8).reshape(n, nbytes)
                     for i, (value, off) in enumerate(zip(values, places[:, j].tolist())):
                         rows[i] = np.frombuffer(value, dtype=np.uint8, count=nbytes, offset=off)
                 out[batch_name(f)] = stacked
@@ -210,12 +262,12 @@ class ClientBuffer:
     def update_priorities(self, keys: Sequence[str | bytes] | np.ndarray, priorities: Sequence[float] | np.ndarray
                           ) -> None:
         """Set the priorities of entries (unknown keys, evicted since they were drawn, are
-        skipped); the next draw of this buffer object sees them."""
+        skipped). They go to the daemon with the next request of this buffer object and are
+        committed behind it, in order (a draw right after may not see them yet); `flush()`
+        returns once they are committed."""
         self._check_fork()
         raw = [entry_key(k) for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
-        with self._lock:
-            self._send_pending()
-            self.channel.send(wire.priorities_request(raw, priorities))
+        self._queue(wire.priorities_request(raw, priorities))  # sent with the next request: one round trip saved
 
     # ----- inserts ----------------------------------------------------------------------------
 
@@ -223,12 +275,7 @@ class ClientBuffer:
         """Queue an insert (bytes, an array, or a dict of arrays stored as `.npz`); it streams
         to the daemon and commits behind; `flush()` returns once it is committed."""
         self._check_fork()
-        request = wire.insert_request(entry_key(key), encode_entry(data))
-        with self._lock:
-            self._pending.append(request)
-            self._pending_bytes += len(request)
-            if self._pending_bytes >= SEND_BYTES or len(self._pending) >= SEND_COUNT:
-                self._send_pending()
+        self._queue(wire.insert_request(entry_key(key), encode_entry(data)))
 
     def insert_many(self, items: Mapping[str | bytes, Any] | Sequence[tuple[str | bytes, Any]]) -> None:
         """Queue many inserts, in order (a dict, or (key, data) pairs)."""
@@ -236,18 +283,36 @@ class ClientBuffer:
         for key, data in pairs:
             self.insert(key, data)
 
+    def _queue(self, request: bytes) -> None:
+        with self._queue_lock:
+            self._pending.append(request)
+            self._pending_bytes += len(request)
+            full = self._pending_bytes >= SEND_BYTES or len(self._pending) >= SEND_COUNT
+        if full:
+            with self._lock:
+                self._send_pending()
+
+    def _take_pending(self) -> list[bytes]:
+        with self._queue_lock:
+            pending, self._pending, self._pending_bytes = self._pending, [], 0
+        return pending
+
+    def _with_pending(self, request: bytes) -> bytes:
+        """`request` after what is queued (inserts, priorities), to go in one write."""
+        pending = self._take_pending()
+        return b"".join(pending + [request]) if pending else request
+
     def _send_pending(self) -> None:
-        if self._pending:
-            batch, self._pending, self._pending_bytes = self._pending, [], 0
-            self.channel.send(b"".join(batch))
+        pending = self._take_pending()
+        if pending:
+            self.channel.send(b"".join(pending))
 
     def flush(self) -> int:
         """Wait until every insert queued so far (and every priority update) is committed;
         how many inserts were committed since the last flush. InsertFailed names those refused."""
         self._check_fork()
         with self._lock:
-            self._send_pending()
-            meta, _ = self.channel.call(wire.frame(wire.FLUSH))
+            meta, _ = self.channel.call(self._with_pending(wire.frame(wire.FLUSH)))
         if meta["errors"]:
             raise InsertFailed([tuple(e) for e in meta["errors"]])
         return int(meta["committed"])
@@ -262,6 +327,11 @@ class ClientBuffer:
 
     def close(self) -> None:
         """Send what is queued and end the session (inserts sent still commit)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self.channel.pid == os.getpid():
+            _wait_quietly(ahead[1])
+        if self._pool is not None and self.channel.pid == os.getpid():
+            self._pool.shutdown(wait=True)
         if self.channel.pid == os.getpid():
             with self._lock:
                 try:

@@ -18,7 +18,7 @@ import numpy as np
 from .. import clientwire as wire
 from ..codec import checksum
 from .channel import Channel
-from .storereader import StoreReader, Wanted
+from .storereader import StoreReader, Wanted, store_reader
 
 BLOCK = 4096  # item numbers located in one request
 BLOCKS_KEPT = 256  # blocks of locations kept (a million items)
@@ -35,7 +35,7 @@ class DatasetItems:
             meta, _ = self.channel.call(wire.frame(wire.HELLO))
             if meta.get("protocol") != wire.PROTOCOL:
                 raise OSError(f"{root}: the daemon speaks client protocol {meta.get('protocol')}")
-            self.reader = StoreReader(meta["lmdb"])
+            self.reader = store_reader(meta["lmdb"])
         except BaseException:
             self.channel.close()
             raise

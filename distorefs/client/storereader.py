@@ -48,6 +48,23 @@ class Unreadable(OSError):
     """The caller may not read the store's files (another user's store, say)."""
 
 
+_open: dict[tuple[int, str], "StoreReader"] = {}
+_open_lock = threading.Lock()
+
+
+def store_reader(lmdb_path: str | os.PathLike) -> "StoreReader":
+    """This process's reader of the store at `lmdb_path`: one per process and store (LMDB
+    refuses a second open of an environment in one process), shared by its sessions; each
+    call takes a reference that `close()` gives back."""
+    key = (os.getpid(), os.path.realpath(lmdb_path))
+    with _open_lock:
+        reader = _open.get(key)
+        if reader is None:
+            reader = _open[key] = StoreReader(lmdb_path)
+        reader.refs += 1
+        return reader
+
+
 class StoreReader:
     def __init__(self, lmdb_path: str | os.PathLike) -> None:
         """Open the store whose LMDB environment is `lmdb_path`, read-only. Unreadable if
@@ -69,6 +86,7 @@ class StoreReader:
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._lock = threading.Lock()
         self.pid = os.getpid()
+        self.refs = 0
 
     def learn_segments(self, paths: dict) -> None:
         """Paths of segments, as the daemon gives them (segment id -> path, None: missing)."""
@@ -148,12 +166,19 @@ class StoreReader:
             os.close(fd)
 
     def close(self) -> None:
+        """Give back a reference (store_reader); the last one closes the files."""
+        with _open_lock:
+            self.refs -= 1
+            if self.refs > 0:
+                return
+            _open.pop((self.pid, os.path.realpath(self.path)), None)
+        if os.getpid() != self.pid:
+            return  # inherited across fork: the parent's files and environment are not ours to close
         with self._lock:
             fds, self._fds = list(self._fds.values()), OrderedDict()
         for fd in fds:
             os.close(fd)
-        if os.getpid() == self.pid:  # an environment inherited across fork is not closed
-            self.env.close()
+        self.env.close()
 
 
 def _decode(stored, w: Wanted, tier_crc: int | None) -> bytes:

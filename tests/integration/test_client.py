@@ -283,3 +283,22 @@ def test_no_fuse_or_trio_import():
     code = ("import sys, distorefs.client; "
             "assert 'trio' not in sys.modules and 'pyfuse3' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_read_ahead_draws_the_next_batch_meanwhile(buf):
+    set_config(buf, {"sampler": "prioritized", "presample_batches": 0})
+    for i in range(50):
+        write_entry(buf, f"a{i}", make_payload(f"a{i}", 900))
+    with open_buffer(buf, direct=True, read_ahead=True) as client:
+        for step in range(20):
+            batch = client.sample(16)
+            for i, key in enumerate(batch["keys"].tolist()):
+                assert verify_payload(batch["data"][batch["offsets"][i]:batch["offsets"][i + 1]].tobytes(), key)
+            client.update_priorities(batch["keys"], np.full(16, 1.0 + step))
+        assert client.sample(8)["keys"].shape == (8,)  # another size: drawn now
+        client.flush()
+    # 20 of 16 (the first drawn at once, each next one ahead), one more of 16 ahead, the 8
+    # drawn at once and one of 8 ahead: close() waited for it
+    assert client.counters["draws"] == 23
+    prios = [float(line.split()[1]) for line in (buf / "priorities").read_text().splitlines()]
+    assert max(prios) == 20.0

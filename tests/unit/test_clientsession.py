@@ -81,7 +81,7 @@ def test_spent_entries_go_at_the_next_request(tmp_path):
     run(tmp_path / "s", body)
 
 
-def test_priorities_are_seen_by_the_next_draw(tmp_path):
+def test_priorities_are_committed_by_flush(tmp_path):
     async def body(store):
         buf = await store.create_buffer("b", DIR)
         await store.configure("buffers", "b", b'{"sampler": "prioritized", "presample_batches": 0}')
@@ -89,6 +89,8 @@ def test_priorities_are_seen_by_the_next_draw(tmp_path):
             await buf.insert(b"k%d" % i, bytes([i]) * 100, OWNER)
         session = store.client_session(buf, OWNER)
         await call(session, wire.priorities_request([b"k0", b"k1", b"k2", b"k3"], [0, 0, 5.0, 0]))
+        meta, _ = await call(session, wire.frame(wire.FLUSH))
+        assert meta == {"committed": 0, "errors": []}
         _, t = await call(session, wire.draw_request(16))
         assert set(wire.keys_of(t)) == {b"k2"}
     run(tmp_path / "s", body)
