@@ -75,6 +75,8 @@ class ClientSession:
             return await self.draw(n, nonblocking)
         if op == wire.LOCATE:
             return await self.locate(wire.parse_numbers(payload))
+        if op == wire.GET:
+            return await self.get(wire.parse_get(payload))
         if op == wire.PRIORITIES:
             self.set_priorities(wire.parse_priorities(payload))
             return None
@@ -119,6 +121,25 @@ class ClientSession:
         tables = wire.entry_tables(metas)
         tables["present"] = present
         return wire.pack_tables({"segments": self._segment_paths(metas)}, tables)
+
+    async def get(self, keys: list[bytes]) -> bytes:
+        """Where the entries named `keys` are now, with the places of their arrays (a read by
+        key: a TorchRL storage's get)."""
+        await self.buffer.committer.settle()
+        buf = self.buffer
+        found = [buf.ring.by_key.get(k) for k in keys]
+        metas = [m for m in found if m is not None]
+        tables = wire.entry_tables(metas)
+        tables["present"] = np.array([m is not None for m in found], dtype=np.bool_)
+        stacked = buf.layout is not None and bool(metas)
+        if stacked:
+            slots = np.array([m.slot for m in metas], dtype=np.int64)
+            places = buf.places.take(slots)
+            stacked = places is not None
+            if stacked:
+                tables["places"] = np.asarray(places[0], dtype=np.int64)  # type: ignore[index]
+        return wire.pack_tables({"layout": buf.layout.to_json() if stacked else None,  # type: ignore[union-attr]
+                                 "segments": self._segment_paths(metas)}, tables)
 
     def _segment_paths(self, metas) -> dict[str, str | None]:
         return segment_paths(self.values, self.told, [m.value for m in metas])

@@ -35,8 +35,9 @@ INSERT = 5  # payload: u16 key length, key, data; no reply (committed behind: se
 FLUSH = 6  # reply: {"committed", "errors": [[key, errno, message], ...]} of the inserts since the last
 STATS = 7  # reply: the buffer's (dataset's) stats.json as JSON
 ITEMS = 8  # datasets: payload int64 item numbers; reply: their chunks' tables (see item_tables)
+GET = 9  # payload: key table; reply: entry tables of the keys present (`present`), and the layout
 OPS = {HELLO: "hello", DRAW: "draw", LOCATE: "locate", PRIORITIES: "priorities", INSERT: "insert",
-       FLUSH: "flush", STATS: "stats", ITEMS: "items"}
+       FLUSH: "flush", STATS: "stats", ITEMS: "items", GET: "get"}
 
 FRAME = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
@@ -103,6 +104,14 @@ def priorities_request(keys: Sequence[bytes], priorities: Sequence[float] | np.n
     if values.shape != (len(keys),):
         raise ValueError(f"{len(keys)} keys but {values.size} priorities")
     return frame(PRIORITIES, pack_tables({}, {**key_table(keys), "priorities": values}))
+
+
+def get_request(keys: Sequence[bytes]) -> bytes:
+    return frame(GET, pack_tables({}, key_table(keys)))
+
+
+def parse_get(payload: memoryview) -> list[bytes]:
+    return keys_of(unpack_tables(payload)[1])
 
 
 def parse_priorities(payload: memoryview) -> list[tuple[bytes, float]]:

@@ -80,6 +80,41 @@ def entry_key(key: str | bytes) -> bytes:
     return raw
 
 
+def stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes], keys: list[bytes],
+          seqs: np.ndarray) -> dict[str, np.ndarray]:
+    """Entries as `batch/N.npz` holds them: each field of `layout` stacked (`places`: where
+    each entry's fields start, (N, fields)), or raw (`data`, `offsets`); `keys`, `seqs`."""
+    n = len(values)
+    out: dict[str, np.ndarray] = {}
+    if layout is not None and places is not None:
+        total = sum(len(v) for v in values)
+        small = total <= SMALL_BATCH  # small values: one gather per field, not one copy per entry
+        if small:
+            joined = np.frombuffer(b"".join(values), dtype=np.uint8)
+            starts = np.zeros(n, dtype=np.int64)
+            np.cumsum([len(v) for v in values[:-1]], out=starts[1:])
+        for j, f in enumerate(layout.fields):
+            nbytes = f.nbytes
+            if small:
+                index = (starts + places[:, j])[:, None] + np.arange(nbytes, dtype=np.int64)
+                stacked = joined[index].view(np.dtype(f.dtype)).reshape((n, *f.shape))
+            else:
+                stacked = np.empty((n, *f.shape), dtype=np.dtype(f.dtype))
+                rows = stacked.reshape(n, -1).view(np.uint8).reshape(n, nbytes)
+                for i, (value, off) in enumerate(zip(values, places[:, j].tolist())):
+                    rows[i] = np.frombuffer(value, dtype=np.uint8, count=nbytes, offset=off)
+            out[batch_name(f)] = stacked
+    else:
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(v) for v in values], out=offsets[1:])
+        out["data"] = np.frombuffer(b"".join(values), dtype=np.uint8)
+        out["offsets"] = offsets
+    texts = [k.decode("utf-8", "surrogateescape") for k in keys]
+    out["keys"] = np.array(texts) if texts else np.zeros(0, dtype="<U1")
+    out["seqs"] = np.asarray(seqs, dtype=np.int64)
+    return out
+
+
 class ClientBuffer:
     """buffers/NAME of a mounted store, read from the caller's process (see module docstring)."""
 
@@ -159,6 +194,23 @@ class ClientBuffer:
             raise NotFound(f"{self.path}: entries of {DRAW_ATTEMPTS} draws in a row went while being read; "
                            f"try again")
 
+    def get(self, keys: Sequence[str | bytes] | np.ndarray) -> dict[str, np.ndarray]:
+        """The entries named `keys`, stacked as a batch is (without probabilities and
+        weights): read by key, as a TorchRL storage reads. NotFound names a key not there."""
+        self._check_fork()
+        raw = [entry_key(k) for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+        with self._lock:
+            for attempt in range(DRAW_ATTEMPTS):
+                meta, arrays = self.channel.call(self._with_pending(wire.get_request(raw)))
+                if not arrays["present"].all():
+                    missing = raw[int(np.flatnonzero(~arrays["present"])[0])]
+                    raise NotFound(f"buffers/{self.name}: no entry {missing.decode(errors='replace')!r}")
+                self.reader.learn_segments(meta["segments"])
+                values = self._read_entries(arrays)
+                if values is not None:
+                    return self._assemble(meta, arrays, values)
+            raise NotFound(f"{self.path}: entries asked for keep changing while being read; try again")
+
     def _wanted_all(self, arrays: dict, keys: list[bytes]) -> list[Wanted]:
         """Where each entry of a draw's (or a locate's) tables is, and how to check it."""
         locs = arrays["locs"].tobytes()
@@ -171,7 +223,8 @@ class ClientBuffer:
                     arrays["checksums"].tolist(), arrays["codecs"].tolist(), arrays["seqs"].tolist()))]
 
     def _read_entries(self, arrays: dict) -> list[bytes] | None:
-        """The drawn entries' values; None when one went (evicted, rewritten) meanwhile."""
+        """The entries' values (of a draw, or asked for by key); None when one went (evicted,
+        rewritten) meanwhile."""
         keys = wire.keys_of(arrays)
         wanted = self._wanted_all(arrays, keys)
         results = self.reader.read(wanted)
@@ -223,38 +276,12 @@ class ClientBuffer:
         return data
 
     def _assemble(self, meta: dict, arrays: dict, values: list[bytes]) -> dict[str, np.ndarray]:
-        n = len(values)
-        out: dict[str, np.ndarray] = {}
         layout = meta.get("layout")
-        if layout is not None:
-            places = arrays["places"]
-            fields = _layout(json.dumps(layout)).fields  # field order matters: as given
-            total = sum(len(v) for v in values)
-            if total <= SMALL_BATCH:  # small values: one gather per field, not one copy per entry
-                joined = np.frombuffer(b"".join(values), dtype=np.uint8)
-                starts = np.zeros(n, dtype=np.int64)
-                np.cumsum([len(v) for v in values[:-1]], out=starts[1:])
-            for j, f in enumerate(fields):
-                nbytes = f.nbytes
-                if total <= SMALL_BATCH:
-                    index = (starts + places[:, j])[:, None] + np.arange(nbytes, dtype=np.int64)
-                    stacked = joined[index].view(np.dtype(f.dtype)).reshape((n, *f.shape))
-                else:
-                    stacked = np.empty((n, *f.shape), dtype=np.dtype(f.dtype))
-                    rows = stacked.reshape(n, -1).view(np.uint8).reshape(n, nbytes)
-                    for i, (value, off) in enumerate(zip(values, places[:, j].tolist())):
-                        rows[i] = np.frombuffer(value, dtype=np.uint8, count=nbytes, offset=off)
-                out[batch_name(f)] = stacked
-        else:
-            offsets = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum([len(v) for v in values], out=offsets[1:])
-            out["data"] = np.frombuffer(b"".join(values), dtype=np.uint8)
-            out["offsets"] = offsets
-        keys = [k.decode("utf-8", "surrogateescape") for k in wire.keys_of(arrays)]
-        out["keys"] = np.array(keys) if keys else np.zeros(0, dtype="<U1")
-        out["seqs"] = arrays["seqs"].astype(np.int64)
-        out["probabilities"] = arrays["probabilities"].astype(np.float64)
-        out["weights"] = arrays["weights"].astype(np.float64)
+        out = stack(_layout(json.dumps(layout)) if layout is not None else None,  # field order: as given
+                    arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"])
+        if "probabilities" in arrays:  # a draw's (not a read by key)
+            out["probabilities"] = arrays["probabilities"].astype(np.float64)
+            out["weights"] = arrays["weights"].astype(np.float64)
         return out
 
     # ----- priorities -------------------------------------------------------------------------

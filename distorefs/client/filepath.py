@@ -16,7 +16,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..names import escape_key
-from .buffer import InsertFailed, encode_entry, entry_key
+from ..layout import Layout, place
+from .buffer import InsertFailed, encode_entry, entry_key, stack
 
 
 class FileBuffer:
@@ -36,6 +37,26 @@ class FileBuffer:
         fd = os.open(os.path.join(self.path, "batch", f"{n}.npz"), flags)
         with os.fdopen(fd, "rb") as f, np.load(f) as npz:
             return {name: npz[name] for name in npz.files}
+
+    def get(self, keys: Sequence[str | bytes] | np.ndarray) -> dict[str, np.ndarray]:
+        """The entries named `keys`, stacked as a batch is (see ClientBuffer.get), each read
+        from entries/KEY; arrays by the buffer's layout, plain bytes as data and offsets."""
+        from ..errors import NotFound
+        values = []
+        for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys):
+            try:
+                with open(os.path.join(os.fsencode(self.path), b"entries", entry_key(k)), "rb") as f:
+                    values.append(f.read())
+            except FileNotFoundError:
+                raise NotFound(f"{self.path}: no entry {k!r}") from None
+        raw = [entry_key(k) for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+        seqs = [int(os.getxattr(os.path.join(os.fsencode(self.path), b"entries", k), "user.distorefs.seq"))
+                for k in raw]
+        with open(os.path.join(self.path, "config.json"), "rb") as f:
+            config = json.loads(f.read())
+        layout = None if config.get("raw") or config.get("schema") is None else Layout.from_json(config["schema"])
+        places = np.array([place(layout, v) for v in values], dtype=np.int64) if layout is not None else None
+        return stack(layout, places, values, raw, np.array(seqs, dtype=np.int64))
 
     def update_priorities(self, keys: Sequence[str | bytes] | np.ndarray, priorities: Sequence[float] | np.ndarray
                           ) -> None:
