@@ -187,7 +187,14 @@ class ClientBuffer:
                 meta, arrays = self.channel.call(self._with_pending(wire.draw_request(n, nonblocking)))
                 self.counters["draws"] += 1
                 self.reader.learn_segments(meta["segments"])
-                values = self._read_entries(arrays)
+                keys = wire.keys_of(arrays)
+                wanted = self._wanted_all(arrays, keys)
+                with self.reader.snapshot() as snapshot:  # values used in place, copied once: into the batch
+                    first = snapshot.read(wanted)
+                    if not any(isinstance(r, Exception) for r in first):
+                        return self._assemble(meta, arrays, first)  # type: ignore[arg-type]
+                    first = [bytes(r) if isinstance(r, memoryview) else r for r in first]
+                values = self._read_entries(arrays, keys, wanted, first)
                 if values is not None:
                     return self._assemble(meta, arrays, values)
                 self.counters["redraws"] += 1
@@ -206,7 +213,9 @@ class ClientBuffer:
                     missing = raw[int(np.flatnonzero(~arrays["present"])[0])]
                     raise NotFound(f"buffers/{self.name}: no entry {missing.decode(errors='replace')!r}")
                 self.reader.learn_segments(meta["segments"])
-                values = self._read_entries(arrays)
+                keys = wire.keys_of(arrays)
+                wanted = self._wanted_all(arrays, keys)
+                values = self._read_entries(arrays, keys, wanted, self.reader.read(wanted))
                 if values is not None:
                     return self._assemble(meta, arrays, values)
             raise NotFound(f"{self.path}: entries asked for keep changing while being read; try again")
@@ -222,12 +231,10 @@ class ClientBuffer:
                     arrays["tiers"].tolist(), arrays["sizes"].tolist(), arrays["stored_sizes"].tolist(),
                     arrays["checksums"].tolist(), arrays["codecs"].tolist(), arrays["seqs"].tolist()))]
 
-    def _read_entries(self, arrays: dict) -> list[bytes] | None:
-        """The entries' values (of a draw, or asked for by key); None when one went (evicted,
-        rewritten) meanwhile."""
-        keys = wire.keys_of(arrays)
-        wanted = self._wanted_all(arrays, keys)
-        results = self.reader.read(wanted)
+    def _read_entries(self, arrays: dict, keys: list[bytes], wanted: list[Wanted], results: list
+                      ) -> list[bytes] | None:
+        """The entries' values (of a draw, or asked for by key), given what a first read of
+        them gave (`results`); None when one went (evicted, rewritten) meanwhile."""
         for _round in range(LOCATE_ROUNDS):
             failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
             if not failed:
