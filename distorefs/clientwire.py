@@ -20,6 +20,7 @@ for a draw the probabilities, weights and the places of each field of the buffer
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any, Sequence
 
@@ -152,7 +153,7 @@ def pack_tables(meta: dict, arrays: dict[str, np.ndarray]) -> bytes:
     for name, array in arrays.items():
         a = np.ascontiguousarray(array)
         contiguous[name] = a
-        specs.append([name, a.dtype.str, list(a.shape), offset])
+        specs.append([name, a.dtype.descr if a.dtype.names else a.dtype.str, list(a.shape), offset])
         offset = _align(offset + a.nbytes)
     head = json.dumps({"meta": meta, "arrays": specs}, separators=(",", ":")).encode()
     start = _align(4 + len(head))
@@ -172,8 +173,8 @@ def unpack_tables(data: bytes | bytearray | memoryview) -> tuple[dict, dict[str,
         start = _align(4 + hlen)
         arrays = {}
         for name, dtype, shape, off in head["arrays"]:
-            dt = np.dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64))
+            dt = np.dtype(dtype if isinstance(dtype, str) else [tuple(f) for f in dtype])
+            count = math.prod(shape)
             arrays[name] = np.frombuffer(view, dtype=dt, count=count, offset=start + off).reshape(shape)
         return head["meta"], arrays
     except (struct.error, ValueError, KeyError, TypeError) as exc:
@@ -211,10 +212,30 @@ def value_tables(values: Sequence[Any]) -> dict[str, np.ndarray]:
     }
 
 
+# One row per entry: what a draw, a LOCATE or a GET says of it (one array, built in one call).
+ENTRY = np.dtype([("seqs", "<i8"), ("sizes", "<i8"), ("stored_sizes", "<i8"), ("checksums", "<u4"),
+                  ("codecs", "u1"), ("tiers", "u1")])
+
+
 def entry_tables(records: Sequence[Any]) -> dict[str, np.ndarray]:
-    """The tables of entries given as EntryMeta-like records (seq, key, value: StoredValue)."""
-    return {"seqs": np.fromiter((r.seq for r in records), dtype=np.int64, count=len(records)),
-            **value_tables([r.value for r in records]), **key_table([r.key for r in records])}
+    """The tables of entries given as EntryMeta-like records (seq, key, value: StoredValue):
+    `entries` (ENTRY rows), their locations and keys; `entry_columns` splits them again."""
+    values = [r.value for r in records]
+    locs = [v.loc for v in values]
+    loc_offsets = np.zeros(len(locs) + 1, dtype=np.int64)
+    np.cumsum([len(loc) for loc in locs], out=loc_offsets[1:])
+    rows = np.array([(r.seq, v.size, v.stored_size, v.checksum, v.codec, v.tier) for r, v in zip(records, values)],
+                    dtype=ENTRY)
+    return {"entries": rows, "loc_offsets": loc_offsets, "locs": np.frombuffer(b"".join(locs), dtype=np.uint8),
+            **key_table([r.key for r in records])}
+
+
+def entry_columns(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`arrays` with the columns of its `entries` rows as arrays of their own (seqs, sizes ...)."""
+    rows = arrays.get("entries")
+    if rows is None:
+        return arrays
+    return {**arrays, **{name: rows[name] for name in ENTRY.names}}
 
 
 def item_tables(items: Sequence[Any]) -> dict[str, np.ndarray]:

@@ -185,6 +185,7 @@ class ClientBuffer:
         with self._lock:
             for attempt in range(DRAW_ATTEMPTS):
                 meta, arrays = self.channel.call(self._with_pending(wire.draw_request(n, nonblocking)))
+                arrays = wire.entry_columns(arrays)
                 self.counters["draws"] += 1
                 self.reader.learn_segments(meta["segments"])
                 keys = wire.keys_of(arrays)
@@ -209,6 +210,7 @@ class ClientBuffer:
         with self._lock:
             for attempt in range(DRAW_ATTEMPTS):
                 meta, arrays = self.channel.call(self._with_pending(wire.get_request(raw)))
+                arrays = wire.entry_columns(arrays)
                 if not arrays["present"].all():
                     missing = raw[int(np.flatnonzero(~arrays["present"])[0])]
                     raise NotFound(f"buffers/{self.name}: no entry {missing.decode(errors='replace')!r}")
@@ -244,6 +246,7 @@ class ClientBuffer:
                     self.reader.forget_segment(segment_of(wanted[i].loc))
             seqs = arrays["seqs"][failed]
             meta, now = self.channel.call(wire.locate_request(seqs))
+            now = wire.entry_columns(now)
             self.reader.learn_segments(meta["segments"])
             present = now["present"]
             if not present.all():
@@ -300,7 +303,9 @@ class ClientBuffer:
         committed behind it, in order (a draw right after may not see them yet); `flush()`
         returns once they are committed."""
         self._check_fork()
-        raw = [entry_key(k) for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+        # not checked here: the daemon skips keys it does not have, as it does evicted ones
+        raw = [k.encode("utf-8", "surrogateescape") if isinstance(k, str) else bytes(k)
+               for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
         self._queue(wire.priorities_request(raw, priorities))  # sent with the next request: one round trip saved
 
     # ----- inserts ----------------------------------------------------------------------------

@@ -17,9 +17,8 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import lmdb
 
@@ -33,9 +32,9 @@ DB_VALUES = b"values"  # backends/lmdbvalues.py
 MAX_OPEN_SEGMENTS = 128
 
 
-@dataclass(frozen=True, slots=True)
-class Wanted:
-    """One value to read: where it is and how to check it, and what to call it in errors."""
+class Wanted(NamedTuple):
+    """One value to read: where it is and how to check it, and what to call it in errors
+    (a tuple: made for every value of every batch)."""
 
     tier: int
     loc: bytes

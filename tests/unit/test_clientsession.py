@@ -20,7 +20,10 @@ DIR = Owner(0o40755, 1000, 1000)
 async def call(session, request: bytes):
     op, payload = wire.split_frame(request)
     reply = await session.request(op, payload)
-    return None if reply is None else wire.unpack_tables(reply)
+    if reply is None:
+        return None
+    meta, arrays = wire.unpack_tables(reply)
+    return meta, wire.entry_columns(arrays)
 
 
 def test_inserts_commit_in_order_and_flush_reports_failures(tmp_path):
