@@ -14,6 +14,10 @@ d) inserts of 113 KB entries from 4 actor processes: the client (pipelined, a fl
    32 inserts, as Reverb's writers are flushed) and the file path (np.save into entries/).
    Reverb's pipelined trajectory writers measured 9,322/s here (the issue's figure: Reverb
    is not installed on this machine, so it is not remeasured). Target: >= 1.0x Reverb.
+e) one shuffled epoch of a dataset of 10 KB items (100,000; --quick 10,000), 4 reader
+   processes, cold (with --drop-caches): MountedDataset reading the store's files (the
+   order declared as EpochSampler does), MountedDataset through the mount, and the plain
+   files on ext4. Target: client >= 1.0x ext4.
 
 Client processes are started with `spawn`; numpy uses one thread per process. Writes
 OUT/client.json and OUT/client.png; prints a table.
@@ -23,7 +27,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import shutil
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -154,6 +161,58 @@ def _frames(system: str, root: Path, p: dict, ctx, errors: list[str]) -> dict:
         mount.umount()
 
 
+def _ds_reader(root: str, items: list[int], direct: bool, barrier, results) -> None:
+    from distorefs.loader import MountedDataset
+    data = MountedDataset(root, direct=direct)
+    barrier.wait()
+    t0 = time.perf_counter()
+    total = sum(len(data[i]) for i in items)
+    results.put((time.perf_counter() - t0, len(items), total))
+
+
+def _dataset(root: Path, p: dict, notes: list[str]) -> dict:
+    """e) a cold shuffled epoch, 4 readers: client, mount, ext4."""
+    from .bench_buffers import _drop_caches
+    from .bench_datasets import _epoch, _generate
+    from distorefs.loader import MountedDataset
+    src = root / "ds-src"
+    _generate(src, p["ds_items"], 10 << 10, 0, seed=7)
+    mount = DistorefsMount(root / "store-ds", root / "mnt-ds")
+    res: dict[str, Any] = {"items": p["ds_items"], "item_bytes": 10 << 10}
+    try:
+        mount.mount()
+        ds = mount.mnt / "datasets" / "epoch"
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "distorefs.tools.cli", "stage", "-q", str(src), str(ds)], check=True,
+                       capture_output=True, timeout=3600)
+        res["stage_seconds"] = round(time.perf_counter() - t0, 1)
+        data = MountedDataset(ds, direct=False)
+        order = np.random.default_rng(1).permutation(len(data))
+        ctx = mp.get_context("fork")
+        for label, direct in (("client", True), ("files", False)):
+            _drop_caches(notes)
+            data.declare(order)  # as EpochSampler does before the first read
+            barrier, results = ctx.Barrier(5), ctx.Queue()
+            procs = [ctx.Process(target=_ds_reader, args=(str(ds), order[k::4].tolist(), direct, barrier, results))
+                     for k in range(4)]
+            for proc in procs:
+                proc.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            got = [results.get(timeout=3600) for _ in procs]
+            wall = time.perf_counter() - t0
+            for proc in procs:
+                proc.join()
+            res[label] = {"items_per_s": round(sum(g[1] for g in got) / wall, 1), "seconds": round(wall, 2)}
+        _drop_caches(notes)
+        base = os.fsencode(src) + b"/"
+        res["ext4"] = _epoch([base + bytes(data.index["path"][j]) for j in order.tolist()], 4)  # the same order
+        return res
+    finally:
+        mount.umount()
+        shutil.rmtree(src, ignore_errors=True)
+
+
 def _ratio(a, b) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -176,6 +235,10 @@ def format_table(res: dict) -> str:
          f.get("sample_256_2_processes"), c.get("sample_256_1_process"), "client, 1 process", ">= 1.6x"),
         ("inserts of 113 KB, 4 actor processes (entries/s)", c.get("inserts_4_actors_per_s"),
          f.get("inserts_4_actors_per_s"), REVERB_INSERTS, "Reverb (issue's figure)", ">= 1.0x"),
+        ("dataset epoch, 10 KB items, 4 readers, cold (items/s)",
+         ((res.get("dataset") or {}).get("client") or {}).get("items_per_s"),
+         ((res.get("dataset") or {}).get("files") or {}).get("items_per_s"),
+         ((res.get("dataset") or {}).get("ext4") or {}).get("items_per_s"), "ext4 files", ">= 1.0x"),
     ]
     lines = [f"{'measure':50s} {'client':>9s} {'files':>9s} {'baseline':>9s} {'client/base':>11s} {'target':>8s}  baseline"]
     for text, cv, fv, bv, base, target in rows:
@@ -218,6 +281,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     out, root, notes, machine = r.out, r.root, r.notes, r.machine
     p = _params(quick)
     p["frames"] = 800 if quick else 3000
+    p["ds_items"] = 10_000 if quick else 100_000
     _one_thread()
     ctx = mp.get_context("spawn")
     print(f"distorefs bench client{' --quick' if quick else ''}: workdir {root}, {machine['cpus']} CPUs", flush=True)
@@ -225,7 +289,6 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     errors: list[str] = []
     notes.append(f"Reverb is not remeasured (not installed here): its 113 KB insert rate is the issue's "
                  f"figure, {REVERB_INSERTS:,.0f}/s")
-    notes.append("datasets row (100k x 10 KB epoch, 4 loader workers, cold, vs ext4) not measured by this command")
     try:
         for label, system, extra in (("in-process", "in-process", {}), ("client", "client", {"read_ahead": True}),
                                      ("client-no-read-ahead", "client", {"read_ahead": False}),
@@ -252,6 +315,11 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
             errors.append(f"cpprb: {o['error']}")
         res["cpprb"] = {"entries_per_s": round(o["entries"] / (o["seconds"] or 1e-9), 1)}
         print(f"  cpprb sample 256: {res['cpprb']}", flush=True)
+        try:
+            res["dataset"] = _dataset(root, p, notes)
+            print(f"  dataset epoch: {res['dataset']}", flush=True)
+        except Exception as exc:
+            errors.append(f"dataset: {type(exc).__name__}: {exc}")
     finally:
         if not any(_is_mounted(m) for m in root.rglob("mnt*") if m.is_dir()):
             shutil.rmtree(root, ignore_errors=True)
@@ -264,6 +332,8 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     one, two = c.get("sample_256_1_process"), c.get("sample_256_2_processes")
     cpprb = res["cpprb"]["entries_per_s"]
     ins = c.get("inserts_4_actors_per_s")
+    dc = ((res.get("dataset") or {}).get("client") or {}).get("items_per_s")
+    de = ((res.get("dataset") or {}).get("ext4") or {}).get("items_per_s")
 
     def goal(text, value, met):
         return {"goal": text, "value": value, "met": met}
@@ -278,6 +348,8 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
              None if _ratio(two, one) is None else _ratio(two, one) >= 1.6),
         goal("113 KB inserts, 4 actors >= 1.0x Reverb (9,322/s, the issue's figure)", f"{_ratio(ins, REVERB_INSERTS)}x",
              None if _ratio(ins, REVERB_INSERTS) is None else _ratio(ins, REVERB_INSERTS) >= 1.0),
+        goal("dataset epoch, 10 KB items, 4 readers, cold: client >= 1.0x ext4", f"{_ratio(dc, de)}x",
+             None if _ratio(dc, de) is None else _ratio(dc, de) >= 1.0),
     ]
     table = format_table(res)
     result_doc = {"benchmark": "client", "quick": quick, "params": p, "machine": machine, "results": res,
