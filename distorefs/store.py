@@ -149,7 +149,7 @@ class Store:
         self.banks: dict[str, Bank] = self.namespaces["banks"]  # type: ignore[assignment]
         self.datasets: dict[str, Dataset] = self.namespaces["datasets"]  # type: ignore[assignment]
         self.listeners: list[EntryListener] = []
-        self.counters = {"syncs": 0}
+        self.counters = {"syncs": 0, "stale_readers_cleared": 0}
         self.started = time.time()
         self._nursery: trio.Nursery | None = None
         self._synced_groups = 0
@@ -315,6 +315,9 @@ class Store:
     def sync_blocking(self) -> None:
         self.values.sync()
         self.counters["syncs"] += 1
+        # Reader slots of client processes (distorefs.client) killed inside a read: freed
+        # here, or LMDB could never reuse the pages they pinned.
+        self.counters["stale_readers_cleared"] += self.env.clear_stale_readers()
 
     def close(self) -> None:
         """Close after `running()` has exited (or if it never ran). Only a close whose sync

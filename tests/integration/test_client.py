@@ -302,3 +302,30 @@ def test_read_ahead_draws_the_next_batch_meanwhile(buf):
     assert client.counters["draws"] == 23
     prios = [float(line.split()[1]) for line in (buf / "priorities").read_text().splitlines()]
     assert max(prios) == 20.0
+
+
+def test_a_client_killed_inside_a_read_leaves_no_reader_slot(fresh_mount):
+    """A client process killed while it holds an LMDB read transaction: its reader slot
+    (which would pin the pages it saw forever) is freed by the daemon's next sync."""
+    import signal
+    import json as _json
+    m = fresh_mount()
+    buf = m.buffer("readers")
+    write_entry(buf, "e", b"x" * 100)
+    script = ("import sys, time; from distorefs.client import open_buffer\n"
+              "b = open_buffer(sys.argv[1], direct=True)\n"
+              "with b.reader.snapshot():\n"
+              "    print('holding', flush=True); time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", script, str(buf)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "holding"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    fd = os.open(buf / "entries" / "e", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # a sync of the store
+    finally:
+        os.close(fd)
+    stats = _json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
+    assert stats["stale_readers_cleared"] >= 1, {k: v for k, v in stats.items() if not isinstance(v, dict)}
