@@ -26,7 +26,7 @@ from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFo
 from distorefs.names import check_name
 from distorefs.owner import Owner
 
-from .callers import abandoned_by
+from .callers import abandoned_by, process_of
 from .handles import (BytesReader, ClientHandle, ConfigWriter, EntryWriter, Handle, PrioritiesWriter,
                       SampleReader, wants_read, wants_write)
 
@@ -371,7 +371,8 @@ class ClientFile(BufferControlFile):
         if not (wants_read(flags) and wants_write(flags)):
             raise InvalidArgument("the client file is opened for reading and writing")
         owner = Owner(stat.S_IFREG | (0o666 & ~ctx.umask), ctx.uid, ctx.gid)
-        return ClientHandle(self.fs.store.client_session(self.buf, owner, abandoned_by(ctx.pid)))
+        # the session's waits end when the opener's process goes (any of its threads may ask)
+        return ClientHandle(self.fs.store.client_session(self.buf, owner, abandoned_by(process_of(ctx.pid))))
 
 
 class DrawDir(Node):

@@ -329,3 +329,23 @@ def test_a_client_killed_inside_a_read_leaves_no_reader_slot(fresh_mount):
         os.close(fd)
     stats = _json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
     assert stats["stale_readers_cleared"] >= 1, {k: v for k, v in stats.items() if not isinstance(v, dict)}
+
+
+def test_min_size_to_sample_waits_or_says_eagain(buf):
+    import errno
+    set_config(buf, {"min_size_to_sample": 5, "presample_batches": 0})
+    with open_buffer(buf, direct=True) as client:
+        with pytest.raises(OSError) as info:
+            client.sample(2, nonblocking=True)
+        assert info.value.errno == errno.EAGAIN
+
+        def fill() -> None:
+            time.sleep(0.5)
+            for i in range(5):
+                write_entry(buf, f"late{i}", make_payload(f"late{i}", 300))
+        filler = threading.Thread(target=fill)
+        filler.start()
+        t0 = time.monotonic()
+        batch = client.sample(2)  # waits for the fifth entry
+        filler.join()
+        assert time.monotonic() - t0 >= 0.4 and len(batch["keys"]) == 2
