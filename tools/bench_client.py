@@ -173,7 +173,7 @@ def _ds_reader(root: str, items: list[int], direct: bool, barrier, results) -> N
 def _dataset(root: Path, p: dict, notes: list[str]) -> dict:
     """e) a cold shuffled epoch, 4 readers: client, mount, ext4."""
     from .bench_buffers import _drop_caches
-    from .bench_datasets import _epoch, _generate
+    from .bench_datasets import _epoch, _generate, timed_readers
     from distorefs.loader import MountedDataset
     src = root / "ds-src"
     _generate(src, p["ds_items"], 10 << 10, 0, seed=7)
@@ -188,22 +188,10 @@ def _dataset(root: Path, p: dict, notes: list[str]) -> dict:
         res["stage_seconds"] = round(time.perf_counter() - t0, 1)
         data = MountedDataset(ds, direct=False)
         order = np.random.default_rng(1).permutation(len(data))
-        ctx = mp.get_context("fork")
         for label, direct in (("client", True), ("files", False)):
             _drop_caches(notes)
             data.declare(order)  # as EpochSampler does before the first read
-            barrier, results = ctx.Barrier(5), ctx.Queue()
-            procs = [ctx.Process(target=_ds_reader, args=(str(ds), order[k::4].tolist(), direct, barrier, results))
-                     for k in range(4)]
-            for proc in procs:
-                proc.start()
-            barrier.wait()
-            t0 = time.perf_counter()
-            got = [results.get(timeout=3600) for _ in procs]
-            wall = time.perf_counter() - t0
-            for proc in procs:
-                proc.join()
-            res[label] = {"items_per_s": round(sum(g[1] for g in got) / wall, 1), "seconds": round(wall, 2)}
+            res[label] = timed_readers(_ds_reader, [(str(ds), order[k::4].tolist(), direct) for k in range(4)])
         _drop_caches(notes)
         base = os.fsencode(src) + b"/"
         res["ext4"] = _epoch([base + bytes(data.index["path"][j]) for j in order.tolist()], 4)  # the same order
