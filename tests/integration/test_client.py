@@ -349,3 +349,31 @@ def test_min_size_to_sample_waits_or_says_eagain(buf):
         batch = client.sample(2)  # waits for the fifth entry
         filler.join()
         assert time.monotonic() - t0 >= 0.4 and len(batch["keys"]) == 2
+
+
+def test_requests_split_across_write_requests_arrive_whole(buf):
+    """A write of several large inserts reaches the daemon as many WRITE requests (the
+    kernel's max_write): frames cut anywhere are put back together."""
+    payloads = {f"big{i}": make_payload(f"big{i}", 300_000 + 4099 * i) for i in range(6)}
+    with open_buffer(buf, direct=True) as client:
+        client.insert_many(payloads)  # about 1.9 MB, sent as one write
+        assert client.flush() == 6
+    for key, data in payloads.items():
+        assert (buf / "entries" / key).read_bytes() == data
+
+
+def test_a_read_only_mount_is_read_through_the_file_path(fresh_mount):
+    import warnings
+    m = fresh_mount()
+    buf = m.buffer("ro", {"presample_batches": 0})
+    for i in range(8):
+        write_entry(buf, f"k{i}", make_payload(f"k{i}", 400))
+    m.umount()
+    m.mount(flags=("--read-only",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        client = open_buffer(buf)
+    assert isinstance(client, FileBuffer) and any("file path" in str(w.message) for w in caught)
+    batch = client.sample(4)
+    for i, key in enumerate(batch["keys"].tolist()):
+        assert verify_payload(batch["data"][batch["offsets"][i]:batch["offsets"][i + 1]].tobytes(), key)
