@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import logging
 from pathlib import Path
+
 import numpy as np
 import trio
 

@@ -109,9 +109,9 @@ class ClientHandle(Handle):
                     break
                 try:
                     op, payload = wire.split_frame(view[pos:pos + length])
-                except wire.WireError as exc:
+                    reply = await self.session.request(op, payload)
+                except wire.WireError as exc:  # a frame or payload that does not parse
                     raise InvalidArgument(f"client request: {exc}") from None
-                reply = await self.session.request(op, payload)
                 if reply is not None:
                     self.reply = wire.reply_frame(reply)
                 pos += length

@@ -18,7 +18,7 @@ import numpy as np
 from .. import clientwire as wire
 from ..codec import checksum
 from .channel import Channel
-from .storereader import StoreReader, Wanted, store_reader
+from .storereader import Wanted, store_reader
 
 BLOCK = 4096  # item numbers located in one request
 BLOCKS_KEPT = 256  # blocks of locations kept (a million items)

@@ -377,3 +377,25 @@ def test_a_read_only_mount_is_read_through_the_file_path(fresh_mount):
     batch = client.sample(4)
     for i, key in enumerate(batch["keys"].tolist()):
         assert verify_payload(batch["data"][batch["offsets"][i]:batch["offsets"][i + 1]].tobytes(), key)
+
+
+def test_malformed_requests_fail_with_einval_and_the_session_goes_on(buf):
+    import errno
+    from distorefs import clientwire as wire
+    write_entry(buf, "one", make_payload("one", 300))
+    fd = os.open(buf / "client", os.O_RDWR)
+    try:
+        for bad in (b"\x05\x00\x00\x00\x63", wire.frame(wire.DRAW, b"\x01"), wire.frame(wire.LOCATE, b"123"),
+                    wire.frame(wire.PRIORITIES, b"\xff\xff\xff\xff")):
+            with pytest.raises(OSError) as info:
+                os.pwrite(fd, bad, 0)
+            assert info.value.errno == errno.EINVAL, bad
+        os.pwrite(fd, wire.draw_request(1), 0)
+        reply = os.pread(fd, 1 << 16, 0)
+        _meta, arrays = wire.unpack_tables(reply[4:])
+        assert wire.keys_of(arrays) == [b"one"]
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as info:
+        os.open(buf / "client", os.O_RDONLY)  # a session reads and writes
+    assert info.value.errno == errno.EINVAL

@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from distorefs.loader import EpochSampler, MountedDataset
+from distorefs.loader import MountedDataset
 from distorefs_it import CLI, PYTHON
 
 
