@@ -170,15 +170,20 @@ class ClientBuffer:
         if not self.read_ahead or nonblocking:
             return self._draw(n, nonblocking)
         ahead, self._ahead = self._ahead, None
+        batch = None
         if ahead is not None and ahead[0] == n:
-            batch = ahead[1].result()
-        else:
-            if ahead is not None:
-                _wait_quietly(ahead[1])
+            try:
+                batch = ahead[1].result()
+            except BlockingIOError:
+                pass  # drawn ahead before min_size_to_sample entries were there: draw now, waiting
+        elif ahead is not None:
+            _wait_quietly(ahead[1])
+        if batch is None:
             batch = self._draw(n, False)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="distorefs-client")
-        self._ahead = (n, self._pool.submit(self._draw, n, False))
+        # nonblocking: a draw ahead never waits in the daemon (nor keeps a process from exiting)
+        self._ahead = (n, self._pool.submit(self._draw, n, True))
         return batch
 
     def _draw(self, n: int, nonblocking: bool) -> dict[str, np.ndarray]:

@@ -399,3 +399,25 @@ def test_malformed_requests_fail_with_einval_and_the_session_goes_on(buf):
     with pytest.raises(OSError) as info:
         os.open(buf / "client", os.O_RDONLY)  # a session reads and writes
     assert info.value.errno == errno.EINVAL
+
+
+def test_read_ahead_never_waits_in_the_daemon(buf):
+    """A batch drawn ahead when no entry is left to draw does not wait (a process could
+    not exit while it did): the next sample draws, and waits, itself."""
+    set_config(buf, {"max_times_sampled": 1, "presample_batches": 0, "min_size_to_sample": 4})
+    for i in range(8):
+        write_entry(buf, f"x{i}", make_payload(f"x{i}", 300))
+    client = open_buffer(buf, direct=True, read_ahead=True)
+    assert set(client.sample(8)["keys"].tolist()) == {f"x{i}" for i in range(8)}  # every entry spent
+
+    def refill() -> None:
+        time.sleep(0.5)
+        for i in range(8, 12):
+            write_entry(buf, f"x{i}", make_payload(f"x{i}", 300))
+    filler = threading.Thread(target=refill)
+    filler.start()
+    assert set(client.sample(4)["keys"].tolist()) == {f"x{i}" for i in range(8, 12)}
+    filler.join()
+    t0 = time.monotonic()
+    client.close()  # the draw ahead found nothing and did not wait
+    assert time.monotonic() - t0 < 2
