@@ -165,7 +165,9 @@ class ClientBuffer:
         """Draw a batch of n: the arrays `batch/N.npz` would hold for this draw. With
         `read_ahead`, the next batch of n is drawn and read in a thread meanwhile (as
         Reverb's datasets stream samples ahead): priorities written now reach the draw
-        after it."""
+        after it, and a batch drawn ahead that is never taken (the caller stops, or asks for
+        another size) still counts as drawn (times sampled, max_times_sampled). A draw
+        ahead never waits for min_size_to_sample: the next sample does."""
         self._check_fork()
         if not self.read_ahead or nonblocking:
             return self._draw(n, nonblocking)
