@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml scripts/system-deps.sh
 	./scripts/system-deps.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,torch]'
 	touch $(STAMP)
 
 test: deps

@@ -303,6 +303,13 @@ class LmdbEnv:
         with self._rw.shared():
             self._env.sync(True)
 
+    def clear_stale_readers(self) -> int:
+        """Free the reader slots of processes that died inside a read transaction (clients
+        beside the mount read this environment too): a stale slot would keep the pages it
+        saw from ever being reused. How many were freed."""
+        with self._rw.shared():
+            return self._env.reader_check()
+
     def usage(self) -> tuple[int, int]:
         """(bytes in use by the B-trees, current map size)."""
         with self._rw.shared():

@@ -154,6 +154,26 @@ def _pread_all(fd: int, size: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
+def read_record(fd: int, seg: int, off: int, size: int) -> tuple[bytes, int]:
+    """(data, CRC-32) of the record whose data is `size` bytes at `off` of segment `seg`,
+    open as `fd`: header and data checked (Damaged otherwise). Any process that may read the
+    file can call it (the daemon's tier, and the client beside the mount)."""
+    if off < HEADER.size:
+        raise Damaged(f"segment {seg} location {off} points inside a header")
+    # Header and data in two reads: slicing one buffer would copy the whole value.
+    head = os.pread(fd, HEADER.size, off - HEADER.size)
+    data = _pread_all(fd, size, off)
+    if len(head) != HEADER.size or len(data) != size:
+        raise Damaged(f"segment {seg} offset {off}: short read ({len(head) + len(data)} of "
+                      f"{HEADER.size + size})")
+    magic, _klen, dlen, crc = HEADER.unpack(head)
+    if magic != MAGIC or dlen != size:
+        raise Damaged(f"segment {seg} offset {off}: bad record header")
+    if zlib.crc32(data) != crc:
+        raise Damaged(f"segment {seg} offset {off}: checksum mismatch")
+    return data, crc
+
+
 class _Reader:
     """A cached read fd, reference-counted so that collect() never closes an fd
     another thread is about to pread (the number could be reused)."""
@@ -366,20 +386,9 @@ class SegmentValues(ValueBackend):
             raise Damaged(f"segment location {loc.hex()} points inside a header")
         reader = self._acquire(seg)
         try:
-            # Header and data in two reads: slicing one buffer would copy the whole value.
-            head = os.pread(reader.fd, HEADER.size, off - HEADER.size)
-            data = _pread_all(reader.fd, size, off)
+            return read_record(reader.fd, seg, off, size)
         finally:
             self._release(reader)
-        if len(head) != HEADER.size or len(data) != size:
-            raise Damaged(f"segment {seg} offset {off}: short read ({len(head) + len(data)} of "
-                               f"{HEADER.size + size})")
-        magic, _klen, dlen, crc = HEADER.unpack(head)
-        if magic != MAGIC or dlen != size:
-            raise Damaged(f"segment {seg} offset {off}: bad record header")
-        if zlib.crc32(data) != crc:
-            raise Damaged(f"segment {seg} offset {off}: checksum mismatch")
-        return data, crc
 
     def _acquire(self, seg: int) -> _Reader:
         with self._readers_lock:

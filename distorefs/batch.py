@@ -29,10 +29,9 @@ import numpy as np
 
 from .catalog import EntryMeta
 from .codec import crc32_combine
-from .layout import Layout
+from .layout import Layout, batch_name
 from .names import escape_key
 
-RESERVED = ("keys", "seqs", "probabilities", "weights", "offsets")
 # A stacked member up to this size is joined once and checksummed whole: cheaper than one CRC
 # combination per entry, and a READ of it is one slice. A whole file up to it is one buffer.
 SMALL = 256 << 10
@@ -278,8 +277,7 @@ def batch_file(batch: Batch, values: Sequence[bytes], layout: Layout | None) -> 
         total = sum(len(v) for v in values)
         joined = _Joined(values) if total <= SMALL else None
         for j, f in enumerate(layout.fields):
-            name = f"entry_{f.name}" if f.name in RESERVED else f.name
-            members.append(_stacked_member(name + ".npy", f.dtype, f.shape, f.nbytes, values, offsets[:, j],
+            members.append(_stacked_member(batch_name(f) + ".npy", f.dtype, f.shape, f.nbytes, values, offsets[:, j],
                                            crcs[:, j], joined))
     elif values:
         members.extend(_raw_members(batch.metas, values))

@@ -28,7 +28,7 @@ from .batch import Batch, BatchFile, batch_file
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
 from .config import MAX_PRIORITY, BufferConfig, check_priority
-from .errors import InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
+from .errors import DistorefsError, InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
 from .layout import Layout, NotStackable, SlotPlaces, parse, place
 from .namespace import update_record
 from .names import escape_key
@@ -110,6 +110,20 @@ class Buffer(RingNamespace):
             await self.committer.submit(FixLayout(self, layout))
         return await self.ring.insert(key, data, owner, self.initial_priority())
 
+    async def insert_many(self, items: list[tuple[bytes, bytes]], owner: Owner) -> list[EntryMeta | BaseException]:
+        """Insert many entries in order, sharing commit groups (see Ring.insert_many); the
+        first of a buffer without a schema fixes it, as with `insert`."""
+        if items and self.layout is None and not self.config.raw:
+            first = await self._insert_first(*items[0], owner)
+            return [first] + await self.ring.insert_many(items[1:], owner, self.initial_priority())
+        return await self.ring.insert_many(items, owner, self.initial_priority())
+
+    async def _insert_first(self, key: bytes, data: bytes, owner: Owner) -> EntryMeta | BaseException:
+        try:
+            return await self.insert(key, data, owner)
+        except DistorefsError as exc:
+            return exc
+
     def _place(self, data: bytes) -> list[tuple[int, int]] | None:
         """Where the arrays of a new entry are (the ring calls it when the insert is
         planned): InvalidArgument if they do not fit the buffer's layout."""
@@ -139,9 +153,12 @@ class Buffer(RingNamespace):
         if not 1 <= n <= self.limits.max_batch_entries:
             raise InvalidArgument(f"batch size must be in 1..{self.limits.max_batch_entries}, got {n}")
 
-    async def sample(self, n: int, nonblocking: bool = False, abandoned: Abandoned | None = None) -> Batch:
+    async def sample(self, n: int, nonblocking: bool = False, abandoned: Abandoned | None = None, *,
+                     presample: bool = True) -> Batch:
         """Draw a batch of n entries (waiting for `min_size_to_sample` entries unless nonblocking;
-        the wait ends with Interrupted once `abandoned()` says the caller gave up)."""
+        the wait ends with Interrupted once `abandoned()` says the caller gave up). `presample`
+        False: the caller reads the values itself (the client beside the mount), so nothing
+        is drawn and read ahead into the daemon's memory for it."""
         self.check_batch_size(n)
         while self.sampler.drawable_count() < self.config.min_size_to_sample:
             if nonblocking:
@@ -170,7 +187,8 @@ class Buffer(RingNamespace):
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(metas)
         self._record_sampled(metas)
-        self._schedule_presample(n)
+        if presample:
+            self._schedule_presample(n)
         return batch
 
     def _record_sampled(self, metas: list[EntryMeta]) -> None:

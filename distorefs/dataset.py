@@ -33,7 +33,7 @@ import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Hashable, Iterator
 
 import numpy as np
 import trio
@@ -49,7 +49,7 @@ from .draft import Draft
 from .fileattrs import AttrChange, apply_setattr
 from .names import check_name
 from .owner import Owner
-from .prefetcher import Prefetcher
+from .prefetcher import PrefetchStreams
 from .services import Services
 from .values import StoredValue
 from .sources import (Credentials, OpenSource, SourceRefused, acting_as, dir_owners, open_root, open_source,
@@ -218,8 +218,9 @@ class Dataset:
         self.order = np.zeros(0, dtype=np.int64)
         self.stats_counters = {"reads": 0, "read_bytes": 0, "staged": 0, "staged_bytes": 0, "skipped": 0,
                                "stage_errors": 0, "verify_failures": 0, "orders": 0}
-        self.prefetcher: Prefetcher[int] = Prefetcher(services.prefetch_budget, self._fetch_blocking,
-                                                      spawn=services.spawn)
+        # one plan per declaring stream (a DDP rank): see declare_order
+        self.prefetcher: PrefetchStreams[int] = PrefetchStreams(services.prefetch_budget, self._fetch_blocking,
+                                                                spawn=services.spawn)
         self._prefix = _DS.pack(ds_id)
 
     @property
@@ -307,6 +308,11 @@ class Dataset:
         if item is None:
             raise NotFound(f"datasets/{self.name}: item {item_id} is gone")
         return item
+
+    def sealed_items(self, numbers: list[int]) -> list[Item | None]:
+        """The records of sealed items by number, None for a number out of range (one read
+        transaction; worker thread)."""
+        return self._read(lambda txn: [self._item_txn(txn, SEALED, i) for i in numbers])
 
     def _node_txn(self, txn, kind: int, node_id: int, tag: bytes):
         if kind == DIR:
@@ -429,7 +435,7 @@ class Dataset:
     def _fetch_blocking(self, ids: list[int]) -> list[bytes | None]:
         """The prefetcher's loader: whole items (worker thread); big ones are left to the reader."""
         limit = max(self.config.chunk_bytes, self.prefetch_budget.capacity // 8)
-        items = self._read(lambda txn: [self._item_txn(txn, SEALED, i) for i in ids])
+        items = self.sealed_items(ids)
         out: list[bytes | None] = []
         for item in items:
             if item is None or item.size > limit:
@@ -443,15 +449,21 @@ class Dataset:
 
     # ----- the declared order ---------------------------------------------------------
 
-    async def declare_order(self, data: bytes) -> int:
-        """Set the order of the next reads (int64 .npy, or one item number or path per line)."""
+    async def declare_order(self, data: bytes, stream: Hashable = None) -> int:
+        """Set the order of the next reads (int64 .npy, or one item number or path per line)
+        of `stream` (a reader: the ranks of a DDP job each declare their part of an epoch,
+        and each is read ahead; a stream's new order replaces only its own)."""
         if not self.sealed:
             raise InvalidArgument(f"datasets/{self.name} is not sealed: seal it before declaring an order")
         order = await trio.to_thread.run_sync(self._parse_order, data)
         self.order = order
         self.stats_counters["orders"] += 1
-        self.prefetcher.declare(order)
+        self.prefetcher.declare(order, stream)
         return len(order)
+
+    def drop_order(self, stream: Hashable) -> None:
+        """`stream` reads no more (its process is gone): stop reading ahead for it."""
+        self.prefetcher.drop(stream)
 
     def _parse_order(self, data: bytes) -> np.ndarray:
         n = self.counters.items

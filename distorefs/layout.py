@@ -266,6 +266,17 @@ def place(layout: Layout, data: bytes | memoryview) -> tuple[int, ...]:
                        f"(set a schema, or raw mode for mixed entries)")
 
 
+# ----- the arrays of a batch -----------------------------------------------------------------
+
+# Names a batch gives its own arrays; a field named like one is stacked as `entry_<name>`.
+RESERVED = ("keys", "seqs", "probabilities", "weights", "offsets")
+
+
+def batch_name(field: Field) -> str:
+    """The name of a field's stacked array in a batch (`batch/N.npz`, the client's `sample`)."""
+    return f"entry_{field.name}" if field.name in RESERVED else field.name
+
+
 # ----- where each entry's arrays are ----------------------------------------------------------
 
 def pack_places(offsets: tuple[int, ...] | list[int], crcs: list[int]) -> bytes:

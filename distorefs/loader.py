@@ -8,14 +8,18 @@
 
 `EpochSampler` shuffles the item numbers of each epoch and writes them to the dataset's
 `order` file before yielding the first one, so the daemon reads ahead along exactly the
-order the workers will ask for; `MountedDataset[i]` reads `items/<path of item i>` with a
-plain open(). torch accepts both because they follow its protocols (`__len__` and
+order the workers will ask for (each rank of a DDP job declares its own part: every
+rank's part is read ahead). `MountedDataset[i]` reads item i's bytes from the store's files
+in the caller's process when it may read them (distorefs/client/items.py: the daemon says
+where the chunks are, this process reads and verifies them), else `items/<path of item i>`
+with a plain open(). torch accepts both because they follow its protocols (`__len__` and
 `__getitem__`; `__iter__` and `__len__`), not because they import it.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -23,13 +27,40 @@ import numpy as np
 
 
 class MountedDataset:
-    def __init__(self, root: str | os.PathLike, transform: Callable[[bytes], Any] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, transform: Callable[[bytes], Any] | None = None, *,
+                 direct: bool | None = None) -> None:
         """`root` is MNT/datasets/NAME (sealed). Items are returned as bytes, or as
-        `transform(bytes)` when a transform is given."""
+        `transform(bytes)` when a transform is given. `direct` None: read items from the
+        store's files when this process may, else (said once, as a warning) through the
+        mount; False: always through the mount; True: the store's files or an error."""
         self.root = Path(root)
         self.index = np.load(self.root / "index.npy")
         self.items = os.fsencode(self.root / "items") + b"/"
         self.transform = transform
+        self.direct = direct
+        self._reader: Any = None
+        self._reader_pid = -1
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_reader"], state["_reader_pid"] = None, -1  # a worker process opens its own
+        return state
+
+    def _direct_reader(self):
+        """This process's reader of the store's files (a DataLoader worker opens its own), or None."""
+        if self.direct is False:
+            return None
+        if self._reader_pid != os.getpid():
+            self._reader_pid = os.getpid()
+            self._reader = None
+            from .client.items import DatasetItems
+            try:
+                self._reader = DatasetItems(self.root)
+            except OSError as exc:
+                if self.direct:
+                    raise
+                _warn_once(str(self.root), exc)
+        return self._reader
 
     def __len__(self) -> int:
         return len(self.index)
@@ -38,14 +69,27 @@ class MountedDataset:
         return self.items + bytes(self.index["path"][i])
 
     def __getitem__(self, i: int) -> Any:
-        with open(self.path(int(i)), "rb") as f:
-            data = f.read()
+        reader = self._direct_reader()
+        data = reader.read(int(i)) if reader is not None else None
+        if data is None:
+            with open(self.path(int(i)), "rb") as f:
+                data = f.read()
         return self.transform(data) if self.transform is not None else data
 
     def declare(self, order: Sequence[int] | np.ndarray) -> None:
         """Tell the daemon the order of the next reads (replacing the previous one)."""
         with open(self.root / "order", "wb") as f:
             np.save(f, np.asarray(order, dtype=np.int64))
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(root: str, exc: Exception) -> None:
+    if root not in _warned:
+        _warned.add(root)
+        warnings.warn(f"distorefs: {root}: cannot read the store directly ({exc}); reading items through the "
+                      f"mount (same bytes, more daemon round trips)", stacklevel=3)
 
 
 class EpochSampler:

@@ -261,3 +261,85 @@ class Prefetcher(Generic[K]):
         return {**c, "hit_rate": hit_rate(c),
                 "planned": len(self._plan), "position": self._next, "held": len(self._held),
                 "bytes_ahead": self._held_bytes, "in_flight": len(self._inflight)}
+
+
+class PrefetchStreams(Generic[K]):
+    """Several plans read ahead at once, one per stream: the ranks of a DDP job each declare
+    their own part of an epoch, and a declaration replaces only its own stream's plan. A
+    read takes its value from whichever plan holds it. The streams share one budget; past
+    MAX_STREAMS the stream declared longest ago is dropped."""
+
+    MAX_STREAMS = 64
+
+    def __init__(self, budget: PrefetchBudget, fetch: Callable[[list[K]], list[bytes | None]], *,
+                 spawn: Callable, **options) -> None:
+        self._budget = budget
+        self._fetch = fetch
+        self._spawn = spawn
+        self._options = options
+        self._push: Callable[[K, bytes], bool] | None = None
+        self.streams: OrderedDict[Hashable, Prefetcher[K]] = OrderedDict()
+        self._own = {"misses": 0, "page_cache": 0}
+
+    @property
+    def push(self) -> Callable[[K, bytes], bool] | None:
+        return self._push
+
+    @push.setter
+    def push(self, hook: Callable[[K, bytes], bool] | None) -> None:
+        self._push = hook
+        for p in self.streams.values():
+            p.push = hook
+
+    def declare(self, keys: Sequence[K], stream: Hashable = None) -> None:
+        """`stream`'s new plan (its next epoch); the other streams' plans stay."""
+        p = self.streams.pop(stream, None)
+        if p is None:
+            p = Prefetcher(self._budget, self._fetch, spawn=self._spawn, push=self._push, **self._options)
+        self.streams[stream] = p
+        p.declare(keys)
+        while len(self.streams) > self.MAX_STREAMS:
+            self.streams.popitem(last=False)[1].declare([])
+
+    def drop(self, stream: Hashable) -> None:
+        """Forget `stream`'s plan (its process is gone): what it held is released."""
+        p = self.streams.pop(stream, None)
+        if p is not None:
+            p.declare([])
+
+    def take_nowait(self, key: K) -> tuple[bytes | None, bool]:
+        for p in self.streams.values():
+            value, hit = p.take_nowait(key)
+            if hit:
+                return value, True
+        return None, False
+
+    async def take(self, key: K) -> bytes | None:
+        value, _ = self.take_nowait(key)
+        if value is not None:
+            return value
+        for p in self.streams.values():
+            if key in p._inflight:
+                return await p.take(key)
+        self._own["misses"] += 1
+        return None
+
+    def served_by_page_cache(self) -> None:
+        self._own["page_cache"] += 1
+
+    @property
+    def counters(self) -> dict:
+        out = {k: sum(p.counters[k] for p in self.streams.values()) for k in _COUNTER_NAMES}
+        for k, v in self._own.items():
+            out[k] += v
+        return out
+
+    def stats(self) -> dict:
+        parts = [p.stats() for p in self.streams.values()]
+        c = self.counters
+        return {**c, "hit_rate": hit_rate(c), "streams": len(parts),
+                **{k: sum(s[k] for s in parts) for k in ("planned", "position", "held", "bytes_ahead", "in_flight")}}
+
+
+_COUNTER_NAMES = ("hits", "late", "misses", "skipped", "loaded", "loaded_bytes", "pushed", "failed", "plans",
+                  "page_cache")

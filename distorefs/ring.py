@@ -232,6 +232,36 @@ class Ring:
             return change.meta  # type: ignore[return-value]
         raise AssertionError("unreachable")
 
+    async def insert_many(self, items: list[tuple[bytes, bytes]], owner: Owner,
+                          priority: float | None = None) -> list["EntryMeta | BaseException"]:
+        """Insert or rewrite many entries in the order given, sharing commit groups; each
+        result is the entry committed or the error of its insert. One refused for lack of
+        room is retried alone, as `insert` does (the oldest entries may make room)."""
+        out: list[EntryMeta | BaseException] = []
+        changes: list[InsertEntry] = []
+        for key, data in items:
+            try:
+                self.check_insert(key, len(data))
+            except DistorefsError as exc:
+                out.append(exc)
+                continue
+            change = InsertEntry(self, key, data, owner, priority)
+            changes.append(change)
+            out.append(change)  # type: ignore[arg-type]  # replaced below
+        errors = iter(await self.committer.submit_all(changes))
+        for i, item in enumerate(out):
+            if not isinstance(item, InsertEntry):
+                continue
+            error = next(errors)
+            if isinstance(error, NoSpace) and self.config.evict_when_full:
+                try:
+                    out[i] = await self.insert(item.key, item.raw, owner, priority)
+                except DistorefsError as exc:
+                    out[i] = exc
+            else:
+                out[i] = error if error is not None else item.meta  # type: ignore[assignment]
+        return out
+
     async def _make_room(self, need: int, epoch: int) -> bool:
         """Evict the oldest entries whose space would hold the new value, and give it back
         (sync, then unlink the segments they emptied). False if evicting would not make

@@ -32,6 +32,7 @@ from .bank import Bank
 from .buffer import Buffer
 from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, EntryMeta, pack_u32, unpack_u32
 from .checkpoints import DB_CKPT, Checkpoints
+from .clientsession import ClientSession, DatasetSession
 from .committer import Change, Committer, Overlay
 from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
 from .dataset import DB_DSNODES, Dataset
@@ -148,7 +149,7 @@ class Store:
         self.banks: dict[str, Bank] = self.namespaces["banks"]  # type: ignore[assignment]
         self.datasets: dict[str, Dataset] = self.namespaces["datasets"]  # type: ignore[assignment]
         self.listeners: list[EntryListener] = []
-        self.counters = {"syncs": 0}
+        self.counters = {"syncs": 0, "stale_readers_cleared": 0}
         self.started = time.time()
         self._nursery: trio.Nursery | None = None
         self._synced_groups = 0
@@ -189,6 +190,15 @@ class Store:
         self.prefetch_budget.capacity = plan.prefetch
         self.checkpoints.budget.resize(plan.writeback)
         return plan
+
+    def client_session(self, buffer: Buffer, owner: Owner, abandoned=None) -> ClientSession:
+        """A session of the client beside the mount with `buffer` (distorefs/clientsession.py)."""
+        return ClientSession(buffer, self.values, self.env.path, owner, abandoned=abandoned,
+                             read_only=self.read_only)
+
+    def dataset_session(self, dataset: Dataset) -> DatasetSession:
+        """A session of the client beside the mount with a sealed dataset (MountedDataset)."""
+        return DatasetSession(dataset, self.values, self.env.path, read_only=self.read_only)
 
     def rings(self) -> list[Ring]:
         return [ns.ring for kind in ("buffers", "banks") for ns in self.namespaces[kind].values()]
@@ -305,6 +315,9 @@ class Store:
     def sync_blocking(self) -> None:
         self.values.sync()
         self.counters["syncs"] += 1
+        # Reader slots of client processes (distorefs.client) killed inside a read: freed
+        # here, or LMDB could never reuse the pages they pinned.
+        self.counters["stale_readers_cleared"] += self.env.clear_stale_readers()
 
     def close(self) -> None:
         """Close after `running()` has exited (or if it never ran). Only a close whose sync

@@ -37,8 +37,30 @@ def caller_abandoned(pid: int) -> bool:
     return bool(pending & _SIGKILL) or bool(pending & ~blocked & ~ignored)
 
 
+def process_of(tid: int) -> int:
+    """The process (thread group) of the thread a FUSE request names."""
+    try:
+        with open(f"/proc/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return tid
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` has exited (or is exiting: a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
 def abandoned_by(pid: int) -> Callable[[], bool]:
     return lambda: caller_abandoned(pid)
 
 
-__all__ = ["caller_abandoned", "abandoned_by"]
+__all__ = ["caller_abandoned", "abandoned_by", "process_of", "process_gone"]

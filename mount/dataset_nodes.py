@@ -27,7 +27,8 @@ from distorefs.names import check_name
 from distorefs.owner import Owner
 from distorefs.sources import Credentials, check_can_act_for
 
-from .handles import BytesReader, ConfigWriter, Handle, wants_read, wants_write
+from .callers import process_gone, process_of
+from .handles import BytesReader, ClientHandle, ConfigWriter, Handle, wants_read, wants_write
 from .inodes import DATASET_DIR, DATASET_FILE, DATASET_LINK, stable_number
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
 from .treeattrs import attr_change, stamp_attrs
@@ -61,10 +62,11 @@ class DatasetDir(Node):
             b"items": lambda: intern(("dsdir", i, ROOT_DIR), lambda: ItemsDir(fs, ds, ROOT_DIR)),
             b"order": lambda: intern(("dsorder", i), lambda: OrderFile(fs, ds)),
             b"index.npy": lambda: intern(("dsindex", i), lambda: IndexFile(fs, ds)),
+            b"client": lambda: intern(("dsclient", i), lambda: DatasetClientFile(fs, ds)),
         }
 
     def _visible(self) -> list[bytes]:
-        return [n for n in self.entries if n != b"index.npy" or self.ds.sealed]
+        return [n for n in self.entries if n not in (b"index.npy", b"client") or self.ds.sealed]
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.ds.owner
@@ -533,6 +535,26 @@ class ItemWriter(Handle):
         await self.node.commit(self.draft, self.owner, (self.atime_ns, self.mtime_ns))
 
 
+class DatasetClientFile(Node):
+    """client (once sealed): the channel of MountedDataset reading items in its own process;
+    each open (for reading and writing) is a session (distorefs/clientsession.py)."""
+
+    def __init__(self, fs: "Filesystem", ds: Dataset) -> None:
+        super().__init__(fs)
+        self.ds = ds
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        o = self.ds.owner
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o644), 0, o.uid, o.gid, self.ds.ctime_ns, DIR_LONG)
+
+    async def open(self, flags: int, ctx) -> Handle:
+        if not (wants_read(flags) and wants_write(flags)):
+            raise InvalidArgument("the client file is opened for reading and writing")
+        if not self.ds.sealed:
+            raise NotFound(f"datasets/{self.ds.name} is not sealed")
+        return ClientHandle(self.fs.store.dataset_session(self.ds))
+
+
 class OrderFile(Node):
     """order: write the next epoch's item numbers (int64 .npy or lines); read back as .npy."""
 
@@ -547,8 +569,13 @@ class OrderFile(Node):
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
+            stream = process_of(ctx.pid)  # each reader process (a DDP rank) declares its own part
+
             async def declare(data: bytes) -> None:
-                await self.ds.declare_order(data)
+                for other in [s for s in self.ds.prefetcher.streams if s is not None and s != stream]:
+                    if process_gone(other):
+                        self.ds.drop_order(other)
+                await self.ds.declare_order(data, stream)
             return ConfigWriter(declare, b"" if flags & os.O_TRUNC else self.ds.order_npy(), limit=MAX_ORDER_BYTES)
         return BytesReader(self.ds.order_npy(), cacheable=False)
 

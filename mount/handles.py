@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 
+from distorefs import clientwire as wire
 from distorefs.batch import Batch, BatchFile
 from distorefs.buffer import Buffer
+from distorefs.clientsession import ClientSession, DatasetSession
 from distorefs.errors import InvalidArgument, NotPermitted, TooLarge
 from distorefs.names import unescape_key
 
@@ -74,6 +76,56 @@ class SampleReader(Handle):
 
     async def release(self) -> None:
         self.buffer.release(self.batch)
+
+
+class ClientHandle(Handle):
+    """`buffers/NAME/client`, `datasets/NAME/client`: request frames written from offset 0 (one write may carry
+    several, and the kernel may split it into several WRITEs), each carried out by the
+    session as it completes; the last reply is read back from offset 0."""
+
+    direct_io = True
+
+    def __init__(self, session: ClientSession | DatasetSession) -> None:
+        self.session = session
+        self.inbox = b""  # the start of a frame not complete yet
+        self.received = 0  # bytes of the current write (offsets continue from here)
+        self.reply = b""
+
+    async def write(self, off: int, buf: bytes) -> int:
+        if off == 0:
+            self.inbox, self.received = b"", 0
+        elif off != self.received:
+            raise InvalidArgument(f"client requests are written in order from offset 0 (got offset {off})")
+        self.received += len(buf)
+        data = self.inbox + buf if self.inbox else buf
+        view = memoryview(data)
+        pos = 0
+        try:
+            while len(data) - pos >= wire.FRAME.size:
+                length = wire.frame_length(view[pos:pos + 4])
+                if length < wire.FRAME.size:
+                    raise InvalidArgument(f"a client request frame of {length} bytes")
+                if len(data) - pos < length:
+                    break
+                try:
+                    op, payload = wire.split_frame(view[pos:pos + length])
+                    reply = await self.session.request(op, payload)
+                except wire.WireError as exc:  # a frame or payload that does not parse
+                    raise InvalidArgument(f"client request: {exc}") from None
+                if reply is not None:
+                    self.reply = wire.reply_frame(reply)
+                pos += length
+        except BaseException:
+            self.inbox, self.received = b"", 0  # the rest of this write is dropped
+            raise
+        self.inbox = bytes(view[pos:]) if pos < len(data) else b""
+        return len(buf)
+
+    async def read(self, off: int, size: int) -> memoryview:
+        return memoryview(self.reply)[off:off + size]
+
+    async def release(self) -> None:
+        self.session.close()
 
 
 class StagingWriter(Handle):

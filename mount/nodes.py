@@ -26,9 +26,9 @@ from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFo
 from distorefs.names import check_name
 from distorefs.owner import Owner
 
-from .callers import abandoned_by
-from .handles import (BytesReader, ConfigWriter, EntryWriter, Handle, PrioritiesWriter, SampleReader,
-                      wants_read, wants_write)
+from .callers import abandoned_by, process_of
+from .handles import (BytesReader, ClientHandle, ConfigWriter, EntryWriter, Handle, PrioritiesWriter,
+                      SampleReader, wants_read, wants_write)
 
 if TYPE_CHECKING:
     from .operations import Filesystem
@@ -281,7 +281,8 @@ class RingDir(Node):
         # entries/, at/, sample/ ... take their owner and mode from the namespace: the kernel
         # holds their attributes for DIR_LONG and checks permissions against them.
         if self.fs.invalidator is not None:
-            for name in (b"entries", b"at", b"sample", b"batch", b"priorities", b"config.json", b"stats.json"):
+            for name in (b"entries", b"at", b"sample", b"batch", b"priorities", b"client", b"config.json",
+                         b"stats.json"):
                 ino = self.fs.inodes.ino_of((name.decode().split(".")[0], self.ns.ns_id))
                 if ino is not None:
                     self.fs.invalidator.inode(ino)
@@ -330,29 +331,48 @@ class BufferDir(RingDir):
             b"priorities": lambda: intern(("priorities", ns), lambda: PrioritiesFile(fs, buf)),
             b"sample": lambda: intern(("sample", ns), lambda: DrawDir(fs, buf, npz=False)),
             b"batch": lambda: intern(("batch", ns), lambda: DrawDir(fs, buf, npz=True)),
+            b"client": lambda: intern(("client", ns), lambda: ClientFile(fs, buf)),
         })
 
 
-class PrioritiesFile(Node):
+class BufferControlFile(Node):
+    """A buffer's file of size 0 whose reads and writes are requests (priorities, client):
+    the kernel keeps its name and attributes (a chmod of the buffer invalidates them), and
+    a truncation (`>`, O_TRUNC) truncates nothing."""
+
     def __init__(self, fs: "Filesystem", buf: Buffer) -> None:
         super().__init__(fs)
         self.buf = buf
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
-        # Always size 0 (a read renders the current priorities): nothing to re-ask the daemon
-        # for, so the kernel keeps name and attributes (a chmod of the buffer invalidates them).
         o = self.buf.owner
         return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o644), 0, o.uid, o.gid, self.buf.ctime_ns, DIR_LONG)
+
+    async def setattr(self, attr, fields, handle, ctx) -> None:
+        if fields.update_size:
+            return
+        await super().setattr(attr, fields, handle, ctx)
+
+
+class PrioritiesFile(BufferControlFile):
+    """priorities: a read renders them, a write updates them."""
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
             return PrioritiesWriter(self.buf)
         return BytesReader(self.buf.priorities_text(), cacheable=False)
 
-    async def setattr(self, attr, fields, handle, ctx) -> None:
-        if fields.update_size:
-            return  # `>` truncates before writing; priorities are updated, never truncated
-        await super().setattr(attr, fields, handle, ctx)
+
+class ClientFile(BufferControlFile):
+    """client: the channel of the client beside the mount (distorefs/client); each open
+    (for reading and writing) is a session of its own (distorefs/clientsession.py)."""
+
+    async def open(self, flags: int, ctx) -> Handle:
+        if not (wants_read(flags) and wants_write(flags)):
+            raise InvalidArgument("the client file is opened for reading and writing")
+        owner = Owner(stat.S_IFREG | (0o666 & ~ctx.umask), ctx.uid, ctx.gid)
+        # the session's waits end when the opener's process goes (any of its threads may ask)
+        return ClientHandle(self.fs.store.client_session(self.buf, owner, abandoned_by(process_of(ctx.pid))))
 
 
 class DrawDir(Node):

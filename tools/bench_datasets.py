@@ -78,10 +78,16 @@ def _reader(paths: list[bytes], barrier, results) -> None:
 
 def _epoch(paths: list[bytes], readers: int) -> dict:
     """Read `paths` (in order) with `readers` processes, each taking every readers-th path."""
+    return timed_readers(_reader, [(paths[k::readers],) for k in range(readers)])
+
+
+def timed_readers(target, argsets: list[tuple]) -> dict:
+    """One forked process per argument tuple, `target(*args, barrier, results)`, started
+    together; each puts (seconds, items, bytes). Items and bytes per second of the whole."""
     ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(readers + 1)
+    barrier = ctx.Barrier(len(argsets) + 1)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_reader, args=(paths[k::readers], barrier, results)) for k in range(readers)]
+    procs = [ctx.Process(target=target, args=(*args, barrier, results)) for args in argsets]
     for p in procs:
         p.start()
     barrier.wait()

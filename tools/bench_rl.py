@@ -171,10 +171,19 @@ class _Writer:
             import reverb
             self.client = reverb.Client(f"localhost:{cfg['port']}")
             self.writer = self.client.trajectory_writer(num_keep_alive_refs=1)
+        elif system == "client":
+            from distorefs.client import open_buffer
+            self.buffer = open_buffer(cfg["buffer"], direct=True)
 
     def insert(self, n: int, obs, action, reward, nxt, done) -> None:
         cfg = self.cfg
-        if self.system == "distorefs":
+        if self.system == "client":  # pipelined, acknowledged every REVERB_IN_FLIGHT, as Reverb's writers
+            self.buffer.insert(f"a{cfg['seed']}-{n:08d}", {"obs": obs, "action": np.int64(action),
+                                                          "reward": np.float32(reward), "next_obs": nxt,
+                                                          "done": np.float32(done)})
+            if n % REVERB_IN_FLIGHT == REVERB_IN_FLIGHT - 1:
+                self.buffer.flush()
+        elif self.system == "distorefs":
             with open(f"{cfg['buffer']}/entries/a{cfg['seed']}-{n:08d}.npz", "wb") as f:
                 f.write(_npz(obs=obs, action=np.int64(action), reward=np.float32(reward), next_obs=nxt,
                              done=np.float32(done)))
@@ -194,6 +203,9 @@ class _Writer:
         if self.system == "reverb":
             self.writer.flush()
             self.writer.close()
+        elif self.system == "client":
+            self.buffer.flush()
+            self.buffer.close()
 
 
 def _learner(system: str, cfg: dict, result) -> None:
@@ -241,6 +253,9 @@ class _Source:
             import reverb
             self.client = reverb.Client(f"localhost:{cfg['port']}")
             self.batches = None
+        elif system == "client":
+            from distorefs.client import open_buffer
+            self.buffer = open_buffer(cfg["buffer"], direct=True, read_ahead=cfg.get("read_ahead", True))
 
     def _drain(self) -> None:
         q = self.cfg["queue"]
@@ -258,7 +273,7 @@ class _Source:
             if self.system == "in-process":
                 self._drain()
                 have = self.added
-            elif self.system == "distorefs":
+            elif self.system in ("distorefs", "client"):
                 have = json.loads(Path(self.cfg["buffer"], "stats.json").read_bytes())["entries"]
             else:
                 have = self.client.server_info()["dqn"].current_size
@@ -268,6 +283,8 @@ class _Source:
         raise RuntimeError(f"{self.system}: fewer than {n} transitions after 120 s")
 
     def sample(self, n: int) -> dict:
+        if self.system == "client":
+            return self.buffer.sample(n)
         if self.system == "distorefs":
             with np.load(f"{self.cfg['buffer']}/batch/{n}.npz") as z:
                 return {k: z[k] for k in ("obs", "action", "reward", "next_obs", "done", "keys", "weights")}
@@ -286,7 +303,9 @@ class _Source:
         return {**s.data, "keys": s.info.key.tolist(), "weights": w / w.max()}
 
     def update(self, keys, priorities: np.ndarray) -> None:
-        if self.system == "distorefs":
+        if self.system == "client":
+            self.buffer.update_priorities(keys, priorities)
+        elif self.system == "distorefs":
             with open(f"{self.cfg['buffer']}/priorities", "w") as f:
                 f.write("".join(f"{k} {p:.6g}\n" for k, p in zip(keys, priorities.tolist())))
         elif self.system == "in-process":
@@ -295,7 +314,7 @@ class _Source:
             self.client.mutate_priorities("dqn", updates=dict(zip(keys, priorities.tolist())))
 
     def publish(self, flat: np.ndarray, path: str) -> None:
-        tmp = path + ".tmp.npy" if self.system != "distorefs" else None
+        tmp = path + ".tmp.npy" if self.system not in ("distorefs", "client") else None
         if tmp:  # a plain file system: write then rename, or actors read torn weights
             np.save(tmp, flat)
             os.replace(tmp, path)
@@ -313,13 +332,15 @@ class _Source:
         return 0
 
 
-def _dqn(system: str, root: Path, p: dict, ctx) -> dict:
+def _dqn(system: str, root: Path, p: dict, ctx, **extra: Any) -> dict:
+    """The DQN loop of `system`: in-process, distorefs (files), client (distorefs.client:
+    `extra` read_ahead) or reverb."""
     cfg: dict[str, Any] = {"seconds": p["seconds"], "warmup": p["warmup"], "env_cost": p["env_cost"],
-                           "actor_hz": p["actor_hz"]}
+                           "actor_hz": p["actor_hz"], **extra}
     mount = server = None
     workers = _Workers(ctx)
     try:
-        if system == "distorefs":
+        if system in ("distorefs", "client"):
             mount = DistorefsMount(root / "store", root / "mnt")
             mount.mount()
             buf = mount.mnt / "buffers" / "dqn"

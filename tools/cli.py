@@ -293,6 +293,9 @@ def bench() -> None:
 BENCHMARKS = {
     "rl": ("A DQN learner fed by actors through the mount, in process (cpprb) and on Reverb; Reverb's own "
            "113 KB rows.", "Shorter runs, smaller buffers (a smoke run).", "the stores and plain files"),
+    "client": ("The Python client beside the mount: the DQN learner loop, sample(256) of 113 KB entries in 1 and "
+               "2 processes, 113 KB inserts from 4 actors; client and file path vs in-process (cpprb).",
+               "Shorter runs, fewer frames (a smoke run).", "the stores"),
     "ops": ("FUSE requests and daemon CPU per operation, every path, vs a minimal pyfuse3 filesystem and bindfs.",
             "Fewer operations and smaller files (a smoke run).", "the store, the floor and bindfs directories"),
     "buffers": ("Replay-buffer insert/sample/read throughput vs plain files, bindfs and cpprb.",

@@ -266,6 +266,7 @@ def inspect_cmd(path, as_json) -> None:
 
 # Directories whose names are computed per open (sample/N, batch/N.npz, at/I): never copied.
 _GENERATED = {"sample", "batch", "at"}
+_CHANNELS = {"client"}  # a namespace's request/reply files (the client beside the mount): no content
 _CONTROL = ".distorefs"  # control files (wait, gc, ...): not data
 
 
@@ -281,6 +282,8 @@ def _walk(root: Path):
         namespace = is_namespace_dir(here)
         subdirs = []
         for name in names:
+            if namespace and name in _CHANNELS:
+                continue
             st = os.lstat(here / name)
             if stat_mod.S_ISDIR(st.st_mode):
                 if (namespace and name in _GENERATED) or name == _CONTROL:

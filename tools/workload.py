@@ -366,7 +366,7 @@ def run_dataset_epoch(mnt: Path, items: int = 2000, item_bytes: int = 16 << 10, 
                            "skipped": report.skipped, "errors": len(report.errors)}
         say(f"\ndatasets/{name}: staged {items} files of {item_bytes >> 10} KB in {dt:.2f}s "
             f"({items / dt:.0f} files/s, every file verified), sealed")
-    data = MountedDataset(ds_dir)
+    data = MountedDataset(ds_dir, direct=False)  # through the mount: the prefetch it reports
     sampler = EpochSampler(data, seed=int(time.time()))
     before = json.loads((ds_dir / "stats.json").read_bytes())["prefetch"]
     t0 = time.perf_counter()

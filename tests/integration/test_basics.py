@@ -69,7 +69,7 @@ def test_mkdir_rmdir_buffer(fs):
     assert path.is_dir()
     assert "mkdir-rmdir" in os.listdir(buffers)
     assert sorted(os.listdir(path)) == sorted(["config.json", "stats.json", "priorities", "entries",
-                                               "sample", "batch"])
+                                               "sample", "batch", "client"])
     assert_errno(errno.EEXIST, os.mkdir, path)
     write_entry(path, "one", b"1")
     assert_errno(errno.ENOTEMPTY, os.rmdir, path)

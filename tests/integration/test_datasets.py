@@ -226,7 +226,7 @@ def test_list_file_with_metadata_and_loader(fs, tmp_path):
     for i, rel in enumerate(files):
         assert by_path[rel] == (i % 10, b"train" if i % 3 else b"val")
     # the helper: each epoch declares its shuffled order, and reads along it are prefetched
-    data = MountedDataset(ds)
+    data = MountedDataset(ds, direct=False)  # through the mount: the daemon's prefetch serves the opens
     sampler = EpochSampler(data, seed=1)
     before = stats(ds)["prefetch"]
     for epoch in range(2):

@@ -26,13 +26,14 @@ def test_files_below_a_namespace_follow_its_mode(shared_mount, temp_user):
     write_entry(bank, "b1", b"bank one")
     for ns in (buf, bank):
         os.chmod(ns, 0o711)  # others may pass through, not list or read
-    paths = [buf / "config.json", buf / "stats.json", buf / "priorities", buf / "sample" / "1",
+    paths = [buf / "config.json", buf / "stats.json", buf / "priorities", buf / "client", buf / "sample" / "1",
              buf / "batch" / "1.npz", bank / "config.json", bank / "stats.json"]
     for p in paths:
         assert _denied(as_user(user, "cat", str(p))), p
     assert _denied(as_user(user, "ls", str(bank / "at")))
     assert stat.S_IMODE(os.stat(buf / "stats.json").st_mode) == 0o400
     assert stat.S_IMODE(os.stat(buf / "config.json").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(buf / "client").st_mode) == 0o600  # a client's session: the owner's
     assert stat.S_IMODE(os.stat(buf / "sample").st_mode) == 0o511  # search, no listing
     # opened again, they follow the new mode
     os.chmod(buf, 0o755)

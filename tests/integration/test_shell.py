@@ -22,7 +22,8 @@ def test_ls_cat_cp_cmp(buf, tmp_path):
     assert rows["hello.txt"][4] == "12"
     assert rows["bin"][4] == str(256 * 40)
     listing = sh("ls", str(buf)).stdout.split()
-    assert sorted(listing) == sorted(["batch", "config.json", "entries", "priorities", "sample", "stats.json"])
+    assert sorted(listing) == sorted(["batch", "client", "config.json", "entries", "priorities", "sample",
+                                    "stats.json"])
     assert sh("cat", str(buf / "entries" / "hello.txt")).stdout == "hello world\n"
     assert sh("cat", str(buf / "config.json")).stdout.lstrip().startswith("{")
 

@@ -70,3 +70,34 @@ def test_hits_late_misses_budget_and_new_plans():
         assert p.stats()["late"] >= 1 and loaded.count(3000) == 1
 
     run(fn)
+
+
+def test_streams_each_read_ahead_and_replace_only_their_own_plan():
+    """Two ranks declare their halves of an epoch: both are read ahead (a second declaration
+    used to replace the first); a rank's next epoch replaces its own plan only."""
+    from distorefs.prefetcher import PrefetchStreams
+
+    def fetch(keys):
+        return [bytes([k % 256]) * 100 for k in keys]
+
+    async def fn(nursery):
+        budget = PrefetchBudget(1 << 20)
+        p = PrefetchStreams(budget, fetch, spawn=nursery.start_soon, batch_items=8)
+        p.declare(list(range(0, 100, 2)), stream=1)
+        p.declare(list(range(1, 100, 2)), stream=2)
+        for s in p.streams.values():
+            await settle(s)
+        for k in range(100):
+            assert await p.take(k) == bytes([k % 256]) * 100
+        c = p.stats()
+        assert c["hits"] + c["late"] == 100 and c["misses"] == 0 and c["streams"] == 2
+        p.declare(list(range(200, 210)), stream=1)
+        p.declare([7, 9], stream=2)
+        for s in p.streams.values():
+            await settle(s)
+        assert await p.take(205) is not None and await p.take(9) is not None
+        p.drop(1)
+        assert list(p.streams) == [2] and budget.used == 100  # what stream 1 held went with it
+        assert await p.take(5000) is None and p.stats()["misses"] == 1
+
+    run(fn)

@@ -1,0 +1,393 @@
+"""A replay buffer used from the caller's process: the daemon decides, the caller reads.
+
+`ClientBuffer.sample(n)` asks the daemon for a draw (keys, value locations, probabilities,
+weights) through `buffers/NAME/client`, then reads the values from the store's files,
+verifies and decodes them here, and stacks them exactly as `batch/N.npz` would. A value
+that is not where the draw said (demoted, compacted, evicted, rewritten meanwhile) is
+asked for again (LOCATE): moved, it is read at its new place; gone or rewritten, the whole
+batch is drawn again (as the daemon does for `batch/N.npz`). A value still at the place the
+daemon gives that does not verify is read once through the mount (`entries/KEY`): the
+daemon's EIO there makes it a CorruptValue naming the entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .. import clientwire as wire
+from ..errors import CorruptValue, NotFound
+from ..layout import Layout, batch_name
+from ..names import check_name
+from .channel import Channel
+from .storereader import StoreReader, Wanted, store_reader, segment_of
+from ..placement import TIER_NVME
+
+DRAW_ATTEMPTS = 3  # batches drawn again when an entry went meanwhile
+LOCATE_ROUNDS = 8  # times a moving value is looked for again
+SEND_BYTES = 1 << 20  # inserts sent to the daemon once this much is waiting
+SEND_COUNT = 64
+SMALL_BATCH = 256 << 10  # a batch of values up to this many bytes is gathered field by field
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(text: str) -> Layout:
+    return Layout.from_json(json.loads(text))
+
+
+def _wait_quietly(future: Future) -> None:
+    """A batch drawn ahead that nobody will take: wait for it, whatever its outcome."""
+    try:
+        future.result()
+    except Exception:
+        pass
+
+
+class InsertFailed(OSError):
+    """Inserts that the daemon refused: `failures` is [(key, errno, message), ...]."""
+
+    def __init__(self, failures: list) -> None:
+        self.failures = failures
+        key, code, message = failures[0]
+        super().__init__(code, f"{len(failures)} insert(s) failed, first {key!r}: {message}")
+
+
+def encode_entry(data: Any) -> bytes:
+    """An entry's bytes: bytes as they are, an array as `.npy`, a dict of arrays as the
+    `.npz` the file path stores (np.savez)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    out = io.BytesIO()
+    if isinstance(data, np.ndarray):
+        np.save(out, data, allow_pickle=False)
+    elif isinstance(data, Mapping):
+        np.savez(out, **{k: np.asarray(v) for k, v in data.items()})
+    else:
+        raise TypeError(f"an entry is bytes, an array or a dict of arrays, not {type(data).__name__}")
+    return out.getvalue()
+
+
+def entry_key(key: str | bytes) -> bytes:
+    raw = key.encode("utf-8", "surrogateescape") if isinstance(key, str) else bytes(key)
+    check_name(raw)
+    return raw
+
+
+def stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes], keys: list[bytes],
+          seqs: np.ndarray) -> dict[str, np.ndarray]:
+    """Entries as `batch/N.npz` holds them: each field of `layout` stacked (`places`: where
+    each entry's fields start, (N, fields)), or raw (`data`, `offsets`); `keys`, `seqs`."""
+    n = len(values)
+    out: dict[str, np.ndarray] = {}
+    if layout is not None and places is not None:
+        total = sum(len(v) for v in values)
+        small = total <= SMALL_BATCH  # small values: one gather per field, not one copy per entry
+        if small:
+            joined = np.frombuffer(b"".join(values), dtype=np.uint8)
+            starts = np.zeros(n, dtype=np.int64)
+            np.cumsum([len(v) for v in values[:-1]], out=starts[1:])
+        for j, f in enumerate(layout.fields):
+            nbytes = f.nbytes
+            if small:
+                index = (starts + places[:, j])[:, None] + np.arange(nbytes, dtype=np.int64)
+                stacked = joined[index].view(np.dtype(f.dtype)).reshape((n, *f.shape))
+            else:
+                stacked = np.empty((n, *f.shape), dtype=np.dtype(f.dtype))
+                rows = stacked.reshape(n, -1).view(np.uint8).reshape(n, nbytes)
+                for i, (value, off) in enumerate(zip(values, places[:, j].tolist())):
+                    rows[i] = np.frombuffer(value, dtype=np.uint8, count=nbytes, offset=off)
+            out[batch_name(f)] = stacked
+    else:
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(v) for v in values], out=offsets[1:])
+        out["data"] = np.frombuffer(b"".join(values), dtype=np.uint8)
+        out["offsets"] = offsets
+    texts = [k.decode("utf-8", "surrogateescape") for k in keys]
+    out["keys"] = np.array(texts) if texts else np.zeros(0, dtype="<U1")
+    out["seqs"] = np.asarray(seqs, dtype=np.int64)
+    return out
+
+
+class ClientBuffer:
+    """buffers/NAME of a mounted store, read from the caller's process (see module docstring)."""
+
+    direct = True  # values are read from the store's files here
+
+    def __init__(self, path: str | os.PathLike, channel: Channel, reader: StoreReader, *,
+                 read_ahead: bool = False) -> None:
+        self.path = os.fspath(path)
+        self.name = os.path.basename(self.path.rstrip("/"))
+        self.channel = channel
+        self.reader = reader
+        self.read_ahead = read_ahead
+        self._lock = threading.RLock()  # the session: one request and its reply at a time
+        self._queue_lock = threading.Lock()  # requests queued to go with the next one
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._ahead: tuple[int, Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self.counters = {"draws": 0, "redraws": 0, "relocated": 0, "read_through_mount": 0}
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, read_ahead: bool = False) -> "ClientBuffer":
+        """Open a session; OSError (Unreadable among them) when the caller cannot use this way."""
+        channel = Channel(os.path.join(os.fspath(path), "client"))
+        try:
+            meta, _ = channel.call(wire.frame(wire.HELLO))
+            if meta.get("protocol") != wire.PROTOCOL:
+                raise OSError(f"{path}: the daemon speaks client protocol {meta.get('protocol')}, "
+                              f"this client {wire.PROTOCOL}")
+            reader = store_reader(meta["lmdb"])
+        except BaseException:
+            channel.close()
+            raise
+        return cls(path, channel, reader, read_ahead=read_ahead)
+
+    def _check_fork(self) -> None:
+        """A forked child (a DataLoader worker) opens its own session and environment."""
+        if self.channel.pid != os.getpid():
+            fresh = ClientBuffer.open(self.path)
+            self.channel, self.reader = fresh.channel, fresh.reader
+            self._lock, self._queue_lock = threading.RLock(), threading.Lock()
+            self._pending, self._pending_bytes = [], 0
+            self._ahead, self._pool = None, None  # threads do not survive a fork
+
+    # ----- sampling ---------------------------------------------------------------------------
+
+    def sample(self, n: int, *, nonblocking: bool = False) -> dict[str, np.ndarray]:
+        """Draw a batch of n: the arrays `batch/N.npz` would hold for this draw. With
+        `read_ahead`, the next batch of n is drawn and read in a thread meanwhile (as
+        Reverb's datasets stream samples ahead): priorities written now reach the draw
+        after it, and a batch drawn ahead that is never taken (the caller stops, or asks for
+        another size) still counts as drawn (times sampled, max_times_sampled). A draw
+        ahead never waits for min_size_to_sample: the next sample does."""
+        self._check_fork()
+        if not self.read_ahead or nonblocking:
+            return self._draw(n, nonblocking)
+        ahead, self._ahead = self._ahead, None
+        batch = None
+        if ahead is not None and ahead[0] == n:
+            try:
+                batch = ahead[1].result()
+            except BlockingIOError:
+                pass  # drawn ahead before min_size_to_sample entries were there: draw now, waiting
+        elif ahead is not None:
+            _wait_quietly(ahead[1])
+        if batch is None:
+            batch = self._draw(n, False)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="distorefs-client")
+        # nonblocking: a draw ahead never waits in the daemon (nor keeps a process from exiting)
+        self._ahead = (n, self._pool.submit(self._draw, n, True))
+        return batch
+
+    def _draw(self, n: int, nonblocking: bool) -> dict[str, np.ndarray]:
+        with self._lock:
+            for attempt in range(DRAW_ATTEMPTS):
+                meta, arrays = self.channel.call(self._with_pending(wire.draw_request(n, nonblocking)))
+                arrays = wire.entry_columns(arrays)
+                self.counters["draws"] += 1
+                self.reader.learn_segments(meta["segments"])
+                keys = wire.keys_of(arrays)
+                wanted = self._wanted_all(arrays, keys)
+                with self.reader.snapshot() as snapshot:  # values used in place, copied once: into the batch
+                    first = snapshot.read(wanted)
+                    if not any(isinstance(r, Exception) for r in first):
+                        return self._assemble(meta, arrays, first)  # type: ignore[arg-type]
+                    first = [bytes(r) if isinstance(r, memoryview) else r for r in first]
+                values = self._read_entries(arrays, keys, wanted, first)
+                if values is not None:
+                    return self._assemble(meta, arrays, values)
+                self.counters["redraws"] += 1
+            raise NotFound(f"{self.path}: entries of {DRAW_ATTEMPTS} draws in a row went while being read; "
+                           f"try again")
+
+    def get(self, keys: Sequence[str | bytes] | np.ndarray) -> dict[str, np.ndarray]:
+        """The entries named `keys`, stacked as a batch is (without probabilities and
+        weights): read by key, as a TorchRL storage reads. NotFound names a key not there."""
+        self._check_fork()
+        raw = [entry_key(k) for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+        with self._lock:
+            for attempt in range(DRAW_ATTEMPTS):
+                meta, arrays = self.channel.call(self._with_pending(wire.get_request(raw)))
+                arrays = wire.entry_columns(arrays)
+                if not arrays["present"].all():
+                    missing = raw[int(np.flatnonzero(~arrays["present"])[0])]
+                    raise NotFound(f"buffers/{self.name}: no entry {missing.decode(errors='replace')!r}")
+                self.reader.learn_segments(meta["segments"])
+                keys = wire.keys_of(arrays)
+                wanted = self._wanted_all(arrays, keys)
+                values = self._read_entries(arrays, keys, wanted, self.reader.read(wanted))
+                if values is not None:
+                    return self._assemble(meta, arrays, values)
+            raise NotFound(f"{self.path}: entries asked for keep changing while being read; try again")
+
+    def _wanted_all(self, arrays: dict, keys: list[bytes]) -> list[Wanted]:
+        """Where each entry of a draw's (or a locate's) tables is, and how to check it."""
+        locs = arrays["locs"].tobytes()
+        bounds = arrays["loc_offsets"].tolist()
+        what = f"buffers/{self.name}/entries/"
+        return [Wanted(tier, locs[bounds[i]:bounds[i + 1]], size, stored, crc, cdc,
+                       f"{what}{keys[i].decode(errors='replace')} (seq {seq})")
+                for i, (tier, size, stored, crc, cdc, seq) in enumerate(zip(
+                    arrays["tiers"].tolist(), arrays["sizes"].tolist(), arrays["stored_sizes"].tolist(),
+                    arrays["checksums"].tolist(), arrays["codecs"].tolist(), arrays["seqs"].tolist()))]
+
+    def _read_entries(self, arrays: dict, keys: list[bytes], wanted: list[Wanted], results: list
+                      ) -> list[bytes] | None:
+        """The entries' values (of a draw, or asked for by key), given what a first read of
+        them gave (`results`); None when one went (evicted, rewritten) meanwhile."""
+        for _round in range(LOCATE_ROUNDS):
+            failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
+            if not failed:
+                return results  # type: ignore[return-value]
+            for i in failed:
+                if wanted[i].tier == TIER_NVME:
+                    self.reader.forget_segment(segment_of(wanted[i].loc))
+            seqs = arrays["seqs"][failed]
+            meta, now = self.channel.call(wire.locate_request(seqs))
+            now = wire.entry_columns(now)
+            self.reader.learn_segments(meta["segments"])
+            present = now["present"]
+            if not present.all():
+                return None
+            now_keys = wire.keys_of(now)
+            now_wanted = self._wanted_all(now, now_keys)
+            retry = []
+            for j, i in enumerate(failed):
+                current = now_wanted[j]
+                old = wanted[i]
+                if current.checksum != old.checksum or current.size != old.size or now_keys[j] != keys[i]:
+                    return None  # rewritten (or renamed): not the entry that was drawn
+                if current.tier == old.tier and current.loc == old.loc:
+                    results[i] = self._read_through_mount(keys[i], old, results[i])  # type: ignore[arg-type]
+                else:
+                    self.counters["relocated"] += 1
+                    wanted[i] = current
+                    retry.append(i)
+            for i, r in zip(retry, self.reader.read([wanted[i] for i in retry])):
+                results[i] = r
+        raise NotFound(f"{self.path}: drawn values keep moving; try again")
+
+    def _read_through_mount(self, key: bytes, w: Wanted, error: Exception) -> bytes:
+        """A value at its current place that did not verify here: the daemon reads it (its
+        EIO is damage, logged and counted there) or the mount refuses it."""
+        self.counters["read_through_mount"] += 1
+        try:
+            with open(os.path.join(self.path, "entries", os.fsdecode(key)), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise NotFound(f"{w.what} was removed while being read") from None
+        except OSError as exc:
+            raise CorruptValue(f"{w.what}: {error} (and the mount: {exc.strerror})") from None
+        from .. import codec
+        if len(data) != w.size or codec.checksum(data) != w.checksum:
+            raise CorruptValue(f"{w.what}: {error}")
+        return data
+
+    def _assemble(self, meta: dict, arrays: dict, values: list[bytes]) -> dict[str, np.ndarray]:
+        layout = meta.get("layout")
+        out = stack(_layout(json.dumps(layout)) if layout is not None else None,  # field order: as given
+                    arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"])
+        if "probabilities" in arrays:  # a draw's (not a read by key)
+            out["probabilities"] = arrays["probabilities"].astype(np.float64)
+            out["weights"] = arrays["weights"].astype(np.float64)
+        return out
+
+    # ----- priorities -------------------------------------------------------------------------
+
+    def update_priorities(self, keys: Sequence[str | bytes] | np.ndarray, priorities: Sequence[float] | np.ndarray
+                          ) -> None:
+        """Set the priorities of entries (unknown keys, evicted since they were drawn, are
+        skipped). They go to the daemon with the next request of this buffer object and are
+        committed behind it, in order (a draw right after may not see them yet); `flush()`
+        returns once they are committed."""
+        self._check_fork()
+        # not checked here: the daemon skips keys it does not have, as it does evicted ones
+        raw = [k.encode("utf-8", "surrogateescape") if isinstance(k, str) else bytes(k)
+               for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
+        self._queue(wire.priorities_request(raw, priorities))  # sent with the next request: one round trip saved
+
+    # ----- inserts ----------------------------------------------------------------------------
+
+    def insert(self, key: str | bytes, data: Any) -> None:
+        """Queue an insert (bytes, an array, or a dict of arrays stored as `.npz`); it streams
+        to the daemon and commits behind; `flush()` returns once it is committed."""
+        self._check_fork()
+        self._queue(wire.insert_request(entry_key(key), encode_entry(data)))
+
+    def insert_many(self, items: Mapping[str | bytes, Any] | Sequence[tuple[str | bytes, Any]]) -> None:
+        """Queue many inserts, in order (a dict, or (key, data) pairs)."""
+        pairs = items.items() if isinstance(items, Mapping) else items
+        for key, data in pairs:
+            self.insert(key, data)
+
+    def _queue(self, request: bytes) -> None:
+        with self._queue_lock:
+            self._pending.append(request)
+            self._pending_bytes += len(request)
+            full = self._pending_bytes >= SEND_BYTES or len(self._pending) >= SEND_COUNT
+        if full:
+            with self._lock:
+                self._send_pending()
+
+    def _take_pending(self) -> list[bytes]:
+        with self._queue_lock:
+            pending, self._pending, self._pending_bytes = self._pending, [], 0
+        return pending
+
+    def _with_pending(self, request: bytes) -> bytes:
+        """`request` after what is queued (inserts, priorities), to go in one write."""
+        pending = self._take_pending()
+        return b"".join(pending + [request]) if pending else request
+
+    def _send_pending(self) -> None:
+        pending = self._take_pending()
+        if pending:
+            self.channel.send(b"".join(pending))
+
+    def flush(self) -> int:
+        """Wait until every insert queued so far (and every priority update) is committed;
+        how many inserts were committed since the last flush. InsertFailed names those refused."""
+        self._check_fork()
+        with self._lock:
+            meta, _ = self.channel.call(self._with_pending(wire.frame(wire.FLUSH)))
+        if meta["errors"]:
+            raise InsertFailed([tuple(e) for e in meta["errors"]])
+        return int(meta["committed"])
+
+    # ----- the rest ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """The buffer's stats.json."""
+        self._check_fork()
+        with self._lock:
+            return self.channel.call(wire.frame(wire.STATS))[0]
+
+    def close(self) -> None:
+        """Send what is queued and end the session (inserts sent still commit)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self.channel.pid == os.getpid():
+            _wait_quietly(ahead[1])
+        if self._pool is not None and self.channel.pid == os.getpid():
+            self._pool.shutdown(wait=True)
+        if self.channel.pid == os.getpid():
+            with self._lock:
+                try:
+                    self._send_pending()
+                finally:
+                    self.channel.close()
+        self.reader.close()
+
+    def __enter__(self) -> "ClientBuffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,281 @@
+"""The daemon's side of the client beside the mount: one session per open `buffers/NAME/client`.
+
+The daemon keeps every decision - what is drawn, times-sampled counts, max_times_sampled,
+min_size_to_sample, eviction, priorities - and the client reads the bytes: a draw answers
+with the entries' keys and value locations (distorefs/clientwire.py), and the client
+reads, verifies and decodes the values in its own process (distorefs/client).
+
+Invariants:
+- A drawn batch stays the session's until its next draw or its close: entries it spent
+  (max_times_sampled) are removed only then, so the client reads their values first.
+- A location handed out is that of a committed value. It may move (demotion, compaction)
+  or go (eviction, rewrite) right after; the client finds out by the checksum or a missing
+  value and asks again (LOCATE), never trusting bytes that do not verify.
+- Inserts are committed behind the write that sent them, in the order sent, many to a
+  commit group; FLUSH returns once every insert sent before it is committed (or failed),
+  with the failures. What a session holds of unsent inserts is bounded (MAX_INFLIGHT):
+  a write waits for commits past it, a wait bounded by the caller's interest.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from . import clientwire as wire
+from .backends.segments import LOCATION
+from .batch import Batch
+from .buffer import Buffer
+from .dataset import Dataset
+from .errors import DistorefsError, InvalidArgument
+from .owner import Owner
+from .placement import TIER_NVME
+from .values import StoredValue, ValueLayer
+from .waiting import Abandoned, wait_event
+
+log = logging.getLogger(__name__)
+
+MAX_INFLIGHT = 64 << 20  # bytes of sent, uncommitted inserts a session holds
+MAX_PRIORITY_UPDATES = 256  # priority writes of a session not committed yet before a draw waits
+
+
+class ClientSession:
+    def __init__(self, buffer: Buffer, values: ValueLayer, lmdb_path: Path, owner: Owner, *,
+                 abandoned: Abandoned | None = None, read_only: bool = False) -> None:
+        """A session of a client of `buffer`; inserts are made with `owner` (the opener's)."""
+        self.buffer = buffer
+        self.values = values
+        self.lmdb_path = lmdb_path
+        self.owner = owner
+        self.abandoned = abandoned
+        self.read_only = read_only
+        self.batch: Batch | None = None
+        self.told: set[int] = set()  # segments whose path the client was given
+        self.priorities: list = []  # queued priority commits (failed or not done yet), waited for by FLUSH
+        self.queue: list[tuple[bytes, bytes]] = []
+        self.inflight = 0  # bytes sent and not yet committed
+        self.committing = False
+        self.committed = 0
+        self.errors: list[list] = []
+        self.changed = trio.Event()
+        self.closed = False
+
+    # ----- requests --------------------------------------------------------------------------
+
+    async def request(self, op: int, payload: memoryview) -> bytes | None:
+        """Carry out one request; its reply, if the op has one."""
+        if op == wire.HELLO:
+            return wire.reply_json({"protocol": wire.PROTOCOL, "lmdb": str(self.lmdb_path),
+                                    "buffer": self.buffer.name, "read_only": self.read_only})
+        if op == wire.DRAW:
+            n, nonblocking = wire.parse_draw(payload)
+            return await self.draw(n, nonblocking)
+        if op == wire.LOCATE:
+            return await self.locate(wire.parse_numbers(payload))
+        if op == wire.GET:
+            return await self.get(wire.parse_get(payload))
+        if op == wire.PRIORITIES:
+            self.set_priorities(wire.parse_priorities(payload))
+            return None
+        if op == wire.INSERT:
+            key, data = wire.parse_insert(payload)
+            await self.insert(key, bytes(data))
+            return None
+        if op == wire.FLUSH:
+            return wire.reply_json(await self.flush())
+        if op == wire.STATS:
+            return wire.reply_json(self.buffer.stats())
+        raise InvalidArgument(f"unknown client request {op}")
+
+    async def draw(self, n: int, nonblocking: bool) -> bytes:
+        self.release()
+        # Priority updates commit behind (a draw does not wait for them: the learner's loop
+        # would take a commit's latency per step); FLUSH waits for them.
+        self.priorities = [p for p in self.priorities if not p.done.is_set() or p.error is not None]
+        while len(self.priorities) > MAX_PRIORITY_UPDATES:  # commits lag far behind: wait for the oldest
+            await wait_event(self.priorities[0].done, self.abandoned, f"buffers/{self.buffer.name}: priorities")
+            self.priorities = [p for p in self.priorities if not p.done.is_set() or p.error is not None]
+        buf = self.buffer
+        batch = await buf.sample(n, nonblocking, self.abandoned, presample=False)
+        self.batch = batch
+        tables = wire.entry_tables(batch.metas)
+        tables["probabilities"] = np.asarray(batch.probabilities, dtype=np.float64)
+        tables["weights"] = np.asarray(batch.weights, dtype=np.float64)
+        stacked = buf.layout is not None and batch.places is not None and bool(batch.metas)
+        if stacked:
+            tables["places"] = np.asarray(batch.places[0], dtype=np.int64)  # type: ignore[index]
+        meta = {"layout": buf.layout.to_json() if stacked else None,  # type: ignore[union-attr]
+                "segments": self._segment_paths(batch.metas)}
+        return wire.pack_tables(meta, tables)
+
+    async def locate(self, seqs: np.ndarray) -> bytes:
+        """Where the entries `seqs` are now (after any commit being applied)."""
+        await self.buffer.committer.settle()
+        by_seq = self.buffer.ring.by_seq
+        found = [by_seq.get(int(s)) for s in seqs.tolist()]
+        present = np.array([m is not None for m in found], dtype=np.bool_)
+        metas = [m for m in found if m is not None]
+        tables = wire.entry_tables(metas)
+        tables["present"] = present
+        return wire.pack_tables({"segments": self._segment_paths(metas)}, tables)
+
+    async def get(self, keys: list[bytes]) -> bytes:
+        """Where the entries named `keys` are now, with the places of their arrays (a read by
+        key: a TorchRL storage's get)."""
+        await self.buffer.committer.settle()
+        buf = self.buffer
+        found = [buf.ring.by_key.get(k) for k in keys]
+        metas = [m for m in found if m is not None]
+        tables = wire.entry_tables(metas)
+        tables["present"] = np.array([m is not None for m in found], dtype=np.bool_)
+        stacked = buf.layout is not None and bool(metas)
+        if stacked:
+            slots = np.array([m.slot for m in metas], dtype=np.int64)
+            places = buf.places.take(slots)
+            stacked = places is not None
+            if stacked:
+                tables["places"] = np.asarray(places[0], dtype=np.int64)  # type: ignore[index]
+        return wire.pack_tables({"layout": buf.layout.to_json() if stacked else None,  # type: ignore[union-attr]
+                                 "segments": self._segment_paths(metas)}, tables)
+
+    def _segment_paths(self, metas) -> dict[str, str | None]:
+        return segment_paths(self.values, self.told, [m.value for m in metas])
+
+    def set_priorities(self, pairs: list[tuple[bytes, float]]) -> None:
+        """Checked now (the write fails on a bad value), committed behind it."""
+        pending, _count = self.buffer.queue_priorities(pairs)
+        if pending is not None:
+            self.priorities.append(pending)
+
+    # ----- inserts ---------------------------------------------------------------------------
+
+    async def insert(self, key: bytes, data: bytes) -> None:
+        """Queue an insert and return (one refused, for a bad name or size, is reported by
+        the next flush, never by the write: the inserts sent with it go on); waits while the
+        session holds MAX_INFLIGHT bytes of uncommitted inserts."""
+        try:
+            self.buffer.ring.check_insert(key, len(data))
+        except DistorefsError as exc:
+            self.errors.append([key.decode("utf-8", "surrogateescape"), exc.errno, str(exc)])
+            return
+        while self.inflight and self.inflight + len(data) > MAX_INFLIGHT:
+            await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client inserts")
+        self.queue.append((key, data))
+        self.inflight += len(data)
+        if not self.committing:
+            self.committing = True
+            self.buffer.spawn(self._commit_queued)
+
+    async def _commit_queued(self) -> None:
+        """Commit what is queued, in order, many to a group, until the queue is empty."""
+        try:
+            while self.queue:
+                items, self.queue = self.queue, []
+                try:
+                    results = await self.buffer.insert_many(items, self.owner)
+                except Exception as exc:  # never the daemon: every insert of the lot fails
+                    log.exception("client inserts into buffers/%s", self.buffer.name)
+                    results = [exc] * len(items)
+                for (key, data), result in zip(items, results):
+                    self.inflight -= len(data)
+                    if isinstance(result, BaseException):
+                        code = result.errno if isinstance(result, DistorefsError) else errno.EIO
+                        self.errors.append([key.decode("utf-8", "surrogateescape"), code, str(result)])
+                    else:
+                        self.committed += 1
+                self._wake()
+        finally:
+            self.committing = False
+            self._wake()
+
+    async def flush(self) -> dict:
+        """Wait until every insert sent so far is committed (or failed), and the session's
+        priority updates; what was committed and what failed since the last flush."""
+        while self.committing or self.queue:
+            await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client flush")
+        priorities, self.priorities = self.priorities, []
+        for pending in priorities:
+            try:
+                await pending.wait()
+            except DistorefsError as exc:
+                self.errors.append(["", exc.errno, str(exc)])
+        out = {"committed": self.committed, "errors": self.errors}
+        self.committed, self.errors = 0, []
+        return out
+
+    def _wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    # ----- end ------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """The client is done with the last batch: entries it spent go now."""
+        batch, self.batch = self.batch, None
+        if batch is not None:
+            self.buffer.release(batch)
+
+    def close(self) -> None:
+        """The handle was closed: the last batch is released; queued inserts still commit."""
+        self.release()
+        self.closed = True
+
+
+def segment_paths(values: ValueLayer, told: set[int], stored: list[StoredValue]) -> dict[str, str | None]:
+    """Paths of the segments `stored` values are in that a session has not given yet."""
+    out: dict[str, str | None] = {}
+    for v in stored:
+        if v.tier == TIER_NVME:
+            seg = LOCATION.unpack(v.loc)[0]
+            if seg not in told:
+                told.add(seg)
+                path = values.nvme.path_of(seg)
+                out[str(seg)] = str(path) if path is not None else None
+    return out
+
+
+class DatasetSession:
+    """A session of a client of a sealed dataset: where items' chunks are (ITEMS), so that
+    MountedDataset reads them in its own process; the dataset's stats. Sealed items never
+    change, so locations handed out stay good until the dataset is dropped."""
+
+    def __init__(self, dataset: Dataset, values: ValueLayer, lmdb_path: Path, *, read_only: bool = False) -> None:
+        self.dataset = dataset
+        self.values = values
+        self.lmdb_path = lmdb_path
+        self.read_only = read_only
+        self.told: set[int] = set()
+
+    async def request(self, op: int, payload: memoryview) -> bytes | None:
+        ds = self.dataset
+        if op == wire.HELLO:
+            return wire.reply_json({"protocol": wire.PROTOCOL, "lmdb": str(self.lmdb_path), "dataset": ds.name,
+                                    "items": ds.counters.items, "read_only": self.read_only})
+        if op == wire.ITEMS:
+            numbers = wire.parse_numbers(payload)
+            if not ds.sealed:
+                raise InvalidArgument(f"datasets/{ds.name} is not sealed: its items are read through the mount")
+            if len(numbers) and numbers.min() < 0:
+                raise InvalidArgument("item numbers are >= 0")
+            if len(numbers) > MAX_ITEMS:
+                raise InvalidArgument(f"at most {MAX_ITEMS} items a request, got {len(numbers)}")
+            items = await trio.to_thread.run_sync(ds.sealed_items, numbers.tolist())
+            return wire.pack_tables({"segments": segment_paths(self.values, self.told,
+                                                               [c for it in items if it is not None for c in it.chunks])},
+                                    wire.item_tables(items))
+        if op == wire.STATS:
+            return wire.reply_json(ds.stats())
+        raise InvalidArgument(f"a dataset's client has no request {wire.OPS.get(op, op)}")
+
+    def close(self) -> None:
+        pass
+
+
+MAX_ITEMS = 1 << 16  # items one ITEMS request may ask for
+
+
+__all__ = ["ClientSession", "DatasetSession", "MAX_INFLIGHT", "MAX_ITEMS"]

@@ -1,0 +1,259 @@
+"""The wire format of `buffers/NAME/client`: requests a client writes, replies it reads.
+
+The daemon (distorefs/clientsession.py) and the client beside the mount (distorefs/client)
+both import this module; it imports neither trio nor pyfuse3.
+
+A request is one write at offset 0 of an open `client` file: a frame
+
+    u32 total length (this header included) | u8 op | payload
+
+and a reply, when the op has one, is read back from offset 0 of the same handle until
+the length its first four bytes give. A reply is a set of tables: a JSON header naming
+arrays (dtype, shape, offset) and the arrays' bytes, 8-byte aligned, so the client takes
+them with numpy views and no parsing per entry.
+
+Entry tables (a draw's entries, the answer to LOCATE) carry per entry: seq, size, stored
+size, checksum, codec, tier and location (the value layer's StoredValue), the key, and
+for a draw the probabilities, weights and the places of each field of the buffer's layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any, Sequence
+
+import numpy as np
+
+PROTOCOL = 1
+
+HELLO = 1  # reply: {"protocol", "lmdb", "buffer", "read_only"}
+DRAW = 2  # payload: u32 n, u8 nonblocking; reply: entry tables + draw columns
+LOCATE = 3  # payload: int64 seqs; reply: entry tables of those still present (`present`)
+PRIORITIES = 4  # payload: key table + float64 priorities; no reply (the write fails on bad input)
+INSERT = 5  # payload: u16 key length, key, data; no reply (committed behind: see FLUSH)
+FLUSH = 6  # reply: {"committed", "errors": [[key, errno, message], ...]} of the inserts since the last
+STATS = 7  # reply: the buffer's (dataset's) stats.json as JSON
+ITEMS = 8  # datasets: payload int64 item numbers; reply: their chunks' tables (see item_tables)
+GET = 9  # payload: key table; reply: entry tables of the keys present (`present`), and the layout
+OPS = {HELLO: "hello", DRAW: "draw", LOCATE: "locate", PRIORITIES: "priorities", INSERT: "insert",
+       FLUSH: "flush", STATS: "stats", ITEMS: "items", GET: "get"}
+
+FRAME = struct.Struct("<IB")
+_U32 = struct.Struct("<I")
+_DRAW = struct.Struct("<IB")
+_KEYLEN = struct.Struct("<H")
+
+
+class WireError(ValueError):
+    """A frame that does not parse."""
+
+
+# ----- frames ---------------------------------------------------------------------------------
+
+def frame(op: int, payload: bytes | bytearray | memoryview = b"") -> bytes:
+    return FRAME.pack(FRAME.size + len(payload), op) + bytes(payload)
+
+
+def frame_length(head: bytes | bytearray | memoryview) -> int:
+    """The total length a frame's first bytes announce (at least 4 of them)."""
+    return _U32.unpack_from(head)[0]
+
+
+def split_frame(data: bytes | bytearray | memoryview) -> tuple[int, memoryview]:
+    """(op, payload) of one whole frame."""
+    view = memoryview(data)
+    if len(view) < FRAME.size:
+        raise WireError(f"a frame is at least {FRAME.size} bytes, got {len(view)}")
+    length, op = FRAME.unpack_from(view)
+    if length != len(view):
+        raise WireError(f"frame says {length} bytes, got {len(view)}")
+    if op not in OPS:
+        raise WireError(f"unknown op {op}")
+    return op, view[FRAME.size:]
+
+
+def draw_request(n: int, nonblocking: bool = False) -> bytes:
+    return frame(DRAW, _DRAW.pack(n, 1 if nonblocking else 0))
+
+
+def parse_draw(payload: memoryview) -> tuple[int, bool]:
+    if len(payload) != _DRAW.size:
+        raise WireError("a draw request is a u32 and a u8")
+    n, flags = _DRAW.unpack(payload)
+    return n, bool(flags & 1)
+
+
+def insert_request(key: bytes, data: bytes | bytearray | memoryview) -> bytes:
+    view = memoryview(data).cast("B")
+    head = FRAME.pack(FRAME.size + _KEYLEN.size + len(key) + view.nbytes, INSERT) + _KEYLEN.pack(len(key)) + key
+    return head + view.tobytes() if view.nbytes < 4096 else b"".join((head, view))
+
+
+def parse_insert(payload: memoryview) -> tuple[bytes, memoryview]:
+    if len(payload) < _KEYLEN.size:
+        raise WireError("an insert starts with a u16 key length")
+    (klen,) = _KEYLEN.unpack_from(payload)
+    if len(payload) < _KEYLEN.size + klen:
+        raise WireError("an insert's key runs past its frame")
+    return bytes(payload[_KEYLEN.size:_KEYLEN.size + klen]), payload[_KEYLEN.size + klen:]
+
+
+def priorities_request(keys: Sequence[bytes], priorities: Sequence[float] | np.ndarray) -> bytes:
+    values = np.ascontiguousarray(priorities, dtype=np.float64)
+    if values.shape != (len(keys),):
+        raise ValueError(f"{len(keys)} keys but {values.size} priorities")
+    return frame(PRIORITIES, pack_tables({}, {**key_table(keys), "priorities": values}))
+
+
+def get_request(keys: Sequence[bytes]) -> bytes:
+    return frame(GET, pack_tables({}, key_table(keys)))
+
+
+def parse_get(payload: memoryview) -> list[bytes]:
+    return keys_of(unpack_tables(payload)[1])
+
+
+def parse_priorities(payload: memoryview) -> list[tuple[bytes, float]]:
+    _meta, arrays = unpack_tables(payload)
+    keys = keys_of(arrays)
+    values = arrays["priorities"]
+    if len(values) != len(keys):
+        raise WireError("priorities and keys differ in number")
+    return list(zip(keys, values.tolist()))
+
+
+def items_request(items: Sequence[int] | np.ndarray) -> bytes:
+    return frame(ITEMS, np.ascontiguousarray(items, dtype="<i8").tobytes())
+
+
+def locate_request(seqs: Sequence[int] | np.ndarray) -> bytes:
+    return frame(LOCATE, np.ascontiguousarray(seqs, dtype="<i8").tobytes())
+
+
+def parse_numbers(payload: memoryview) -> np.ndarray:
+    """The int64 numbers of a LOCATE (sequence numbers) or ITEMS (item numbers) request."""
+    if len(payload) % 8:
+        raise WireError("the request is int64 numbers")
+    return np.frombuffer(payload, dtype="<i8")
+
+
+# ----- tables ---------------------------------------------------------------------------------
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def pack_tables(meta: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    """`meta` (JSON) and named arrays in one buffer (see the module docstring)."""
+    specs = []
+    offset = 0
+    contiguous = {}
+    for name, array in arrays.items():
+        a = np.ascontiguousarray(array)
+        contiguous[name] = a
+        specs.append([name, a.dtype.descr if a.dtype.names else a.dtype.str, list(a.shape), offset])
+        offset = _align(offset + a.nbytes)
+    head = json.dumps({"meta": meta, "arrays": specs}, separators=(",", ":")).encode()
+    start = _align(4 + len(head))
+    out = bytearray(start + offset)
+    _U32.pack_into(out, 0, len(head))
+    out[4:4 + len(head)] = head
+    for (_name, _dtype, _shape, off), a in zip(specs, contiguous.values()):
+        out[start + off:start + off + a.nbytes] = a.tobytes()
+    return bytes(out)
+
+
+def unpack_tables(data: bytes | bytearray | memoryview) -> tuple[dict, dict[str, np.ndarray]]:
+    view = memoryview(data)
+    try:
+        (hlen,) = _U32.unpack_from(view)
+        head = json.loads(bytes(view[4:4 + hlen]))
+        start = _align(4 + hlen)
+        arrays = {}
+        for name, dtype, shape, off in head["arrays"]:
+            dt = np.dtype(dtype if isinstance(dtype, str) else [tuple(f) for f in dtype])
+            count = math.prod(shape)
+            arrays[name] = np.frombuffer(view, dtype=dt, count=count, offset=start + off).reshape(shape)
+        return head["meta"], arrays
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise WireError(f"tables do not parse: {exc}") from None
+
+
+def key_table(keys: Sequence[bytes]) -> dict[str, np.ndarray]:
+    lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
+    offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return {"key_offsets": offsets, "keys": np.frombuffer(b"".join(keys), dtype=np.uint8)}
+
+
+def keys_of(arrays: dict[str, np.ndarray]) -> list[bytes]:
+    blob = arrays["keys"].tobytes()
+    offsets = arrays["key_offsets"].tolist()
+    return [blob[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def value_tables(values: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The tables of stored values (StoredValue-like: size, stored_size, checksum, codec,
+    tier, loc)."""
+    n = len(values)
+    locs = [v.loc for v in values]
+    loc_offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(loc) for loc in locs], out=loc_offsets[1:])
+    return {
+        "sizes": np.fromiter((v.size for v in values), dtype=np.int64, count=n),
+        "stored_sizes": np.fromiter((v.stored_size for v in values), dtype=np.int64, count=n),
+        "checksums": np.fromiter((v.checksum for v in values), dtype=np.uint32, count=n),
+        "codecs": np.fromiter((v.codec for v in values), dtype=np.uint8, count=n),
+        "tiers": np.fromiter((v.tier for v in values), dtype=np.uint8, count=n),
+        "loc_offsets": loc_offsets,
+        "locs": np.frombuffer(b"".join(locs), dtype=np.uint8),
+    }
+
+
+# One row per entry: what a draw, a LOCATE or a GET says of it (one array, built in one call).
+ENTRY = np.dtype([("seqs", "<i8"), ("sizes", "<i8"), ("stored_sizes", "<i8"), ("checksums", "<u4"),
+                  ("codecs", "u1"), ("tiers", "u1")])
+
+
+def entry_tables(records: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The tables of entries given as EntryMeta-like records (seq, key, value: StoredValue):
+    `entries` (ENTRY rows), their locations and keys; `entry_columns` splits them again."""
+    values = [r.value for r in records]
+    locs = [v.loc for v in values]
+    loc_offsets = np.zeros(len(locs) + 1, dtype=np.int64)
+    np.cumsum([len(loc) for loc in locs], out=loc_offsets[1:])
+    rows = np.array([(r.seq, v.size, v.stored_size, v.checksum, v.codec, v.tier) for r, v in zip(records, values)],
+                    dtype=ENTRY)
+    return {"entries": rows, "loc_offsets": loc_offsets, "locs": np.frombuffer(b"".join(locs), dtype=np.uint8),
+            **key_table([r.key for r in records])}
+
+
+def entry_columns(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`arrays` with the columns of its `entries` rows as arrays of their own (seqs, sizes ...)."""
+    rows = arrays.get("entries")
+    if rows is None:
+        return arrays
+    return {**arrays, **{name: rows[name] for name in ENTRY.names}}
+
+
+def item_tables(items: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The tables of dataset items (Item-like: size, checksum, chunks) or None for a missing
+    one: per item its size and checksum, and where its chunks are in the value tables."""
+    present = [it for it in items if it is not None]
+    first = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum([len(it.chunks) if it is not None else 0 for it in items], out=first[1:])
+    return {"present": np.array([it is not None for it in items], dtype=np.bool_),
+            "item_sizes": np.array([it.size if it is not None else 0 for it in items], dtype=np.int64),
+            "item_checksums": np.array([it.checksum if it is not None else 0 for it in items], dtype=np.uint32),
+            "first_chunk": first, **value_tables([c for it in present for c in it.chunks])}
+
+
+def reply_json(data: Any) -> bytes:
+    return pack_tables(data, {})
+
+
+def reply_frame(body: bytes) -> bytes:
+    """A reply as the client reads it: u32 total length, then the body."""
+    return _U32.pack(4 + len(body)) + body

@@ -1,0 +1,112 @@
+"""Datasets beside the mount: MountedDataset reads item bytes from the store's files in its
+own process (the same bytes as the files), and the ranks of a DDP job each declare their
+part of an epoch and all get prefetch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+
+import numpy as np
+import pytest
+
+from distorefs.loader import MountedDataset
+from distorefs_it import CLI, PYTHON
+
+
+@pytest.fixture(scope="module")
+def dataset(fs, tmp_path_factory):
+    """400 files (one of 5 MB: two chunks), staged and sealed."""
+    src = tmp_path_factory.mktemp("dsrc")
+    rng = np.random.default_rng(3)
+    files = {}
+    for i in range(400):
+        size = (5 << 20) + 17 if i == 7 else int(rng.integers(0, 20_000))
+        data = (rng.integers(0, 256, size, dtype=np.uint8) if i % 2 else rng.integers(0, 4, size, dtype=np.uint8)).tobytes()
+        rel = f"d{i % 5}/f{i:04d}.bin"
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+        files[rel] = data
+    ds = fs.mnt / "datasets" / "beside"
+    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=600)
+    return ds, files
+
+
+def test_items_read_in_this_process_are_the_files(dataset):
+    ds, files = dataset
+    data = MountedDataset(ds, direct=True)
+    before = json.loads((ds / "stats.json").read_bytes())["reads"]
+    for i in range(len(data)):
+        assert data[i] == files[data.index["path"][i].decode()], i
+    reader = data._direct_reader()
+    assert reader.counters == {"direct": len(files), "through_mount": 0}
+    assert json.loads((ds / "stats.json").read_bytes())["reads"] == before  # the daemon read none of them
+    assert "client" in os.listdir(ds)
+
+
+def test_ddp_ranks_each_declare_their_part_and_all_get_prefetch(dataset):
+    ds, files = dataset
+    script = textwrap.dedent("""
+        import sys
+        from distorefs.loader import EpochSampler, MountedDataset
+        rank, go = int(sys.argv[2]), sys.argv[3]
+        data = MountedDataset(sys.argv[1], direct=False)
+        sampler = EpochSampler(data, seed=9, rank=rank, world_size=2)
+        order = sampler.order()
+        data.declare(order)
+        print("declared", flush=True)
+        sys.stdin.readline()  # both ranks have declared before either reads
+        for i in order.tolist():
+            data[i]
+        print("read", len(order), flush=True)
+    """)
+    before = json.loads((ds / "stats.json").read_bytes())["prefetch"]
+    ranks = [subprocess.Popen([PYTHON, "-c", script, str(ds), str(r), "go"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        for p in ranks:
+            assert p.stdout.readline().strip() == "declared"
+        for p in ranks:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in ranks:
+            assert p.stdout.readline().split() == ["read", str(len(files) // 2)]
+            assert p.wait(timeout=60) == 0
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    after = json.loads((ds / "stats.json").read_bytes())["prefetch"]
+    opens = {k: after[k] - before[k] for k in ("hits", "late", "page_cache", "misses")}
+    assert sum(opens.values()) == len(files), after
+    assert opens["hits"] + opens["late"] + opens["page_cache"] >= 0.95 * len(files), (opens, after)
+
+
+def test_a_caller_that_cannot_read_the_store_reads_through_the_mount(shared_mount, temp_user, tmp_path):
+    from distorefs_it import in_child_as
+    _name, uid, gid = temp_user
+    m = shared_mount()
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(20):
+        (src / f"f{i}").write_bytes(bytes([i]) * (100 + i))
+    os.chmod(tmp_path, 0o755)
+    os.chmod(src, 0o755)
+    ds = m.mnt / "datasets" / "shared"
+    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=120)
+
+    def child(root: str) -> dict:
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            data = MountedDataset(root)
+            items = [data[i] for i in range(len(data))]
+        return {"warned": [str(w.message) for w in caught], "items": [x.hex() for x in items],
+                "paths": [p.decode() for p in data.index["path"]]}
+
+    out = in_child_as(uid, gid, child, str(ds))
+    assert len(out["warned"]) == 1 and "through the mount" in out["warned"][0]
+    assert [bytes.fromhex(x) for x in out["items"]] == [(src / p).read_bytes() for p in out["paths"]]
