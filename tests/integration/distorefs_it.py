@@ -7,6 +7,7 @@ the mount's output and STORE/lock), never anything else.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -301,3 +302,21 @@ def assert_errno(expected, fn, *args, **kwargs):
         f"expected {[errno.errorcode[c] for c in codes]}, got "
         f"{errno.errorcode.get(info.value.errno, info.value.errno)}: {info.value}")
     return info.value
+
+
+@contextlib.contextmanager
+def small_tmpfs(disk: Path, size_mb: int):
+    """A tmpfs of `size_mb` MiB mounted at `disk` (root only; the test is skipped otherwise),
+    unmounted afterwards: a small disk to fill."""
+    import pytest
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755", "tmpfs", str(disk)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {res.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

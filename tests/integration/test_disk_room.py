@@ -6,29 +6,18 @@ disk."""
 from __future__ import annotations
 
 import errno
-import os
 import subprocess
 
 import pytest
 
-from distorefs_it import CLI, Mount, entry_names, get_stats, is_mounted, make_payload, read_entry, write_entry
+from distorefs_it import CLI, Mount, entry_names, get_stats, is_mounted, make_payload, read_entry, write_entry, small_tmpfs
 
 
 @pytest.fixture
 def small_disk(tmp_path):
     """A 48 MiB tmpfs (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=0755", "tmpfs", str(disk)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {res.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", 48) as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_no_eviction_when_another_namespace_holds_the_disk(small_disk):

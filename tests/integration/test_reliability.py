@@ -26,7 +26,7 @@ import pytest
 
 from distorefs_it import (CLI, Mount, assert_errno, entry_names, fsync_dir, get_config, get_stats, have_fuse,
                           is_mounted, make_payload, pid_alive, read_entry, set_config, verify_payload, write_entry,
-                          xattr)
+                          xattr, small_tmpfs)
 
 E = errno
 # Names over 255 bytes: the core says EINVAL (DESIGN.md), the kernel ENAMETOOLONG where it checks first.
@@ -270,18 +270,8 @@ def test_bad_input_table(fresh_mount):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 MiB tmpfs (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "tmpfs", str(disk)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {res.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", 64) as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_full_disk_gives_enospc_and_keeps_everything_committed(small_disk):
