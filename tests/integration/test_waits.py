@@ -59,7 +59,9 @@ def test_kill9_ends_a_reader_waiting_for_min_size_to_sample(fs):
             proc.wait(timeout=30)
 
 
-def test_kill9_and_sigint_end_a_reader_of_distorefs_wait(fs):
+def test_kill9_and_sigint_end_a_reader_of_distorefs_wait(fresh_mount):
+    # a daemon of its own: the 5 s bounds measure this wait, not other tests' work on a shared one
+    fs = fresh_mount()
     (fs.mnt / "weights" / "m").mkdir(exist_ok=True)
     (fs.mnt / "weights" / "m" / "w.bin").write_bytes(b"v1")
     script = (f"with open('{fs.mnt}/.distorefs/wait', 'r+b', buffering=0) as w:\n"
