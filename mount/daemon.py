@@ -16,6 +16,7 @@ import trio
 
 from distorefs.store import Store
 
+from .metrics_http import serve_metrics
 from .operations import Filesystem
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,11 @@ def _set_read_ahead(mountpoint: str, kb: int) -> None:
 
 def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, allow_other: bool = False,
           config: dict | None = None, ready_fd: int | None = None, debug_fuse: bool = False,
-          read_only: bool = False) -> None:
+          read_only: bool = False, metrics_addr: tuple[str, int] | None = None) -> None:
     """Mount `store_path` at `mountpoint` and serve until unmounted (blocking). `read_only`:
     the store is opened read-only (distorefs/store.py) and mounted `ro` (the kernel refuses
-    every change with EROFS before it reaches us)."""
+    every change with EROFS before it reaches us). `metrics_addr`: (host, port) to serve
+    GET /metrics on (mount/metrics_http.py)."""
     glibc = _Glibc()
     try:
         store = Store(store_path, nvme_dirs=nvme_dirs, config=config, read_only=read_only)
@@ -106,14 +108,15 @@ def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, al
     unmounted = False
     try:
         # By signal, pyfuse3 stops serving but the kernel mount is still there.
-        unmounted = not trio.run(_run, store, fs, ready_fd, mountpoint, glibc)
+        unmounted = not trio.run(_run, store, fs, ready_fd, mountpoint, glibc, metrics_addr)
     finally:
         pyfuse3.close(unmount=not unmounted)
         store.close()
         log.info("unmounted %s", mountpoint)
 
 
-async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: str, glibc: _Glibc) -> bool:
+async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: str, glibc: _Glibc,
+               metrics_addr: tuple[str, int] | None = None) -> bool:
     """Serve until the mount ends; True if it ended by a signal rather than an unmount."""
     signalled: list[int] = []
     async with store.running():
@@ -123,6 +126,13 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
                 nursery.start_soon(_stop_on_signal, signalled)
                 nursery.start_soon(_read_ahead_after_init, mountpoint, store.config.read_ahead_kb)
                 nursery.start_soon(glibc.trim_every, 2.0)
+                if metrics_addr is not None:
+                    try:
+                        await nursery.start(serve_metrics, fs, *metrics_addr)
+                    except OSError as exc:
+                        log.error("cannot serve metrics at %s:%d: %s", *metrics_addr, exc)
+                        _report(ready_fd, f"error: cannot serve metrics at {metrics_addr[0]}:{metrics_addr[1]}: {exc}")
+                        raise
                 _report(ready_fd, "ready")
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 nursery.cancel_scope.cancel()

@@ -71,13 +71,25 @@ def _parse_nvme_dir(text: str) -> dict:
 @click.option("--read-only", "read_only", is_flag=True,
               help="Serve an existing store without changing it, not even by recovery: a damaged store, or one "
                    "not closed cleanly that recovery refuses, serves what can be read; writes fail with EROFS.")
+@click.option("--metrics-addr", metavar="[HOST:]PORT",
+              help="Serve .distorefs/metrics over HTTP (GET /metrics, for Prometheus) at HOST:PORT; loopback "
+                   "only unless --metrics-allow-remote. Off by default.")
+@click.option("--metrics-allow-remote", is_flag=True, help="Let --metrics-addr name a host other than loopback.")
 @click.option("--ready-fd", type=int, hidden=True)
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the mount to be ready.")
-def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, read_only, ready_fd, timeout) -> None:
+def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, read_only, metrics_addr,
+          metrics_allow_remote, ready_fd, timeout) -> None:
     """Mount STORE (created if missing, unless --read-only) at MOUNTPOINT."""
     mnt = Path(mountpoint)
     if not mnt.is_dir():
         raise click.ClickException(f"mount point {mountpoint} is not a directory")
+    metrics = None
+    if metrics_addr:
+        from distorefs.mount.metrics_http import parse_addr
+        try:
+            metrics = parse_addr(metrics_addr, metrics_allow_remote)
+        except ValueError as exc:
+            raise click.ClickException(str(exc))
     read_only = read_only or "ro" in config
     overrides = _parse_config(config)
     dirs = [_parse_nvme_dir(d) for d in nvme_dirs]
@@ -92,7 +104,7 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
                             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
         try:
             serve(store, mountpoint, nvme_dirs=dirs, allow_other=allow_other, config=overrides or None,
-                  ready_fd=ready_fd, debug_fuse=debug, read_only=read_only)
+                  ready_fd=ready_fd, debug_fuse=debug, read_only=read_only, metrics_addr=metrics)
         except Exception as exc:
             raise click.ClickException(str(exc))
         return
@@ -116,6 +128,8 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
         cmd.append("--debug")
     if read_only:
         cmd.append("--read-only")
+    if metrics is not None:
+        cmd += ["--metrics-addr", f"[{metrics[0]}]:{metrics[1]}", "--metrics-allow-remote"]
     for item in config:
         cmd += ["--config", item]
     log_path = Path(store) / "daemon.log"
