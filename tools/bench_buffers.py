@@ -836,10 +836,7 @@ def _plot(rows: list[dict], path: Path, title: str, summary: list[str]) -> None:
     flat[-1].axis("off")
     flat[-1].text(0.0, 1.0, "\n".join(summary), va="top", ha="left", fontsize=7.5, family="monospace", wrap=True,
                   transform=flat[-1].transAxes)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title, fontsize=11)
 
 
 # ----- entry point -------------------------------------------------------------------------
@@ -884,6 +881,16 @@ class BenchRun:
     notes: list[str]
     machine: dict
     started: float
+
+
+def save_figure(fig, path: Path, title: str | None = None, fontsize: float | None = None, dpi: int = 110) -> None:
+    """The end of every benchmark's plot: its title, the layout, the PNG, the figure freed."""
+    import matplotlib.pyplot as plt
+    if title is not None:
+        fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def start_run(out: Path, workdir: Path | None) -> BenchRun:

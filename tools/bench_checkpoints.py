@@ -43,11 +43,12 @@ from typing import Any
 import numpy as np
 
 if __package__:
-    from .bench_buffers import DistorefsMount, _CpuMeter, _is_mounted, _other_load, print_report, start_run
+    from .bench_buffers import (DistorefsMount, _CpuMeter, _is_mounted, _other_load, print_report, save_figure,
+                                start_run)
     from .bench_weights import _RssSampler, _Tmpfs
 else:  # `python tools/bench_checkpoints.py`
     from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _is_mounted, _other_load, print_report,
-                                               start_run)
+                                               save_figure, start_run)
     from distorefs.tools.bench_weights import _RssSampler, _Tmpfs
 
 SYSTEMS = ("distorefs", "tmpfs", "ext4")
@@ -379,10 +380,7 @@ def _plot(res: dict, labels: dict[str, str], path: Path, title: str) -> None:
     ax2.bar(modes, [loops[m]["steps_per_s"] for m in modes], color=["gray", "tab:blue", "tab:orange"][:len(modes)])
     ax2.set_title(f"training loop: {res['params']['step_ms']} ms steps, checkpoint every {res['params']['every']}")
     ax2.set_ylabel("steps/s")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title, fontsize=10)
 
 
 # ----- entry point -------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, _is_mounted, print_report, start_run
+from .bench_buffers import DistorefsMount, _is_mounted, print_report, save_figure, start_run
 from .bench_rl import FRAME, _dqn, _one_thread, _params, _Workers
 
 REVERB_INSERTS = 9322.0  # 113 KB inserts/s by 4 actors with Reverb's trajectory writers (issue 13)
@@ -258,10 +258,7 @@ def _plot(res: dict, path: Path, title: str) -> None:
                                                         (frames.get("files") or {}).get("inserts_4_actors_per_s") or 0,
                                                         REVERB_INSERTS])
     axes[2].set_title("113 KB inserts, 4 actors (entries/s)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:

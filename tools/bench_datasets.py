@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_buffers import BindfsMount, DistorefsMount, _drop_caches, _is_mounted, start_run
+from .bench_buffers import BindfsMount, DistorefsMount, _drop_caches, _is_mounted, save_figure, start_run
 
 GOAL_EPOCH = 1.0  # distorefs cold items/s vs bindfs, 10 KB items, 4 readers (issue 12)
 GOAL_EPOCH_READERS = "4"
@@ -336,9 +336,7 @@ def _plot(res: dict, path: Path, title: str) -> None:
     ax.set_yscale("log")
     ax.set_title(title, fontsize=10)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:

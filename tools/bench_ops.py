@@ -40,7 +40,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .bench_buffers import LIVE_MOUNTS, BindfsMount, DistorefsMount, _is_mounted, print_report, start_run
+from .bench_buffers import (LIVE_MOUNTS, BindfsMount, DistorefsMount, _is_mounted, print_report, save_figure,
+                            start_run)
 from .floorfs import FloorMount
 
 SYSTEMS = ("floor", "distorefs", "bindfs")
@@ -387,10 +388,7 @@ def _plot(res: dict, path: Path, title: str) -> None:
     ax2.set_xticks(x, ops, rotation=40, ha="right")
     ax2.set_ylabel("distorefs / floor CPU per request")
     ax2.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:

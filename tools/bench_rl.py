@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, _is_mounted, print_report, start_run
+from .bench_buffers import DistorefsMount, _is_mounted, print_report, save_figure, start_run
 
 OBS = 8
 ACTIONS = 4
@@ -377,11 +377,17 @@ def _dqn(system: str, root: Path, p: dict, ctx, **extra: Any) -> dict:
             res["errors"] = errs[:3]
         return res
     finally:
-        workers.kill_all()
-        if mount is not None:
-            mount.umount()
-        if server is not None:
-            server.stop()
+        _end_phase(workers, mount, server)
+
+
+def _end_phase(workers: "_Workers", mount, server) -> None:
+    """Whatever happened in a phase: its processes killed, its mount unmounted, its Reverb
+    server stopped."""
+    workers.kill_all()
+    if mount is not None:
+        mount.umount()
+    if server is not None:
+        server.stop()
 
 
 class _Workers:
@@ -579,11 +585,7 @@ def _frames(system: str, root: Path, p: dict, ctx) -> dict:
             res["errors"] = errs[:3]
         return res
     finally:
-        workers.kill_all()
-        if mount is not None:
-            mount.umount()
-        if server is not None:
-            server.stop()
+        _end_phase(workers, mount, server)
 
 
 # ----- report ---------------------------------------------------------------------------------
@@ -641,10 +643,7 @@ def _plot(res: dict, path: Path, title: str) -> None:
     ax2.set_xticks(x, ["sample 256\nidle", "sample 256\n4 writers", "learner 64\n2 writers"])
     ax2.set_title("113 KB entries (entries/s)")
     ax2.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:

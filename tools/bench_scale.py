@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, _drop_caches, start_run
+from .bench_buffers import DistorefsMount, _drop_caches, save_figure, start_run
 
 SHAPE = (16, 84, 84)  # uint8: 112,896 bytes + a 128-byte .npy header
 ENTRY_BYTES = int(np.prod(SHAPE)) + 128
@@ -364,11 +364,8 @@ def _chart(res: dict, path: Path) -> None:
             for ax in axes:
                 ax.axvline(s1["t"], color="black", lw=0.5)
             axes[0].text(s1["t"], axes[0].get_ylim()[1] * 0.5, s1["phase"], fontsize=7)
-    fig.suptitle(f"bench scale: {res['fill']['entries']:,} entries of {ENTRY_BYTES:,} B, "
-                 f"memory_bytes {res['params']['memory_bytes'] >> 20} MiB", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, f"bench scale: {res['fill']['entries']:,} entries of {ENTRY_BYTES:,} B, "
+                f"memory_bytes {res['params']['memory_bytes'] >> 20} MiB", fontsize=10)
 
 
 # ----- entry point -------------------------------------------------------------------------

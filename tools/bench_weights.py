@@ -50,10 +50,11 @@ import numpy as np
 
 if __package__:
     from .bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted, _other_load,
-                                _proc_cpu, print_report, start_run)
+                                _proc_cpu, print_report, save_figure, start_run)
 else:  # `python tools/bench_weights.py`
     from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted,
-                                               _other_load, _proc_cpu, print_report, start_run)
+                                               _other_load, _proc_cpu, print_report, save_figure,
+                                               start_run)
 
 SYSTEMS = ("distorefs", "tmpfs", "ext4")
 HEADER = 4096
@@ -620,10 +621,7 @@ def _plot(res: dict, labels: dict[str, str], goals: list[dict], path: Path, titl
                                     f"{g['goal']}: {g['value']}" for g in goals]
     ax.text(0.0, 1.0, "\n".join(lines), va="top", ha="left", fontsize=7.5, family="monospace", wrap=True,
             transform=ax.transAxes)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title, fontsize=11)
 
 
 # ----- places ------------------------------------------------------------------------------
