@@ -20,7 +20,7 @@ class Bank(RingNamespace):
         return self.ring.at(index)
 
     def reconfigure(self, config: BankConfig) -> None:
-        self.ring.config = config
+        self.ring.configure(config)
 
     def stats(self) -> dict:
         return {"name": self.name, **self.ring.stats()}

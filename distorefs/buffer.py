@@ -36,6 +36,7 @@ from .owner import Owner
 from .ring import RemoveEntry, RingNamespace
 from .waiting import Abandoned, wait_event
 from .prefetcher import Prefetcher
+from .removers import LowestPriority, Remover, ring_remover
 from .sampler import Sampler
 from .services import Services
 
@@ -47,7 +48,8 @@ class Buffer(RingNamespace):
     def __init__(self, services: Services, ns_id: int, name: str, config: BufferConfig, owner: Owner,
                  ctime_ns: int) -> None:
         self.sampler = Sampler(config)
-        super().__init__(services, ns_id, name, config, owner, ctime_ns, observer=self)
+        super().__init__(services, ns_id, name, config, owner, ctime_ns, observer=self,
+                         make_remover=self._remover)
         self.layout: Layout | None = None
         self.places = SlotPlaces(0)
         self._set_layout(config)
@@ -73,7 +75,11 @@ class Buffer(RingNamespace):
     # ----- ring observer -------------------------------------------------------------
 
     def entry_added(self, meta: EntryMeta, priority: float | None, times_sampled: int) -> None:
-        self.sampler.add(meta.slot, self.sampler.max_priority if priority is None else priority, times_sampled)
+        value = self.sampler.max_priority if priority is None else priority
+        self.sampler.add(meta.slot, value, times_sampled)
+        remover = self.ring.remover
+        if isinstance(remover, LowestPriority):  # told of every priority it orders by
+            remover.changed(meta.slot, meta.seq, value)
         self.places.set(meta.slot, meta.places)
         self._wake()
 
@@ -87,6 +93,15 @@ class Buffer(RingNamespace):
     def slots_grown(self, capacity: int) -> None:
         self.sampler.grow(capacity)
         self.places.grow(capacity)
+
+    def _remover(self, config: BufferConfig) -> Remover:
+        return LowestPriority(self.sampler) if config.evict == "lowest_priority" else ring_remover(config)
+
+    def priorities_set(self, slots: np.ndarray, values: np.ndarray) -> None:
+        self.sampler.set_priorities(slots, values)
+        remover = self.ring.remover
+        if isinstance(remover, LowestPriority):
+            remover.changed_many(slots, self.ring.slot_seq[slots], values)
 
     def _wake(self) -> None:
         if self._waiting:  # a fresh Event per insert would cost at load
@@ -327,7 +342,7 @@ class Buffer(RingNamespace):
                                 f"schema and raw change only while it is empty (raw: true is always allowed)")
 
     def reconfigure(self, config: BufferConfig) -> None:
-        self.ring.config = config
+        self.ring.configure(config)
         self.sampler.reconfigure(config)
         self._set_layout(config)
         self._presampled.clear()
@@ -338,6 +353,7 @@ class Buffer(RingNamespace):
         return {
             "name": self.name,
             "sampler": self.config.sampler,
+            "evict": self.config.evict,
             **self.ring.stats(),
             "drawable": s.drawable_count(),
             "max_priority": s.max_priority,
@@ -426,7 +442,7 @@ class SetPriorities(Change):
         if rows:
             slots = np.array([r[0] for r in rows], dtype=np.int64)
             values = np.array([r[1] for r in rows], dtype=np.float64)
-            self.buffer.sampler.set_priorities(slots, values)
+            self.buffer.priorities_set(slots, values)
         self.buffer.counters["priority_updates"] += len(rows)
         # entries evicted between the write and its commit: skipped like unknown keys
         self.buffer.counters["priority_unknown_keys"] += len(self.metas) - len(rows)

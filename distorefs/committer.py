@@ -45,6 +45,10 @@ class RingOverlay:
     count: int = 0
     bytes: int = 0
     removed: set[int] = field(default_factory=set)
+    # The ring's eviction candidates, shared by the group's plans (each continues where the
+    # previous stopped instead of walking past the victims already chosen); closed once
+    # the group is planned. A `close()`-able object (distorefs/removers.py Candidates).
+    candidates: Any = None
 
 
 class Overlay:
@@ -58,6 +62,13 @@ class Overlay:
         if ro is None:
             ro = self._rings[ns_id] = RingOverlay()
         return ro
+
+    def close(self) -> None:
+        """Planning is over: let go of what the plans held open."""
+        for ro in self._rings.values():
+            if ro.candidates is not None:
+                ro.candidates.close()
+                ro.candidates = None
 
 
 class Change(ABC):
@@ -207,6 +218,7 @@ class Committer:
                 self._finish(pending, DistorefsError(f"internal error: {exc}"))
             else:
                 planned.append(pending)
+        overlay.close()
         if not planned:
             return
 

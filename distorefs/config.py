@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 from .errors import InvalidArgument, InvalidConfig
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
+RING_REMOVERS = ("fifo", "lifo", "uniform")  # distorefs/removers.py
+BUFFER_REMOVERS = RING_REMOVERS + ("lowest_priority",)  # buffers have priorities
 MIN_LEVEL = -100  # zstd's fast (negative) levels trade ratio for speed; below this they barely compress
 COMPRESSIONS = ("zstd", "none")
 
@@ -114,8 +116,13 @@ class RingConfig(_Config):
     compression: str = "zstd"
     compression_level: int = 1
     evict_when_full: bool = True  # a full NVMe tier evicts the oldest entries instead of ENOSPC
+    evict: str = "fifo"  # which entries leave past capacity or max_bytes (distorefs/removers.py)
+
+    removers = RING_REMOVERS
 
     def validate(self) -> None:
+        _require(self.evict in self.removers,
+                 f"evict must be one of {', '.join(self.removers)}, got {self.evict!r}")
         _require(self.capacity >= 1, f"capacity must be >= 1, got {self.capacity}")
         _require(self.capacity <= 1 << 32, f"capacity must be <= 2**32, got {self.capacity}")
         _require(self.max_bytes >= 0, f"max_bytes must be >= 0 (0 = no limit), got {self.max_bytes}")
@@ -146,6 +153,8 @@ def check_priority(key: bytes, value: float) -> None:
 @dataclass
 class BufferConfig(RingConfig):
     """A replay buffer: a ring plus a sampler (DESIGN.md §2, buffers/NAME/config.json)."""
+
+    removers = BUFFER_REMOVERS
 
     sampler: str = "uniform"
     alpha: float = 0.6

@@ -3,8 +3,9 @@
 Replay buffers and memory banks share it. An entry becomes visible whole when its
 insert commits; it gets the next sequence number then, which fixes its FIFO position.
 Rewriting an entry keeps its position; removal frees its slot. When the ring passes
-`capacity` or `max_bytes`, the oldest entries are evicted in the same transaction as
-the insert that needed the room, so a crash never leaves the ring over its bounds.
+`capacity` or `max_bytes`, entries are evicted (the oldest unless `evict` names another
+remover: distorefs/removers.py) in the same transaction as the insert that needed the
+room, so a crash never leaves the ring over its bounds.
 
 Every entry holds a slot (a dense small integer) so samplers can keep per-entry arrays.
 """
@@ -31,6 +32,7 @@ from .room import plan_room
 from .names import check_name
 from .owner import Owner
 from .placement import TIER_LMDB, TIER_NAMES
+from .removers import Candidates, Remover, ring_remover
 from .services import Services
 
 if TYPE_CHECKING:
@@ -48,7 +50,8 @@ class RingObserver(Protocol):
 
 class Ring:
     def __init__(self, services: Services, ns_id: int, kind: str, name: str, config: RingConfig,
-                 observer: RingObserver | None = None) -> None:
+                 observer: RingObserver | None = None,
+                 make_remover: Callable[[RingConfig], Remover] = ring_remover) -> None:
         self.values = services.values
         self.committer = services.committer
         self._collect = services.collect
@@ -59,6 +62,8 @@ class Ring:
         self.name = name
         self.config = config
         self.observer = observer
+        self.make_remover = make_remover
+        self.remover = make_remover(config)
         self.by_seq: SortedDict = SortedDict()
         self.by_key: dict[bytes, EntryMeta] = {}
         self.next_seq = 1
@@ -296,20 +301,43 @@ class Ring:
         await self.committer.submit(change)
         return change.meta  # type: ignore[return-value]
 
+    def configure(self, config: RingConfig) -> None:
+        """A new configuration: its bounds, and the remover its `evict` names."""
+        if config.evict != self.config.evict:
+            self.remover = self.make_remover(config)
+        self.config = config
+
     def plan_evictions(self, ro, protect: int = -1, config: RingConfig | None = None) -> list[EntryMeta]:
-        """Oldest entries to evict so the ring fits its bounds after the planned changes."""
-        victims = []
+        """Entries to evict, in the order the remover gives (`evict`), so the ring fits its
+        bounds after the planned changes."""
+        victims: list[EntryMeta] = []
         config = config or self.config
         cap, max_bytes = config.capacity, config.max_bytes
-        oldest = iter(self.by_seq.values())
-        while len(self.by_key) + ro.count > cap or (max_bytes and self.bytes + ro.bytes > max_bytes):
-            victim = next((m for m in oldest if m.seq not in ro.removed and m.seq != protect), None)
-            if victim is None:
-                break
-            ro.removed.add(victim.seq)
-            ro.count -= 1
-            ro.bytes -= victim.size
-            victims.append(victim)
+
+        def over() -> bool:
+            return len(self.by_key) + ro.count > cap or bool(max_bytes and self.bytes + ro.bytes > max_bytes)
+
+        if not over():
+            return victims
+        own = config.evict == self.config.evict
+        if own:  # shared by the group's plans; the committer closes it
+            if ro.candidates is None:
+                ro.candidates = Candidates(self.remover.candidates(self))
+            candidates = ro.candidates
+        else:  # a new configuration's remover, for the evictions it makes itself
+            candidates = Candidates(self.make_remover(config).candidates(self))
+        try:
+            while over():
+                victim = candidates.next(ro.removed, protect)
+                if victim is None:
+                    break
+                ro.removed.add(victim.seq)
+                ro.count -= 1
+                ro.bytes -= victim.size
+                victims.append(victim)
+        finally:
+            if not own:
+                candidates.close()
         return victims
 
     # ----- transaction and apply steps shared by the changes -------------------------
@@ -426,11 +454,12 @@ class RingNamespace:
     config_type: type = RingConfig
 
     def __init__(self, services: Services, ns_id: int, name: str, config: RingConfig, owner: Owner,
-                 ctime_ns: int, observer: RingObserver | None = None) -> None:
+                 ctime_ns: int, observer: RingObserver | None = None,
+                 make_remover: Callable[[RingConfig], Remover] = ring_remover) -> None:
         self.name = name
         self.owner = owner
         self.ctime_ns = ctime_ns
-        self.ring = Ring(services, ns_id, self.kind, name, config, observer=observer)
+        self.ring = Ring(services, ns_id, self.kind, name, config, observer=observer, make_remover=make_remover)
 
     @property
     def config(self):
