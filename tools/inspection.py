@@ -165,15 +165,32 @@ def _npy_header(f) -> dict:
 
 
 def describe_content(path: Path) -> dict:
-    """What an entry holds: .npy arrays and .npz members by dtype and shape, else raw bytes."""
+    """What a file holds: .npy arrays and .npz members by dtype and shape, safetensors and
+    torch.save tensors by name, dtype and shape (read without running the file: see
+    tensorfiles), else raw bytes. A tensor file that cannot be read safely gives
+    {"format": ..., "error": why}."""
+    from .tensorfiles import CannotRead, looks_like_safetensors, read_safetensors, read_torch, torch_pickle_name
+
     with open(path, "rb") as f:
-        head = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(9)
         f.seek(0)
         if head.startswith(NPY_MAGIC):
             return {"format": "npy", "array": _npy_header(f)}
+        if looks_like_safetensors(head, size):
+            try:
+                return read_safetensors(f, size)
+            except CannotRead as exc:
+                return {"format": "safetensors", "error": str(exc)}
         if head.startswith(b"PK\x03\x04"):
             try:
                 with zipfile.ZipFile(f) as z:  # reads the directory and member headers only
+                    member = torch_pickle_name(z)
+                    if member is not None:
+                        try:
+                            return read_torch(z, member)
+                        except CannotRead as exc:
+                            return {"format": "torch", "error": f"cannot read: {exc}"}
                     arrays, other = {}, []
                     for info in z.infolist():
                         if info.filename.endswith(".npy"):
@@ -229,8 +246,21 @@ def inspect_text(info: dict) -> str:
         lines += [f"    {k.ljust(width)}  {v}" for k, v in a.items()]
     content = info.get("content")
     if content:
-        if "error" in content:
+        if "error" in content and "format" in content:
+            lines.append(f"  content: {content['format']} file, {content['error']}")
+        elif "error" in content:
             lines.append(f"  content: unreadable ({content['error']})")
+        elif content["format"] in ("safetensors", "torch"):
+            from .tensorfiles import tensor_rows
+            what = "safetensors file" if content["format"] == "safetensors" else "torch.save archive"
+            lines.append(f"  content: {what} with {len(content['tensors'])} tensors")
+            rows = tensor_rows(content["tensors"])
+            if rows:
+                lines += ["    " + line for line in table(["TENSOR", "DTYPE", "SHAPE"], rows, right=set()).splitlines()]
+            extra = list((content.get("metadata") or content.get("values") or {}).items())
+            lines += [f"    {k}: {v}" for k, v in extra[:20]]
+            if len(extra) > 20:
+                lines.append(f"    ... {len(extra) - 20} more values (--json lists them)")
         elif content["format"] == "npy":
             arr = content["array"]
             lines.append(f"  content: .npy array, dtype {arr['dtype']}, shape {tuple(arr['shape'])}")
@@ -255,7 +285,8 @@ def inspect_text(info: dict) -> str:
 @click.option("--json", "as_json", is_flag=True)
 def inspect_cmd(path, as_json) -> None:
     """Show one entry (or file, or namespace) in detail: attributes, and for .npy/.npz the
-    array names, dtypes and shapes."""
+    array names, dtypes and shapes; for safetensors and torch.save files the tensors'
+    (torch pickles are read without running them: anything but tensors is not read)."""
     info = inspect_info(Path(path))
     click.echo(json.dumps(info, indent=2) if as_json else inspect_text(info))
     if "error" in info.get("content", {}):

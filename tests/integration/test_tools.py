@@ -231,3 +231,44 @@ def test_umount_force_recovers_a_hung_daemon(fresh_mount):
         time.sleep(0.05)
     m.mount()  # the store is whole and mounts again
     assert (b / "entries" / "e").read_bytes() == b"data"
+
+
+def test_inspect_tensor_files_in_weights(fs, tmp_path):
+    """safetensors and torch.save files published under weights/: tensors by name, dtype and
+    shape; a torch archive whose pickle names os.system is refused (exit 1) and never run."""
+    torch = pytest.importorskip("torch")
+    import pickle
+    import struct
+    import zipfile
+    model = fs.mnt / "weights" / "inspect-tensors"
+    model.mkdir()
+    header = json.dumps({"__metadata__": {"step": "12"},
+                         "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}).encode()
+    (model / "m.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(24))
+    torch.save({"layer.weight": torch.zeros(4, 2, dtype=torch.float16), "step": 5}, model / "ck.pt")
+
+    info = json.loads(cli("inspect", model / "m.safetensors", "--json").stdout)
+    assert info["content"] == {"format": "safetensors", "metadata": {"step": "12"},
+                               "tensors": {"w": {"dtype": "F32", "shape": [2, 3], "bytes": 24}}}
+    assert info["xattrs"]["version"] == "1"
+    text = cli("inspect", model / "ck.pt").stdout
+    assert "torch.save archive with 1 tensors" in text
+    assert re.search(r"layer\.weight\s+float16\s+\(4, 2\)", text), text
+    info = json.loads(cli("inspect", model / "ck.pt", "--json").stdout)
+    assert info["content"]["tensors"] == {"layer.weight": {"dtype": "float16", "shape": [4, 2]}}
+
+    marker = tmp_path / "ran"
+    evil = pickle.dumps({"w": _Runs(f"touch {marker}")}, protocol=2)
+    with zipfile.ZipFile(model / "evil.pt", "w") as z:
+        z.writestr("archive/data.pkl", evil)
+    res = cli("inspect", model / "evil.pt", check=False)
+    assert res.returncode == 1 and "cannot read" in res.stdout and "system" in res.stdout
+    assert not marker.exists()
+
+
+class _Runs:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
