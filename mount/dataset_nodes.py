@@ -102,9 +102,9 @@ class DatasetDir(Node):
                                           uid=attr.st_uid if fields.update_uid else None,
                                           gid=attr.st_gid if fields.update_gid else None)
 
-    async def setxattr(self, name: bytes, value: bytes) -> None:
+    async def setxattr(self, name: bytes, value: bytes, ctx=None) -> None:
         if name != b"sealed":
-            await super().setxattr(name, value)
+            await super().setxattr(name, value, ctx)
         if value.strip() not in (b"1", b"true", b"yes"):
             raise InvalidArgument("a dataset is sealed with the value 1; it cannot be unsealed")
         await self.ds.seal()

@@ -349,7 +349,7 @@ class Filesystem(pyfuse3.Operations):
     async def setxattr(self, inode, name, value, ctx):
         if not name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(errno.ENOTSUP)
-        await self.inodes.get(inode).setxattr(name[len(XATTR_PREFIX):], value)
+        await self.inodes.get(inode).setxattr(name[len(XATTR_PREFIX):], value, ctx)
 
     @_translate
     async def removexattr(self, inode, name, ctx):

@@ -82,7 +82,7 @@ class _TreeNode(Node):
     def tree(self):
         return self.fs.store.weights
 
-    async def setxattr(self, name: bytes, value: bytes) -> None:
+    async def setxattr(self, name: bytes, value: bytes, ctx=None) -> None:
         if name in _xattr_names():
             raise NotPermitted(f"attribute {name!r} is read-only")
         raise Unsupported(f"no attribute {name!r} here")
