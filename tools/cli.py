@@ -1,5 +1,5 @@
-"""The `distorefs` command: mount, umount, status, bench, demo (stats, ls, inspect, verify, gc and
-export are in `inspection`)."""
+"""The `distorefs` command: mount, umount, status, bench, demo, stage, seal, import (stats, ls,
+inspect, verify, gc and export are in `inspection`; import's work is in `transfer`)."""
 
 from __future__ import annotations
 
@@ -282,6 +282,39 @@ def stage_cmd(src, dest, jobs, no_seal, quiet, follow_symlinks, allow_outside) -
                + ("; sealed" if report.sealed else ""))
     for line in report.errors[:20]:
         click.echo(f"  error: {line}", err=True)
+    if report.errors:
+        raise SystemExit(1)
+
+
+@main.command("import")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dest", type=click.Path())
+@click.option("--jobs", "-j", default=4, show_default=True, help="Files copied at once (weights, checkpoints, "
+              "datasets; entries go one by one, in order).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def import_cmd(src, dest, jobs, quiet) -> None:
+    """Load what `distorefs export` wrote (SRC) into DEST under a mount, of the same kind:
+    a buffer or bank into MNT/buffers/NAME or MNT/banks/NAME (entries in order, priorities,
+    times sampled), a weights tree under MNT/weights, a dataset into MNT/datasets/NAME
+    (staged, then sealed), a run into MNT/checkpoints/RUN, or a whole mount into MNT. Every
+    file is checked against the manifest's checksums; one that does not match is refused
+    (exit 1)."""
+    from .inspection import human
+    from .transfer import ImportError_, import_tree
+    t0 = time.monotonic()
+    try:
+        report = import_tree(Path(src), Path(dest), progress=not quiet, jobs=jobs)
+    except (ImportError_, OSError, RuntimeError) as exc:
+        raise click.ClickException(str(exc))
+    elapsed = time.monotonic() - t0
+    click.echo(f"imported {report.files} files, {human(report.bytes)} into {dest} in {elapsed:.1f} s"
+               + (f"; {len(report.errors)} refused or failed" if report.errors else ""))
+    for line in report.notes:
+        click.echo(f"  note: {line}")
+    for line in report.errors[:50]:
+        click.echo(f"  error: {line}", err=True)
+    if len(report.errors) > 50:
+        click.echo(f"  ... {len(report.errors) - 50} more errors", err=True)
     if report.errors:
         raise SystemExit(1)
 

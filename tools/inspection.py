@@ -299,6 +299,56 @@ def inspect_cmd(path, as_json) -> None:
 _GENERATED = {"sample", "batch", "at"}
 _CHANNELS = {"client"}  # a namespace's request/reply files (the client beside the mount): no content
 _CONTROL = ".distorefs"  # control files (wait, gc, ...): not data
+# A dataset's per-process files: `order` is the reading process's declared order, `client`
+# a session file; neither is the dataset's content.
+_DATASET_SKIP = {"client", "order"}
+MANIFEST = ".distorefs-export.json"
+MANIFEST_FORMAT = 2  # 1: files only, attributes merged into each record (a dataset item's
+                     # own `path` attribute overwrote the record's path)
+
+
+def is_dataset_dir(path: Path) -> bool:
+    return (path / "items").is_dir() and (path / "config.json").is_file()
+
+
+def mount_root(path: Path) -> Path | None:
+    """The distorefs mount point `path` is in (or is), else None."""
+    p = Path(os.path.abspath(path))
+    for candidate in (p, *p.parents):
+        if (candidate / ".distorefs" / "version").is_file():
+            return candidate
+    return None
+
+
+def tree_kind(path: Path) -> str:
+    """What `path` is in its mount's tree: mount, buffers, buffer, banks, bank, weights (the
+    tree or a directory in it), datasets, dataset, checkpoints, run, step, or other."""
+    root = mount_root(path)
+    if root is None:
+        return "other"
+    return kind_of_parts(Path(os.path.abspath(path)).relative_to(root).parts)
+
+
+# A path of each kind, relative to the mount (kind_of_parts(KIND_PLACES[k]) == k)
+KIND_PLACES = {"mount": (), "buffers": ("buffers",), "buffer": ("buffers", "B"), "banks": ("banks",),
+               "bank": ("banks", "B"), "weights": ("weights",), "datasets": ("datasets",),
+               "dataset": ("datasets", "D"), "checkpoints": ("checkpoints",), "run": ("checkpoints", "R"),
+               "step": ("checkpoints", "R", "S")}
+
+
+def kind_of_parts(parts: tuple[str, ...]) -> str:
+    """tree_kind of the path `parts` (relative to the mount)."""
+    if not parts:
+        return "mount"
+    top, depth = parts[0], len(parts)
+    if top == "weights":
+        return "weights"
+    singular = {"buffers": "buffer", "banks": "bank", "datasets": "dataset"}
+    if top in singular and depth <= 2:
+        return top if depth == 1 else singular[top]
+    if top == "checkpoints" and depth <= 3:
+        return ("checkpoints", "run", "step")[depth - 1]
+    return "other"
 
 
 def _walk(root: Path):
@@ -311,9 +361,10 @@ def _walk(root: Path):
         with os.scandir(here) as it:
             names = [e.name for e in it]
         namespace = is_namespace_dir(here)
+        skip = _CHANNELS if namespace else _DATASET_SKIP if is_dataset_dir(here) else set()
         subdirs = []
         for name in names:
-            if namespace and name in _CHANNELS:
+            if name in skip:
                 continue
             st = os.lstat(here / name)
             if stat_mod.S_ISDIR(st.st_mode):
@@ -329,7 +380,9 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
 
     Each file's CRC-32 is checked against its `checksum` attribute while it is copied.
     DEST/.distorefs-export.json records, in listing order (FIFO for entries), each file's
-    attributes (seq, priority, times sampled, version, checksum)."""
+    attributes (seq, priority, times sampled, version, checksum), the CRC-32, mode and
+    mtime of what was written, and each directory's mode, mtime and attributes (a
+    checkpoint step's seq, state, pinned): what `distorefs import` restores."""
     from tqdm import tqdm
 
     if dest.exists() and any(dest.iterdir()):
@@ -337,7 +390,7 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
     items = list(_walk(src))
     total = sum(st.st_size for _, st in items if stat_mod.S_ISREG(st.st_mode))
     dest.mkdir(parents=True, exist_ok=True)
-    manifest, errors, copied, nbytes = [], [], 0, 0
+    manifest, dirs, errors, copied, nbytes = [], [], [], 0, 0
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
               desc="export", dynamic_ncols=True) as bar:
         for rel, st in items:
@@ -345,17 +398,20 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
             try:
                 if stat_mod.S_ISDIR(st.st_mode):
                     d.mkdir(exist_ok=True)
+                    dirs.append({**xattrs(s), "path": str(rel), "mode": st.st_mode & 0o7777,
+                                 "mtime_ns": st.st_mtime_ns})
                 elif stat_mod.S_ISLNK(st.st_mode):
                     os.symlink(os.readlink(s), d)
                 elif stat_mod.S_ISREG(st.st_mode):
                     a = xattrs(s)
-                    crc = 0
+                    crc = size = 0
                     with open(s, "rb") as fin, open(d, "wb") as fout:
                         while True:
                             chunk = fin.read(1 << 20)
                             if not chunk:
                                 break
                             crc = zlib.crc32(chunk, crc)
+                            size += len(chunk)
                             fout.write(chunk)
                             bar.update(len(chunk))
                     os.chmod(d, st.st_mode & 0o777)
@@ -363,15 +419,19 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
                     want = a.get("checksum", "")
                     if want.startswith("crc32:") and int(want[6:], 16) != crc:
                         errors.append(f"{rel}: checksum {crc:08x} does not match {want}")
-                    manifest.append({"path": str(rel), "size": st.st_size, **a})
+                    # the record's own fields last: an attribute named path or size (a dataset
+                    # item's) must not replace them
+                    manifest.append({**a, "path": str(rel), "size": size, "crc32": f"crc32:{crc:08x}",
+                                     "mode": st.st_mode & 0o7777, "mtime_ns": st.st_mtime_ns})
                     copied += 1
-                    nbytes += st.st_size
+                    nbytes += size
             except OSError as exc:
                 if exc.errno == errno.ENOENT and not stat_mod.S_ISDIR(st.st_mode):
                     continue  # evicted or removed while the export ran
                 errors.append(f"{rel}: {exc.strerror or exc}")
-    (dest / ".distorefs-export.json").write_text(json.dumps(
-        {"source": str(src), "exported_at": time.time(), "files": manifest}, indent=1) + "\n")
+    (dest / MANIFEST).write_text(json.dumps(
+        {"format": MANIFEST_FORMAT, "source": str(src), "kind": tree_kind(src), "exported_at": time.time(),
+         "root": xattrs(src), "files": manifest, "dirs": dirs}, indent=1) + "\n")
     return {"files": copied, "bytes": nbytes, "errors": errors}
 
 
