@@ -351,7 +351,7 @@ def kind_of_parts(parts: tuple[str, ...]) -> str:
     return "other"
 
 
-def _walk(root: Path):
+def walk_tree(root: Path):
     """(relative path, lstat) of everything below root, files of a directory in its order."""
     stack = [Path()]
     while stack:
@@ -387,7 +387,7 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
 
     if dest.exists() and any(dest.iterdir()):
         raise click.ClickException(f"{dest} exists and is not empty")
-    items = list(_walk(src))
+    items = list(walk_tree(src))
     total = sum(st.st_size for _, st in items if stat_mod.S_ISREG(st.st_mode))
     dest.mkdir(parents=True, exist_ok=True)
     manifest, dirs, errors, copied, nbytes = [], [], [], 0, 0

@@ -481,3 +481,75 @@ def test_times_sampled_only_by_the_buffers_owner(shared_mount, temp_user):
     res = as_user(user, "setfattr", "-n", "user.distorefs.priority", "-v", "3", str(b / "entries" / "e"))
     assert res.returncode == 0, res.stderr
     assert xattr(b / "entries" / "e", "times_sampled") == "0"
+
+
+# ----- warmup ---------------------------------------------------------------------------------
+
+def _stats(m) -> dict:
+    return json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
+
+
+def test_warmup_fills_the_memory_tier_and_the_page_cache(fresh_mount, tmp_path):
+    from distorefs.tools.warmup import resident_bytes
+    m = fresh_mount()
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(30):
+        (src / "d" / f"f{i}.bin").write_bytes(make_payload(f"f{i}", 100_000 + i))
+    (src / "big.bin").write_bytes(make_payload("big", 9 << 20))  # three 4 MiB chunks
+    cli("stage", "-q", src, m.mnt / "datasets" / "ds")
+    b = m.buffer("wb")
+    for i in range(5):
+        write_entry(b, f"e{i}", make_payload(f"e{i}", 50_000))
+    (m.mnt / "weights" / "w").mkdir()
+    (m.mnt / "weights" / "w" / "model.bin").write_bytes(make_payload("model", 3 << 20))
+    (m.mnt / "checkpoints" / "r" / "s1").mkdir(parents=True)
+    (m.mnt / "checkpoints" / "r" / "s1" / "ck.pt").write_bytes(make_payload("ck", 200_000))
+    fsync_dir(m.mnt / "checkpoints" / "r" / "s1")
+    m.remount()  # an empty memory tier and nothing of the mount in the page cache
+    data_bytes = sum(p.stat().st_size for p in src.rglob("*.bin")) + 5 * 50_000 + (3 << 20)
+    before = _stats(m)
+    res = cli("warmup", "--json", m.mnt / "datasets" / "ds", b, m.mnt / "weights" / "w", m.mnt / "checkpoints")
+    r = json.loads(res.stdout)
+    index_bytes = (m.mnt / "datasets" / "ds" / "index.npy").stat().st_size
+    assert r["files"] == 31 + 1 + 5 + 1 + 1 and r["errors"] == []  # items, index.npy, entries, weights, checkpoint
+    assert r["memory_held"] == data_bytes + index_bytes
+    assert r["memory_not_served"] == 200_000 and r["memory_over_budget"] == r["memory_refused"] == 0
+    after = _stats(m)
+    assert after["memory"]["cache"]["warmed_bytes"] - before["memory"]["cache"]["warmed_bytes"] == r["memory_loaded"]
+    # (an entry's open puts its value into the page cache itself: those need no read)
+    assert r["read_bytes"] + r["page_cache_already"] == r["bytes"] and r["page_cache_already"] == 5 * 50_000
+    # everything is in the page cache now; a read of the data costs the daemon no disk read
+    for p in [*(m.mnt / "datasets" / "ds" / "items" / "d").iterdir(), m.mnt / "weights" / "w" / "model.bin"]:
+        with open(p, "rb") as f:
+            assert resident_bytes(f.fileno(), p.stat().st_size) == p.stat().st_size, p
+    reads = after["disk_reads"]
+    for p in (m.mnt / "datasets" / "ds" / "items").rglob("*.bin"):
+        p.read_bytes()
+    for i in range(5):
+        assert (b / "entries" / f"e{i}").read_bytes() == make_payload(f"e{i}", 50_000)  # an open reads the value
+    assert _stats(m)["disk_reads"] == reads
+    # again: all of it is warm already, nothing is read
+    r = json.loads(cli("warmup", "--json", m.mnt / "datasets" / "ds").stdout)
+    assert r["read_bytes"] == 0 and r["page_cache_already"] == r["bytes"] and r["memory_loaded"] == 0
+    value = os.getxattr(m.mnt / "datasets" / "ds" / "items" / "big.bin", "user.distorefs.warm")
+    assert value == b"values=3 bytes=%d already=%d loaded=0 refused=0" % ((9 << 20,) * 2)
+    assert "user.distorefs.warm" not in os.listxattr(m.mnt / "datasets" / "ds" / "items" / "big.bin")
+
+
+def test_warmup_within_the_memory_budget(fresh_mount, tmp_path):
+    m = fresh_mount("cache_bytes=1048576")  # 1 MiB: a few of the files below
+    b = m.buffer("budget")
+    for i in range(20):
+        write_entry(b, f"e{i:02d}", make_payload(f"e{i}", 100_000))
+    write_entry(b, "huge", make_payload("huge", 400_000))  # over a quarter of the tier: never kept
+    m.remount()
+    res = cli("warmup", "-j", "1", b)
+    assert "memory tier full" in res.stdout, res.stdout
+    r = json.loads(cli("warmup", "--json", "--no-memory", b).stdout)  # page cache only: warm now
+    assert r["read_bytes"] == 0 and r["memory_loaded"] == 0
+    m.remount()
+    r = json.loads(cli("warmup", "--json", "-j", "1", b).stdout)
+    assert 8 * 100_000 <= r["memory_held"] <= 1 << 20
+    assert r["memory_over_budget"] + r["memory_refused"] + r["memory_held"] == 20 * 100_000 + 400_000
+    assert _stats(m)["memory"]["cache"]["used_bytes"] <= 1 << 20
