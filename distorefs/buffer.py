@@ -27,7 +27,7 @@ import trio
 from .batch import Batch, BatchFile, batch_file
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
-from .config import MAX_PRIORITY, BufferConfig, check_priority
+from .config import MAX_PRIORITY, BufferConfig, check_priority, priority_text
 from .errors import DistorefsError, InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
 from .layout import Layout, NotStackable, SlotPlaces, parse, place
 from .namespace import update_record
@@ -326,9 +326,24 @@ class Buffer(RingNamespace):
             return None, 0
         return self.committer.enqueue(SetPriorities(self, metas, values)), len(metas)
 
+    async def set_times_sampled(self, key: bytes, times: int) -> None:
+        """Set an entry's times-sampled count (restoring a buffer: `distorefs import`).
+        InvalidArgument for a negative count, one past 2**32 - 1, or one that reaches
+        `max_times_sampled` (the entry would be spent: such entries are removed, never kept)."""
+        limit = self.config.max_times_sampled
+        if not 0 <= times < 1 << 32:
+            raise InvalidArgument(f"times_sampled must be in 0..{(1 << 32) - 1}, got {times}")
+        if limit and times >= limit:
+            raise InvalidArgument(f"buffers/{self.name}: times_sampled {times} reaches max_times_sampled "
+                                  f"({limit}): the entry would be spent")
+        meta = self.ring.by_key.get(key)
+        if meta is None:
+            raise NotFound(f"buffers/{self.name}: no entry {key!r}")
+        await self.committer.submit(SetTimesSampled(self, meta, times))
+
     def priorities_text(self) -> bytes:
         prio = self.sampler.priority
-        return b"".join(b"%s %.9g\n" % (escape_key(m.key), prio[m.slot]) for m in self.ring.oldest())
+        return b"".join(b"%s %s\n" % (escape_key(m.key), priority_text(prio[m.slot])) for m in self.ring.oldest())
 
     # ----- configuration and stats ---------------------------------------------------
 
@@ -415,6 +430,31 @@ class RecordSampled(Change):
         ns = self.buffer.ns_id
         for seq, count in self.rows:
             txn.put(entry_key(ns, seq), pack_u32(count), db=DB_SAMPLED)
+
+
+class SetTimesSampled(Change):
+    """One entry's times-sampled count, set (an entry removed meanwhile: nothing)."""
+
+    def __init__(self, buffer: Buffer, meta: EntryMeta, times: int) -> None:
+        self.buffer = buffer
+        self.meta = meta
+        self.times = times
+        self.keep = False
+
+    def plan(self, overlay: Overlay) -> None:
+        ring = self.buffer.ring
+        self.keep = (self.meta.seq not in overlay.ring(ring.ns_id).removed
+                     and ring.by_seq.get(self.meta.seq) is not None)
+
+    def txn(self, txn) -> None:
+        if self.keep:
+            txn.put(entry_key(self.buffer.ns_id, self.meta.seq), pack_u32(self.times), db=DB_SAMPLED)
+
+    def apply(self) -> None:
+        ring = self.buffer.ring
+        m = ring.slot_meta[self.meta.slot]
+        if self.keep and m is not None and m.seq == self.meta.seq:
+            self.buffer.sampler.set_times(self.meta.slot, self.times)
 
 
 class SetPriorities(Change):

@@ -1,8 +1,9 @@
 """The memory tier: a byte-bounded LRU of decoded values shared by every namespace.
 
-Values enter on insert (write-through), on read misses and from the prefetcher; the
-least recently used leave when `capacity_bytes` is exceeded. A value larger than a
-quarter of the budget is never cached, so one huge entry cannot flush everything.
+Values enter on insert (write-through), on read misses, from the prefetcher and when a
+file is warmed (`distorefs warmup`: ValueLayer.warm); the least recently used leave when
+`capacity_bytes` is exceeded. A value larger than a quarter of the budget is never cached,
+so one huge entry cannot flush everything.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ class ValueCache:
         self.used_bytes = 0
         self.hits = 0
         self.misses = 0
+        self.warmed_bytes = 0  # loaded by warm requests
+        self.warm_refused_bytes = 0  # asked for by warm requests, not taken (budget)
         self._items: OrderedDict[Hashable, bytes] = OrderedDict()
 
     def __len__(self) -> int:
@@ -38,8 +41,12 @@ class ValueCache:
         """Like get, but counts neither a hit nor a miss (for the prefetcher's bookkeeping)."""
         return self._items.get(key)
 
+    def admits(self, size: int) -> bool:
+        """Whether a value of `size` bytes may be cached at all."""
+        return size <= self.capacity_bytes // 4
+
     def put(self, key: Hashable, value: bytes) -> None:
-        if len(value) > self.capacity_bytes // 4:
+        if not self.admits(len(value)):
             return
         old = self._items.pop(key, None)
         if old is not None:
@@ -71,4 +78,6 @@ class ValueCache:
             "hits": self.hits,
             "misses": self.misses,
             "hit_rate": round(self.hits / total, 4) if total else None,
+            "warmed_bytes": self.warmed_bytes,
+            "warm_refused_bytes": self.warm_refused_bytes,
         }

@@ -150,6 +150,14 @@ def check_priority(key: bytes, value: float) -> None:
         raise InvalidArgument(f"priority of {key!r} must be a number in [0, {MAX_PRIORITY:g}], got {value}")
 
 
+def priority_text(value: float) -> bytes:
+    """A priority as `priorities` and the `priority` attribute show it: the shortest text
+    that reads back as the same float (so an export and import restore it exactly), and a
+    whole number without ".0" (7, not 7.0)."""
+    text = repr(float(value))
+    return (text[:-2] if text.endswith(".0") else text).encode()
+
+
 @dataclass
 class BufferConfig(RingConfig):
     """A replay buffer: a ring plus a sampler (DESIGN.md §2, buffers/NAME/config.json)."""

@@ -51,7 +51,7 @@ from .names import check_name
 from .owner import Owner
 from .prefetcher import PrefetchStreams
 from .services import Services
-from .values import StoredValue
+from .values import StoredValue, WarmResult
 from .sources import (Credentials, OpenSource, SourceRefused, acting_as, dir_owners, open_root, open_source,
                       read_bounded)
 
@@ -390,6 +390,12 @@ class Dataset:
         name = item.name.decode("utf-8", "replace")
         return f"datasets/{self.name} item {item.id} ({name}) chunk {index}"
 
+    async def warm(self, item: Item) -> WarmResult:
+        """Load an item's chunks into the memory tier (distorefs warmup), under the keys its
+        reads look for."""
+        return await self.values.warm([(self._cache_key(item, i), c, self._what(item, i))
+                                       for i, c in enumerate(item.chunks)])
+
     def load_blocking(self, item: Item) -> bytes:
         """The whole content of `item`, verified (worker thread)."""
         parts = [self.values.read_or_fail(c, self._what(item, i)) for i, c in enumerate(item.chunks)]
@@ -503,6 +509,14 @@ class Dataset:
 
     # ----- the index ------------------------------------------------------------------
 
+    def _index_chunk(self, i: int) -> tuple[Hashable, StoredValue, str]:
+        """(cache key, value, what) of index.npy's chunk i."""
+        return ("dsindex", self.ds_id, i), self.index_chunks[i], f"datasets/{self.name}/index.npy chunk {i}"
+
+    async def warm_index(self) -> WarmResult:
+        """Load index.npy's chunks into the memory tier (distorefs warmup)."""
+        return await self.values.warm([self._index_chunk(i) for i in range(len(self.index_chunks))])
+
     async def read_index(self, off: int, size: int) -> bytes:
         end = min(off + size, self.index_size)
         if off >= end or not self.index_chunks:
@@ -510,8 +524,7 @@ class Dataset:
         step = self.index_chunks[0].size
         parts = []
         for i in range(off // step, (end - 1) // step + 1):
-            data = await self.values.fetch_one(("dsindex", self.ds_id, i), self.index_chunks[i],
-                                               f"datasets/{self.name}/index.npy chunk {i}")
+            data = await self.values.fetch_one(*self._index_chunk(i))
             parts.append(memoryview(data)[max(off - i * step, 0):min(end - i * step, len(data))])
         return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
 

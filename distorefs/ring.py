@@ -37,6 +37,7 @@ from .services import Services
 
 if TYPE_CHECKING:
     from .prefetcher import Prefetcher
+    from .values import WarmResult
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,10 @@ class Ring:
         self.counters["reads"] += len(metas)
         self.counters["read_bytes"] += sum(len(v) for v in values)  # type: ignore[arg-type]
         return values  # type: ignore[return-value]
+
+    async def warm(self, meta: EntryMeta) -> "WarmResult":
+        """Load an entry's value into the memory tier (distorefs warmup)."""
+        return await self.values.warm([(self._cache_key(meta), meta.value, self._what(meta))])
 
     def prefetch_loader(self, keys: list[tuple[int, int]]) -> list[bytes | None]:
         """The prefetcher's loader (worker thread): values not in the memory tier already."""

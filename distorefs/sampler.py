@@ -77,6 +77,17 @@ class Sampler:
             self.max_priority = max(self.max_priority, float(values.max()))
         self._refresh(slots, drawable_changed=False)
 
+    def set_times(self, slot: int, times: int) -> None:
+        """Set an entry's times-sampled count (a restore: `distorefs import`); the caller
+        keeps it below `max_times_sampled`, so it stays drawable."""
+        self._flush()
+        self.times[slot] = times
+        limit = self.config.max_times_sampled
+        exhausted = bool(limit and times >= limit)
+        if exhausted != self.exhausted[slot]:
+            self.exhausted[slot] = exhausted
+            self._refresh(np.array([slot]))
+
     def reconfigure(self, config: BufferConfig) -> None:
         self._flush()
         old = self.config

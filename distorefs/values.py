@@ -87,6 +87,25 @@ class StoredValue:
 Fetched = "bytes | DistorefsError"
 
 
+@dataclass
+class WarmResult:
+    """What a warm request did for one file's values (bytes are decoded sizes)."""
+
+    values: int = 0
+    bytes: int = 0
+    already: int = 0  # in the memory tier before the request
+    loaded: int = 0  # read and put there by it
+    refused: int = 0  # not taken: too big for the tier, or the tier's budget is used up
+
+    def text(self) -> bytes:
+        """Short (one getxattr reply, under 128 bytes: Python's first buffer)."""
+        return (b"values=%d bytes=%d already=%d loaded=%d refused=%d"
+                % (self.values, self.bytes, self.already, self.loaded, self.refused))
+
+
+WARM_GROUP_BYTES = 64 << 20  # values read per hand-off while warming: bounds what is held at once
+
+
 class ValueLayer:
     def __init__(self, env: LmdbEnv, config: StoreConfig, dirs: Sequence[SegmentDir], *,
                  create_dirs: bool = True) -> None:
@@ -204,6 +223,47 @@ class ValueLayer:
                 raise self.report_corrupt(result)
             raise result
         return result
+
+    async def warm(self, items: Sequence[tuple[Hashable, StoredValue, str]]) -> WarmResult:
+        """Load the values of one file (cache key, value, what) into the memory tier, sending
+        nothing back: `distorefs warmup`. Within the tier's budget: a value the tier never
+        takes (over a quarter of it) is refused, and so is any value past what the tier holds
+        in all, so a file bigger than the tier does not evict its own first values. Values
+        already there count as `already` (without counting a cache hit). A value whose read
+        fails is left out: it may have moved or gone meanwhile (compaction, a rewrite), and a
+        damaged one is reported by the read of the file that follows."""
+        cache = self.cache
+        out = WarmResult(values=len(items), bytes=sum(v.size for _, v, _ in items))
+        group: list[tuple[Hashable, StoredValue, str]] = []
+        taken = group_bytes = 0
+        for key, value, what in items:
+            if cache.peek(key) is not None:
+                out.already += value.size
+                taken += value.size  # the file's own: what comes next must not evict it
+                continue
+            if not cache.admits(value.size) or taken + value.size > cache.capacity_bytes:
+                out.refused += value.size
+                continue
+            taken += value.size
+            group.append((key, value, what))
+            group_bytes += value.size
+            if group_bytes >= WARM_GROUP_BYTES:
+                out.loaded += await self._warm_group(group)
+                group, group_bytes = [], 0
+        if group:
+            out.loaded += await self._warm_group(group)
+        cache.warmed_bytes += out.loaded
+        cache.warm_refused_bytes += out.refused
+        return out
+
+    async def _warm_group(self, group: list[tuple[Hashable, StoredValue, str]]) -> int:
+        results = await self._reads.read([(value, what) for _, value, what in group])
+        loaded = 0
+        for (key, value, _), result in zip(group, results):
+            if isinstance(result, bytes):
+                self.cache.put(key, result)
+                loaded += value.size
+        return loaded
 
     def next_gen(self) -> int:
         """A number never handed out before in this process: cache keys of a new version."""

@@ -47,7 +47,7 @@ from .names import check_name
 from .owner import Owner
 from .services import Services
 from .treerules import check_create, check_remove, check_rename
-from .values import StoredValue
+from .values import StoredValue, WarmResult
 
 log = logging.getLogger(__name__)
 
@@ -387,6 +387,13 @@ class WeightsTree:
             piece = memoryview(data)[lo:hi]
             parts.append(piece if len(piece) == hi - lo else bytes(piece) + bytes(hi - lo - len(piece)))
         return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+
+    async def warm(self, node: WNode, version: Version) -> WarmResult:
+        """Load a version's stored chunks into the memory tier (distorefs warmup), under the
+        keys its reads look for (holes have nothing to load)."""
+        path = self.path_of(node)
+        return await self.values.warm([(("wv", c.tier, c.loc), c, f"{path} version {version.number} chunk {i}")
+                                       for i, c in enumerate(version.chunks) if c is not None])
 
     async def _chunk(self, node: WNode, version: Version, index: int) -> bytes:
         chunk = version.chunks[index]

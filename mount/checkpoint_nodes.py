@@ -225,10 +225,10 @@ class CheckpointsDir(Node):
             b"stored_size": b"%d" % sum(self.tree.stored_size(f) for f in files),
         }
 
-    async def setxattr(self, name: bytes, value: bytes) -> None:
+    async def setxattr(self, name: bytes, value: bytes, ctx=None) -> None:
         n = self.cnode()
         if name != b"pinned" or not isinstance(n, CStep):
-            await super().setxattr(name, value)
+            await super().setxattr(name, value, ctx)
         flag = value.strip().lower()
         if flag not in (b"0", b"1", b"true", b"false", b"yes", b"no"):
             raise InvalidArgument(f"pinned must be 1 or 0, got {value[:20]!r}")

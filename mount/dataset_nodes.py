@@ -26,6 +26,7 @@ from distorefs.fileattrs import apply_setattr, dir_nlink
 from distorefs.names import check_name
 from distorefs.owner import Owner
 from distorefs.sources import Credentials, check_can_act_for
+from distorefs.values import WarmResult
 
 from .callers import process_gone, process_of
 from .handles import BytesReader, ClientHandle, ConfigWriter, Handle, wants_read, wants_write
@@ -102,9 +103,9 @@ class DatasetDir(Node):
                                           uid=attr.st_uid if fields.update_uid else None,
                                           gid=attr.st_gid if fields.update_gid else None)
 
-    async def setxattr(self, name: bytes, value: bytes) -> None:
+    async def setxattr(self, name: bytes, value: bytes, ctx=None) -> None:
         if name != b"sealed":
-            await super().setxattr(name, value)
+            await super().setxattr(name, value, ctx)
         if value.strip() not in (b"1", b"true", b"yes"):
             raise InvalidArgument("a dataset is sealed with the value 1; it cannot be unsealed")
         await self.ds.seal()
@@ -404,6 +405,11 @@ class ItemNode(Node):
             self.item()  # follows a renumbering
             await self.ds.set_attrs(FILE, self.item_id, meta)
 
+    async def warm(self) -> bytes | None:
+        if self.item_id is None:
+            return WarmResult().text()
+        return (await self.ds.warm(self.item())).text()
+
     def xattrs(self) -> dict[bytes, bytes]:
         if self.item_id is None:
             return {}
@@ -599,6 +605,9 @@ class IndexFile(Node):
         mode = o.mode & self.ds.index_mode
         return make_attrs(self.ino, stat.S_IFREG | mode, self.ds.index_size, o.uid, o.gid, self.ds.sealed_ns,
                           self.fs.store.config.entry_timeout)
+
+    async def warm(self) -> bytes | None:
+        return (await self.ds.warm_index()).text()
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):

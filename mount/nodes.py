@@ -21,8 +21,9 @@ from distorefs import __version__
 from distorefs.batch import BatchFile, Blob
 from distorefs.buffer import Buffer
 from distorefs.catalog import EntryMeta
-from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted, Unsupported,
-                              WouldBlock)
+from distorefs.config import priority_text
+from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted,
+                              OperationNotPermitted, Unsupported, WouldBlock)
 from distorefs.names import check_name
 from distorefs.owner import Owner
 
@@ -117,7 +118,13 @@ class Node:
         its size computes them off the event loop here."""
         return self.xattrs()
 
-    async def setxattr(self, name: bytes, value: bytes) -> None:
+    async def warm(self) -> bytes | None:
+        """The `warm` attribute (distorefs warmup): load this file's stored values into the
+        memory tier and say what was done; None where the memory tier does not serve the
+        file's reads (ENODATA)."""
+        return None
+
+    async def setxattr(self, name: bytes, value: bytes, ctx=None) -> None:
         if name in self.xattrs():
             raise NotPermitted(f"attribute {name!r} is read-only")
         raise Unsupported(f"no attribute {name!r} here")
@@ -721,13 +728,29 @@ class EntryNode(Node):
         }
         if isinstance(self.buf, Buffer) and self.current():
             s = self.buf.sampler
-            attrs[b"priority"] = b"%.9g" % s.priority[meta.slot]
+            attrs[b"priority"] = priority_text(s.priority[meta.slot])  # reads back exactly
             attrs[b"times_sampled"] = b"%d" % s.times[meta.slot]
         return attrs
 
-    async def setxattr(self, name: bytes, value: bytes) -> None:
-        if name != b"priority" or not isinstance(self.buf, Buffer):
-            await super().setxattr(name, value)
+    async def warm(self) -> bytes | None:
+        meta = self.latest()
+        if meta is None:
+            raise NotFound("entry is gone")
+        return (await self.buf.ring.warm(meta)).text()
+
+    async def setxattr(self, name: bytes, value: bytes, ctx=None) -> None:
+        if name not in (b"priority", b"times_sampled") or not isinstance(self.buf, Buffer):
+            await super().setxattr(name, value, ctx)
+        if name == b"times_sampled":
+            # a restore's (distorefs import): the count is the sampler's accounting, so only
+            # the buffer's owner (or root) may set it, not whoever may write the entry
+            if ctx is not None and ctx.uid not in (0, self.buf.owner.uid):
+                raise OperationNotPermitted("only the buffer's owner sets times_sampled")
+            text = value.strip()
+            if not text.isdigit():
+                raise InvalidArgument(f"times_sampled must be a whole number, got {value[:40]!r}")
+            await self.buf.set_times_sampled(self.name, int(text))
+            return
         try:
             priority = float(value.strip())
         except ValueError:

@@ -23,6 +23,7 @@ import pyfuse3
 from distorefs.errors import CrossDevice, NotPermitted, Stale, Unsupported
 from distorefs.fileattrs import dir_nlink
 from distorefs.owner import Owner
+from distorefs.values import WarmResult
 from distorefs.weights import DIR, LINK, ROOT_ID, ReadHandle, WNode, WriteHandle
 
 from .handles import Handle, wants_read, wants_write
@@ -82,7 +83,7 @@ class _TreeNode(Node):
     def tree(self):
         return self.fs.store.weights
 
-    async def setxattr(self, name: bytes, value: bytes) -> None:
+    async def setxattr(self, name: bytes, value: bytes, ctx=None) -> None:
         if name in _xattr_names():
             raise NotPermitted(f"attribute {name!r} is read-only")
         raise Unsupported(f"no attribute {name!r} here")
@@ -237,6 +238,12 @@ class WeightsFile(_TreeNode):
     async def setattr(self, attr, fields, handle, ctx) -> None:
         core = handle.core if isinstance(handle, WeightsWriter) else None
         await self.tree.setattr(self.wnode, attr_change(attr, fields), core)
+
+    async def warm(self) -> bytes | None:
+        v = self.tree.version_at(self.wnode, self.gen)
+        if v is None:
+            return WarmResult().text()
+        return (await self.tree.warm(self.wnode, v)).text()
 
     def xattrs(self) -> dict[bytes, bytes]:
         n = self.wnode

@@ -165,15 +165,32 @@ def _npy_header(f) -> dict:
 
 
 def describe_content(path: Path) -> dict:
-    """What an entry holds: .npy arrays and .npz members by dtype and shape, else raw bytes."""
+    """What a file holds: .npy arrays and .npz members by dtype and shape, safetensors and
+    torch.save tensors by name, dtype and shape (read without running the file: see
+    tensorfiles), else raw bytes. A tensor file that cannot be read safely gives
+    {"format": ..., "error": why}."""
+    from .tensorfiles import CannotRead, looks_like_safetensors, read_safetensors, read_torch, torch_pickle_name
+
     with open(path, "rb") as f:
-        head = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(9)
         f.seek(0)
         if head.startswith(NPY_MAGIC):
             return {"format": "npy", "array": _npy_header(f)}
+        if looks_like_safetensors(head, size):
+            try:
+                return read_safetensors(f, size)
+            except CannotRead as exc:
+                return {"format": "safetensors", "error": str(exc)}
         if head.startswith(b"PK\x03\x04"):
             try:
                 with zipfile.ZipFile(f) as z:  # reads the directory and member headers only
+                    member = torch_pickle_name(z)
+                    if member is not None:
+                        try:
+                            return read_torch(z, member)
+                        except CannotRead as exc:
+                            return {"format": "torch", "error": f"cannot read: {exc}"}
                     arrays, other = {}, []
                     for info in z.infolist():
                         if info.filename.endswith(".npy"):
@@ -229,8 +246,21 @@ def inspect_text(info: dict) -> str:
         lines += [f"    {k.ljust(width)}  {v}" for k, v in a.items()]
     content = info.get("content")
     if content:
-        if "error" in content:
+        if "error" in content and "format" in content:
+            lines.append(f"  content: {content['format']} file, {content['error']}")
+        elif "error" in content:
             lines.append(f"  content: unreadable ({content['error']})")
+        elif content["format"] in ("safetensors", "torch"):
+            from .tensorfiles import tensor_rows
+            what = "safetensors file" if content["format"] == "safetensors" else "torch.save archive"
+            lines.append(f"  content: {what} with {len(content['tensors'])} tensors")
+            rows = tensor_rows(content["tensors"])
+            if rows:
+                lines += ["    " + line for line in table(["TENSOR", "DTYPE", "SHAPE"], rows, right=set()).splitlines()]
+            extra = list((content.get("metadata") or content.get("values") or {}).items())
+            lines += [f"    {k}: {v}" for k, v in extra[:20]]
+            if len(extra) > 20:
+                lines.append(f"    ... {len(extra) - 20} more values (--json lists them)")
         elif content["format"] == "npy":
             arr = content["array"]
             lines.append(f"  content: .npy array, dtype {arr['dtype']}, shape {tuple(arr['shape'])}")
@@ -255,7 +285,8 @@ def inspect_text(info: dict) -> str:
 @click.option("--json", "as_json", is_flag=True)
 def inspect_cmd(path, as_json) -> None:
     """Show one entry (or file, or namespace) in detail: attributes, and for .npy/.npz the
-    array names, dtypes and shapes."""
+    array names, dtypes and shapes; for safetensors and torch.save files the tensors'
+    (torch pickles are read without running them: anything but tensors is not read)."""
     info = inspect_info(Path(path))
     click.echo(json.dumps(info, indent=2) if as_json else inspect_text(info))
     if "error" in info.get("content", {}):
@@ -268,9 +299,59 @@ def inspect_cmd(path, as_json) -> None:
 _GENERATED = {"sample", "batch", "at"}
 _CHANNELS = {"client"}  # a namespace's request/reply files (the client beside the mount): no content
 _CONTROL = ".distorefs"  # control files (wait, gc, ...): not data
+# A dataset's per-process files: `order` is the reading process's declared order, `client`
+# a session file; neither is the dataset's content.
+_DATASET_SKIP = {"client", "order"}
+MANIFEST = ".distorefs-export.json"
+MANIFEST_FORMAT = 2  # 1: files only, attributes merged into each record (a dataset item's
+                     # own `path` attribute overwrote the record's path)
 
 
-def _walk(root: Path):
+def is_dataset_dir(path: Path) -> bool:
+    return (path / "items").is_dir() and (path / "config.json").is_file()
+
+
+def mount_root(path: Path) -> Path | None:
+    """The distorefs mount point `path` is in (or is), else None."""
+    p = Path(os.path.abspath(path))
+    for candidate in (p, *p.parents):
+        if (candidate / ".distorefs" / "version").is_file():
+            return candidate
+    return None
+
+
+def tree_kind(path: Path) -> str:
+    """What `path` is in its mount's tree: mount, buffers, buffer, banks, bank, weights (the
+    tree or a directory in it), datasets, dataset, checkpoints, run, step, or other."""
+    root = mount_root(path)
+    if root is None:
+        return "other"
+    return kind_of_parts(Path(os.path.abspath(path)).relative_to(root).parts)
+
+
+# A path of each kind, relative to the mount (kind_of_parts(KIND_PLACES[k]) == k)
+KIND_PLACES = {"mount": (), "buffers": ("buffers",), "buffer": ("buffers", "B"), "banks": ("banks",),
+               "bank": ("banks", "B"), "weights": ("weights",), "datasets": ("datasets",),
+               "dataset": ("datasets", "D"), "checkpoints": ("checkpoints",), "run": ("checkpoints", "R"),
+               "step": ("checkpoints", "R", "S")}
+
+
+def kind_of_parts(parts: tuple[str, ...]) -> str:
+    """tree_kind of the path `parts` (relative to the mount)."""
+    if not parts:
+        return "mount"
+    top, depth = parts[0], len(parts)
+    if top == "weights":
+        return "weights"
+    singular = {"buffers": "buffer", "banks": "bank", "datasets": "dataset"}
+    if top in singular and depth <= 2:
+        return top if depth == 1 else singular[top]
+    if top == "checkpoints" and depth <= 3:
+        return ("checkpoints", "run", "step")[depth - 1]
+    return "other"
+
+
+def walk_tree(root: Path):
     """(relative path, lstat) of everything below root, files of a directory in its order."""
     stack = [Path()]
     while stack:
@@ -280,9 +361,10 @@ def _walk(root: Path):
         with os.scandir(here) as it:
             names = [e.name for e in it]
         namespace = is_namespace_dir(here)
+        skip = _CHANNELS if namespace else _DATASET_SKIP if is_dataset_dir(here) else set()
         subdirs = []
         for name in names:
-            if namespace and name in _CHANNELS:
+            if name in skip:
                 continue
             st = os.lstat(here / name)
             if stat_mod.S_ISDIR(st.st_mode):
@@ -298,15 +380,17 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
 
     Each file's CRC-32 is checked against its `checksum` attribute while it is copied.
     DEST/.distorefs-export.json records, in listing order (FIFO for entries), each file's
-    attributes (seq, priority, times sampled, version, checksum)."""
+    attributes (seq, priority, times sampled, version, checksum), the CRC-32, mode and
+    mtime of what was written, and each directory's mode, mtime and attributes (a
+    checkpoint step's seq, state, pinned): what `distorefs import` restores."""
     from tqdm import tqdm
 
     if dest.exists() and any(dest.iterdir()):
         raise click.ClickException(f"{dest} exists and is not empty")
-    items = list(_walk(src))
+    items = list(walk_tree(src))
     total = sum(st.st_size for _, st in items if stat_mod.S_ISREG(st.st_mode))
     dest.mkdir(parents=True, exist_ok=True)
-    manifest, errors, copied, nbytes = [], [], 0, 0
+    manifest, dirs, errors, copied, nbytes = [], [], [], 0, 0
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
               desc="export", dynamic_ncols=True) as bar:
         for rel, st in items:
@@ -314,17 +398,20 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
             try:
                 if stat_mod.S_ISDIR(st.st_mode):
                     d.mkdir(exist_ok=True)
+                    dirs.append({**xattrs(s), "path": str(rel), "mode": st.st_mode & 0o7777,
+                                 "mtime_ns": st.st_mtime_ns})
                 elif stat_mod.S_ISLNK(st.st_mode):
                     os.symlink(os.readlink(s), d)
                 elif stat_mod.S_ISREG(st.st_mode):
                     a = xattrs(s)
-                    crc = 0
+                    crc = size = 0
                     with open(s, "rb") as fin, open(d, "wb") as fout:
                         while True:
                             chunk = fin.read(1 << 20)
                             if not chunk:
                                 break
                             crc = zlib.crc32(chunk, crc)
+                            size += len(chunk)
                             fout.write(chunk)
                             bar.update(len(chunk))
                     os.chmod(d, st.st_mode & 0o777)
@@ -332,15 +419,19 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
                     want = a.get("checksum", "")
                     if want.startswith("crc32:") and int(want[6:], 16) != crc:
                         errors.append(f"{rel}: checksum {crc:08x} does not match {want}")
-                    manifest.append({"path": str(rel), "size": st.st_size, **a})
+                    # the record's own fields last: an attribute named path or size (a dataset
+                    # item's) must not replace them
+                    manifest.append({**a, "path": str(rel), "size": size, "crc32": f"crc32:{crc:08x}",
+                                     "mode": st.st_mode & 0o7777, "mtime_ns": st.st_mtime_ns})
                     copied += 1
-                    nbytes += st.st_size
+                    nbytes += size
             except OSError as exc:
                 if exc.errno == errno.ENOENT and not stat_mod.S_ISDIR(st.st_mode):
                     continue  # evicted or removed while the export ran
                 errors.append(f"{rel}: {exc.strerror or exc}")
-    (dest / ".distorefs-export.json").write_text(json.dumps(
-        {"source": str(src), "exported_at": time.time(), "files": manifest}, indent=1) + "\n")
+    (dest / MANIFEST).write_text(json.dumps(
+        {"format": MANIFEST_FORMAT, "source": str(src), "kind": tree_kind(src), "exported_at": time.time(),
+         "root": xattrs(src), "files": manifest, "dirs": dirs}, indent=1) + "\n")
     return {"files": copied, "bytes": nbytes, "errors": errors}
 
 

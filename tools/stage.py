@@ -194,10 +194,18 @@ def stage(src: str, dest: str, *, jobs: int = 8, seal: bool = True, progress: bo
     sources = read_list(src, allow_outside) if os.path.isfile(src) else list(walk(src, refused=refused))
     for s in sources:
         s.follow = follow_symlinks
+    return stage_sources(sources, dest_path, jobs=jobs, seal=seal, progress=progress, refused=refused)
+
+
+def stage_sources(sources: list[Source], dest_path: Path, *, jobs: int = 8, seal: bool = True,
+                  progress: bool = True, refused: list[str] | None = None) -> StageReport:
+    """Stage `sources` (listed already) into the dataset directory `dest_path` (checked by
+    `check_destination`), then seal it; see `stage`."""
+    dest = str(dest_path)
     if not dest_path.exists():
         os.mkdir(dest_path)
     sealed = is_sealed(dest)
-    report = StageReport(files=len(sources), bytes=sum(s.size for s in sources), errors=list(refused))
+    report = StageReport(files=len(sources), bytes=sum(s.size for s in sources), errors=list(refused or []))
     control = str(dest_path / ".stage")
     lock = threading.Lock()
     bar = tqdm(total=report.bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,

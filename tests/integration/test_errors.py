@@ -74,14 +74,18 @@ def test_errors_leave_daemon_and_data_intact(fs, buf):
         assert xattr(entry, "priority") == "2.5", text
     assert float(xattr(buf / "entries" / "keep1", "priority")) != 3.0
 
-    # xattrs: priority must be a number >= 0, the others are read-only, other names unsupported
+    # xattrs: priority must be a number >= 0, times_sampled a whole number, the others are
+    # read-only, other names unsupported
     for bad in (b"abc", b"-3", b"nan", b""):
         assert_errno(errno.EINVAL, os.setxattr, entry, "user.distorefs.priority", bad)
     assert xattr(entry, "priority") == "2.5"
-    for name in ("seq", "tier", "size", "stored_size", "compression", "checksum", "times_sampled"):
+    for name in ("seq", "tier", "size", "stored_size", "compression", "checksum"):
         before = xattr(entry, name)
         assert_errno(errno.EACCES, os.setxattr, entry, f"user.distorefs.{name}", b"1")
         assert xattr(entry, name) == before
+    # times_sampled is writable for restores (distorefs import): a whole number
+    for bad in (b"abc", b"-1", b"1.5", b""):
+        assert_errno(errno.EINVAL, os.setxattr, entry, "user.distorefs.times_sampled", bad)
     assert_errno((errno.ENOTSUP, errno.EOPNOTSUPP), os.setxattr, entry, "user.other", b"1")
     assert_errno((errno.ENOTSUP, errno.EOPNOTSUPP), os.setxattr, entry, "user.distorefsx", b"1")
     assert_errno(errno.ENODATA, os.getxattr, entry, "user.distorefs.nonexistent")

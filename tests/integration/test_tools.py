@@ -4,6 +4,7 @@ Prometheus), .distorefs/metrics, gc (through the daemon and offline), export, ve
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -14,7 +15,8 @@ import zlib
 import numpy as np
 import pytest
 
-from distorefs_it import CLI, PYTHON, Mount, is_mounted, make_payload, set_config, write_entry, xattr
+from distorefs_it import (CLI, PYTHON, Mount, as_user, fsync_dir, is_mounted, make_payload, set_config, write_entry,
+                          xattr)
 
 
 def cli(*args, check=True) -> subprocess.CompletedProcess:
@@ -231,3 +233,323 @@ def test_umount_force_recovers_a_hung_daemon(fresh_mount):
         time.sleep(0.05)
     m.mount()  # the store is whole and mounts again
     assert (b / "entries" / "e").read_bytes() == b"data"
+
+
+def test_inspect_tensor_files_in_weights(fs, tmp_path):
+    """safetensors and torch.save files published under weights/: tensors by name, dtype and
+    shape; a torch archive whose pickle names os.system is refused (exit 1) and never run."""
+    torch = pytest.importorskip("torch")
+    import pickle
+    import struct
+    import zipfile
+    model = fs.mnt / "weights" / "inspect-tensors"
+    model.mkdir()
+    header = json.dumps({"__metadata__": {"step": "12"},
+                         "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}).encode()
+    (model / "m.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(24))
+    torch.save({"layer.weight": torch.zeros(4, 2, dtype=torch.float16), "step": 5}, model / "ck.pt")
+
+    info = json.loads(cli("inspect", model / "m.safetensors", "--json").stdout)
+    assert info["content"] == {"format": "safetensors", "metadata": {"step": "12"},
+                               "tensors": {"w": {"dtype": "F32", "shape": [2, 3], "bytes": 24}}}
+    assert info["xattrs"]["version"] == "1"
+    text = cli("inspect", model / "ck.pt").stdout
+    assert "torch.save archive with 1 tensors" in text
+    assert re.search(r"layer\.weight\s+float16\s+\(4, 2\)", text), text
+    info = json.loads(cli("inspect", model / "ck.pt", "--json").stdout)
+    assert info["content"]["tensors"] == {"layer.weight": {"dtype": "float16", "shape": [4, 2]}}
+
+    marker = tmp_path / "ran"
+    evil = pickle.dumps({"w": _Runs(f"touch {marker}")}, protocol=2)
+    with zipfile.ZipFile(model / "evil.pt", "w") as z:
+        z.writestr("archive/data.pkl", evil)
+    res = cli("inspect", model / "evil.pt", check=False)
+    assert res.returncode == 1 and "cannot read" in res.stdout and "system" in res.stdout
+    assert not marker.exists()
+
+
+class _Runs:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+# ----- import ---------------------------------------------------------------------------------
+
+def _fill_store(m) -> dict:
+    """A prioritized buffer with entries sampled, a gap and an exact priority; a bank; weights
+    with a sub-directory and a symlink; a dataset staged from a CSV with a metadata column;
+    a checkpoint run of two steps, the first pinned. What the test expects back."""
+    b = m.buffer("replay", {"sampler": "prioritized", "alpha": 0.7, "capacity": 1000})
+    data = {f"e{i:02d}": make_payload(f"e{i}", 3000 + 997 * i, seed=i) for i in range(10)}
+    data["big"] = make_payload("big", 700 << 10)  # a segment-tier value
+    for k, v in data.items():
+        write_entry(b, k, v)
+    os.unlink(b / "entries" / "e04")
+    del data["e04"]
+    os.setxattr(b / "entries" / "e03", "user.distorefs.priority", b"0.12345678901234567")
+    with open(b / "priorities", "w") as f:
+        f.write("e07 3.75\ne01 1e-07\n")
+    for n in (4, 3):
+        with open(b / "sample" / str(n), "rb") as f:
+            f.read()
+    bank = m.mnt / "banks" / "mem"
+    bank.mkdir()
+    for i in range(3):
+        write_entry(bank, f"m{i}", make_payload(f"m{i}", 500 + i))
+    w = m.mnt / "weights" / "policy"
+    (w / "v1").mkdir(parents=True)
+    (w / "v1" / "model.bin").write_bytes(make_payload("model", 300_000))
+    (w / "v1" / "model.bin").write_bytes(make_payload("model", 310_000, seed=2))  # version 2
+    (w / "notes.txt").write_text("weights notes\n")
+    os.chmod(w / "notes.txt", 0o600)
+    os.symlink("v1", w / "latest")
+    src = m.root / "ds-src"
+    (src / "a").mkdir(parents=True)
+    rows = ["path,label,score"]
+    for i in range(5):
+        (src / "a" / f"x{i}.bin").write_bytes(make_payload(f"x{i}", 2000 + i))
+        rows.append(f"a/x{i}.bin,{i % 2},{i / 4}")
+    (src / "top.bin").write_bytes(b"top")
+    rows.append("top.bin,9,2.0")  # (a list's paths are relative to its files' common directory)
+    (src / "list.csv").write_text("\n".join(rows) + "\n")
+    cli("stage", "-q", src / "list.csv", m.mnt / "datasets" / "ds")
+    run = m.mnt / "checkpoints" / "run1"
+    run.mkdir()
+    for step in ("step-2", "step-10"):  # created in this order: names do not sort so
+        (run / step / "sub").mkdir(parents=True)
+        (run / step / "model.pt").write_bytes(make_payload(step, 50_000))
+        (run / step / "sub" / "optim.pt").write_bytes(make_payload(step + "o", 20_000))
+        fsync_dir(run / step)
+    os.setxattr(run / "step-2", "user.distorefs.pinned", b"1")
+    return data
+
+
+_VARIES = {"seq", "tier", "stored_size", "version"}  # the store's to give: not restored
+_GENERATED_FILES = ("stats.json", "priorities")
+
+
+def _comparable(manifest: dict) -> tuple[list, list]:
+    files = []
+    for f in manifest["files"]:
+        name = f["path"].rsplit("/", 1)[-1]
+        keep = {k: v for k, v in f.items() if k not in _VARIES}
+        if name in _GENERATED_FILES or name in ("config.json", "index.npy"):  # the store's times
+            keep = {"path": f["path"]} if name in _GENERATED_FILES else {k: keep[k] for k in ("path", "crc32")}
+        files.append(keep)
+    fixed = {"buffers", "banks", "datasets", "checkpoints", "weights", "buffers/replay", "buffers/replay/entries",
+             "banks/mem", "banks/mem/entries", "datasets/ds"}  # their times are the store's
+    dirs = [{k: v for k, v in d.items() if k not in _VARIES} for d in manifest["dirs"] if d["path"] not in fixed]
+    return files, dirs
+
+
+def test_export_import_round_trip(fresh_mount, tmp_path):
+    a = fresh_mount("segment_threshold=524288")
+    data = _fill_store(a)
+    sampled = {k: int(xattr(a.mnt / "buffers" / "replay" / "entries" / k, "times_sampled")) for k in data}
+    assert sum(sampled.values()) == 7 and any(v == 0 for v in sampled.values())
+    cli("export", "-q", a.mnt, tmp_path / "one")
+    b = fresh_mount()
+    res = cli("import", "-q", tmp_path / "one", b.mnt)
+    assert "imported" in res.stdout and not res.stderr, res.stdout + res.stderr
+    cli("export", "-q", b.mnt, tmp_path / "two")
+    one = json.loads((tmp_path / "one" / ".distorefs-export.json").read_text())
+    two = json.loads((tmp_path / "two" / ".distorefs-export.json").read_text())
+    assert one["format"] == 2 and one["kind"] == "mount"
+    assert [f["path"] for f in one["files"]] == [f["path"] for f in two["files"]]  # FIFO order and all files
+    f1, d1 = _comparable(one)
+    f2, d2 = _comparable(two)
+    assert f1 == f2  # contents (CRC), sizes, priorities, times sampled, modes, mtimes, dataset items
+    assert d1 == d2  # directory modes and times, checkpoint steps' state and pinned
+    entries = b.mnt / "buffers" / "replay" / "entries"
+    assert os.listdir(entries) == list(data)  # the same relative order
+    assert {k: int(xattr(entries / k, "times_sampled")) for k in data} == sampled
+    assert xattr(entries / "e03", "priority") == "0.12345678901234566"  # exact: repr of the same float
+    assert float(xattr(entries / "e01", "priority")) == 1e-07
+    for k, v in data.items():
+        assert (entries / k).read_bytes() == v
+    w = b.mnt / "weights" / "policy"
+    assert os.readlink(w / "latest") == "v1" and (w / "latest" / "model.bin").read_bytes() == \
+        make_payload("model", 310_000, seed=2)
+    assert oct(os.stat(w / "notes.txt").st_mode & 0o777) == "0o600"
+    ds = b.mnt / "datasets" / "ds"
+    assert xattr(ds, "state") == "sealed"
+    index = np.load(ds / "index.npy")
+    assert index.dtype.names == ("item", "path", "size", "checksum", "label", "score")
+    assert index["label"].tolist() == [0, 1, 0, 1, 0, 9]
+    assert index["score"].tolist() == [0, 0.25, 0.5, 0.75, 1.0, 2.0]
+    assert index["path"].tolist()[:2] == [b"a/x0.bin", b"a/x1.bin"]
+    assert (np.load(tmp_path / "one" / "datasets" / "ds" / "index.npy") == index).all()
+    run = b.mnt / "checkpoints" / "run1"
+    assert os.readlink(run / "latest") == "step-10"  # created last, though it sorts first
+    assert xattr(run / "step-2", "pinned") == "1" and xattr(run / "step-10", "state") == "durable"
+    assert sorted(os.listdir(tmp_path / "two" / "buffers" / "replay")) == ["config.json", "entries", "priorities",
+                                                                          "stats.json"]
+
+    # one namespace into a new name; a non-empty destination is refused, nothing changed
+    cli("import", "-q", tmp_path / "one" / "buffers" / "replay", b.mnt / "buffers" / "copy")
+    assert os.listdir(b.mnt / "buffers" / "copy" / "entries") == list(data)
+    res = cli("import", "-q", tmp_path / "one" / "buffers" / "replay", b.mnt / "buffers" / "copy", check=False)
+    assert res.returncode == 1 and "already holds entries" in res.stderr
+    res = cli("import", "-q", tmp_path / "one" / "buffers" / "replay", b.mnt / "weights" / "x", check=False)
+    assert res.returncode == 1 and "export of a buffer" in res.stderr
+    assert not (b.mnt / "weights" / "x").exists()
+
+    # a manifest of the first format (files only, attributes merged in) still imports
+    cli("export", "-q", a.mnt / "buffers" / "replay", tmp_path / "old")
+    manifest = json.loads((tmp_path / "old" / ".distorefs-export.json").read_text())
+    old = {"source": manifest["source"], "exported_at": manifest["exported_at"],
+           "files": [{k: v for k, v in f.items() if k not in ("crc32", "mode", "mtime_ns")}
+                     for f in manifest["files"]]}
+    (tmp_path / "old" / ".distorefs-export.json").write_text(json.dumps(old))
+    cli("import", "-q", tmp_path / "old", b.mnt / "buffers" / "fromold")
+    entries = b.mnt / "buffers" / "fromold" / "entries"
+    assert os.listdir(entries) == list(data)
+    assert {k: int(xattr(entries / k, "times_sampled")) for k in data} == sampled
+
+
+def _flip(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_import_refuses_corrupt_files(fresh_mount, tmp_path):
+    a = fresh_mount()
+    data = _fill_store(a)
+    cli("export", "-q", a.mnt, tmp_path / "exp")
+    exp = tmp_path / "exp"
+    for p in ("buffers/replay/entries/e05", "weights/policy/v1/model.bin", "datasets/ds/items/a/x2.bin",
+              "checkpoints/run1/step-10/sub/optim.pt"):
+        _flip(exp / p)
+    (exp / "buffers" / "replay" / "entries" / "stray").write_bytes(b"not exported")
+    b = fresh_mount()
+    res = cli("import", "-q", exp, b.mnt, check=False)
+    assert res.returncode == 1
+    for p in ("buffers/replay/entries/e05", "weights/policy/v1/model.bin", "datasets/ds/items/a/x2.bin",
+              "checkpoints/run1/step-10/sub/optim.pt"):
+        assert f"{p}: checksum mismatch" in res.stderr, res.stderr
+    assert "entries/stray: not in the manifest" in res.stderr
+    # nothing refused is there, half or whole; the rest is, in order
+    entries = b.mnt / "buffers" / "replay" / "entries"
+    assert os.listdir(entries) == [k for k in data if k != "e05"]
+    assert not (b.mnt / "weights" / "policy" / "v1" / "model.bin").exists()
+    assert os.listdir(b.mnt / "weights" / "policy" / "v1") == []  # no temporary file left
+    assert (b.mnt / "weights" / "policy" / "notes.txt").read_text() == "weights notes\n"
+    ds = b.mnt / "datasets" / "ds"
+    assert xattr(ds, "state") == "open" and not (ds / "items" / "a" / "x2.bin").exists()
+    assert "left unsealed" in res.stdout
+    run = b.mnt / "checkpoints" / "run1"
+    assert sorted(os.listdir(run)) == ["latest", "step-2"] and os.readlink(run / "latest") == "step-2"
+    # fixed, a rerun resumes the dataset and seals it
+    (exp / "datasets" / "ds" / "items" / "a" / "x2.bin").write_bytes(make_payload("x2", 2002))
+    cli("import", "-q", exp / "datasets" / "ds", ds)
+    assert xattr(ds, "state") == "sealed" and xattr(ds, "items") == "6"
+
+
+def test_times_sampled_xattr(fresh_mount):
+    m = fresh_mount()
+    b = m.buffer("ts", {"max_times_sampled": 5})
+    write_entry(b, "e", b"x")
+    e = b / "entries" / "e"
+    os.setxattr(e, "user.distorefs.times_sampled", b"4")
+    assert xattr(e, "times_sampled") == "4"
+    for bad in (b"5", b"-1", b"two", b"99999999999"):
+        with pytest.raises(OSError) as info:
+            os.setxattr(e, "user.distorefs.times_sampled", bad)
+        assert info.value.errno == errno.EINVAL
+    with open(b / "sample" / "1", "rb") as f:  # the fifth draw spends it
+        assert f.read().startswith(b"e ")
+    m.remount()  # the count was stored
+    assert not (b / "entries" / "e").exists()  # spent: removed
+    write_entry(b, "f", b"y")
+    os.setxattr(b / "entries" / "f", "user.distorefs.times_sampled", b"2")
+    m.remount()
+    assert xattr(b / "entries" / "f", "times_sampled") == "2"
+
+
+def test_times_sampled_only_by_the_buffers_owner(shared_mount, temp_user):
+    user, uid, gid = temp_user
+    m = shared_mount()
+    b = m.buffer("owned")
+    write_entry(b, "e", b"x")
+    os.chmod(b / "entries" / "e", 0o666)  # anyone may rewrite it, not set its counts
+    res = as_user(user, "setfattr", "-n", "user.distorefs.times_sampled", "-v", "3", str(b / "entries" / "e"))
+    assert res.returncode != 0 and "not permitted" in res.stderr, res.stderr
+    res = as_user(user, "setfattr", "-n", "user.distorefs.priority", "-v", "3", str(b / "entries" / "e"))
+    assert res.returncode == 0, res.stderr
+    assert xattr(b / "entries" / "e", "times_sampled") == "0"
+
+
+# ----- warmup ---------------------------------------------------------------------------------
+
+def _stats(m) -> dict:
+    return json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
+
+
+def test_warmup_fills_the_memory_tier_and_the_page_cache(fresh_mount, tmp_path):
+    from distorefs.tools.warmup import resident_bytes
+    m = fresh_mount()
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(30):
+        (src / "d" / f"f{i}.bin").write_bytes(make_payload(f"f{i}", 100_000 + i))
+    (src / "big.bin").write_bytes(make_payload("big", 9 << 20))  # three 4 MiB chunks
+    cli("stage", "-q", src, m.mnt / "datasets" / "ds")
+    b = m.buffer("wb")
+    for i in range(5):
+        write_entry(b, f"e{i}", make_payload(f"e{i}", 50_000))
+    (m.mnt / "weights" / "w").mkdir()
+    (m.mnt / "weights" / "w" / "model.bin").write_bytes(make_payload("model", 3 << 20))
+    (m.mnt / "checkpoints" / "r" / "s1").mkdir(parents=True)
+    (m.mnt / "checkpoints" / "r" / "s1" / "ck.pt").write_bytes(make_payload("ck", 200_000))
+    fsync_dir(m.mnt / "checkpoints" / "r" / "s1")
+    m.remount()  # an empty memory tier and nothing of the mount in the page cache
+    data_bytes = sum(p.stat().st_size for p in src.rglob("*.bin")) + 5 * 50_000 + (3 << 20)
+    before = _stats(m)
+    res = cli("warmup", "--json", m.mnt / "datasets" / "ds", b, m.mnt / "weights" / "w", m.mnt / "checkpoints")
+    r = json.loads(res.stdout)
+    index_bytes = (m.mnt / "datasets" / "ds" / "index.npy").stat().st_size
+    assert r["files"] == 31 + 1 + 5 + 1 + 1 and r["errors"] == []  # items, index.npy, entries, weights, checkpoint
+    assert r["memory_held"] == data_bytes + index_bytes
+    assert r["memory_not_served"] == 200_000 and r["memory_over_budget"] == r["memory_refused"] == 0
+    after = _stats(m)
+    assert after["memory"]["cache"]["warmed_bytes"] - before["memory"]["cache"]["warmed_bytes"] == r["memory_loaded"]
+    # (an entry's open puts its value into the page cache itself: those need no read)
+    assert r["read_bytes"] + r["page_cache_already"] == r["bytes"] and r["page_cache_already"] == 5 * 50_000
+    # everything is in the page cache now; a read of the data costs the daemon no disk read
+    for p in [*(m.mnt / "datasets" / "ds" / "items" / "d").iterdir(), m.mnt / "weights" / "w" / "model.bin"]:
+        with open(p, "rb") as f:
+            assert resident_bytes(f.fileno(), p.stat().st_size) == p.stat().st_size, p
+    reads = after["disk_reads"]
+    for p in (m.mnt / "datasets" / "ds" / "items").rglob("*.bin"):
+        p.read_bytes()
+    for i in range(5):
+        assert (b / "entries" / f"e{i}").read_bytes() == make_payload(f"e{i}", 50_000)  # an open reads the value
+    assert _stats(m)["disk_reads"] == reads
+    # again: all of it is warm already, nothing is read
+    r = json.loads(cli("warmup", "--json", m.mnt / "datasets" / "ds").stdout)
+    assert r["read_bytes"] == 0 and r["page_cache_already"] == r["bytes"] and r["memory_loaded"] == 0
+    value = os.getxattr(m.mnt / "datasets" / "ds" / "items" / "big.bin", "user.distorefs.warm")
+    assert value == b"values=3 bytes=%d already=%d loaded=0 refused=0" % ((9 << 20,) * 2)
+    assert "user.distorefs.warm" not in os.listxattr(m.mnt / "datasets" / "ds" / "items" / "big.bin")
+
+
+def test_warmup_within_the_memory_budget(fresh_mount, tmp_path):
+    m = fresh_mount("cache_bytes=1048576")  # 1 MiB: a few of the files below
+    b = m.buffer("budget")
+    for i in range(20):
+        write_entry(b, f"e{i:02d}", make_payload(f"e{i}", 100_000))
+    write_entry(b, "huge", make_payload("huge", 400_000))  # over a quarter of the tier: never kept
+    m.remount()
+    res = cli("warmup", "-j", "1", b)
+    assert "memory tier full" in res.stdout, res.stdout
+    r = json.loads(cli("warmup", "--json", "--no-memory", b).stdout)  # page cache only: warm now
+    assert r["read_bytes"] == 0 and r["memory_loaded"] == 0
+    m.remount()
+    r = json.loads(cli("warmup", "--json", "-j", "1", b).stdout)
+    assert 8 * 100_000 <= r["memory_held"] <= 1 << 20
+    assert r["memory_over_budget"] + r["memory_refused"] + r["memory_held"] == 20 * 100_000 + 400_000
+    assert _stats(m)["memory"]["cache"]["used_bytes"] <= 1 << 20

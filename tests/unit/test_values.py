@@ -260,3 +260,27 @@ def test_relocate_moves_the_stored_bytes(layer):
     assert layer.read(moved, "r") == raw
     assert layer.lmdb.live_bytes() == live - v.stored_size
     assert struct.unpack("<IQQ", moved.loc)[2] == v.stored_size
+
+
+def test_warm_loads_within_the_memory_budget(layer):
+    """warm (distorefs warmup) puts a file's values in the memory tier without returning them:
+    values already there count as such, a value over a quarter of the tier and any past what
+    the tier holds are refused, and a value that cannot be read is left out."""
+    layer.cache.resize(1 * MiB)
+    vals = [_put(layer, b"w%d" % i, os.urandom(200 << 10), "none") for i in range(6)]
+    big = _put(layer, b"big", os.urandom(300 << 10), "none")  # over 1 MiB / 4
+    gone = StoredValue(10, 10, 0, codec.RAW, TIER_LMDB, b"nothing-here")
+    items = [(("w", i), v, f"w{i}") for i, v in enumerate(vals)] + [(("big",), big, "big"), (("gone",), gone, "gone")]
+
+    async def warm():
+        return await layer.warm(items)
+
+    r = trio.run(warm)
+    assert (r.values, r.bytes) == (8, 6 * (200 << 10) + (300 << 10) + 10)
+    assert r.already == 0 and r.loaded == 5 * (200 << 10)  # five fit in 1 MiB, the sixth would evict the first
+    assert r.refused == (200 << 10) + (300 << 10)  # the sixth and the one too big; "gone" is left out
+    assert layer.cache.used_bytes == 5 * (200 << 10) and layer.cache.hits == 0
+    assert layer.cache.peek(("w", 0)) is not None and layer.cache.peek(("big",)) is None
+    r = trio.run(warm)
+    assert r.already == 5 * (200 << 10) and r.loaded == 0
+    assert layer.cache.stats()["warmed_bytes"] == 5 * (200 << 10)
