@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from distorefs import clientwire as wire
 from distorefs.config import BufferConfig
 from distorefs.errors import InvalidArgument, InvalidConfig, WouldBlock
 from distorefs.owner import Owner
@@ -397,3 +398,21 @@ def test_sequences_wait_then_persist(tmp_path):
     run(tmp_path / "s", body)
     run(tmp_path / "s", again)
 
+
+def test_client_draw_of_sequences(tmp_path):
+    async def body(store):
+        from distorefs.client.buffer import stack
+        from distorefs.layout import Layout
+        buf = await make_buffer(store, {"sequence_length": 4})
+        await episodes(buf, {0: 6, 1: 2})
+        session = store.client_session(buf, OWNER)
+        op, payload = wire.split_frame(wire.draw_request(10))
+        meta, t = wire.unpack_tables(await session.request(op, payload))
+        t = wire.entry_columns(t)
+        mask = t["mask"]
+        assert mask.shape == (10, 4) and len(t["seqs"]) == mask.sum() and t["probabilities"].shape == (10,)
+        values = [await buf.ring.read(buf.ring.by_seq[s]) for s in t["seqs"].tolist()]
+        z = stack(Layout.from_json(meta["layout"]), t["places"], values, wire.keys_of(t), t["seqs"], mask)
+        check_batch(z, 4)
+        assert "entry_mask" in z and z["mask"].flags.writeable
+    run(tmp_path / "s", body)
