@@ -13,6 +13,12 @@ was committed (their offsets and CRC-32s are in its record), so the file is a li
 parts - ZIP and .npy headers, and slices of the entries' values - and its members' CRCs
 are combined from the entries' CRCs. A READ gathers the slices it covers (one copy, at
 most the READ's size; none when it falls in one slice).
+
+A batch of sequences (a buffer with `sequence_length` L, distorefs/sequences.py) holds N
+sequences of L steps: each field stacked to (N, L, *shape), padding (steps past the end of
+a sequence's real run) zero bytes; `keys` (N, L) ('' for padding), `seqs` (N, L) (-1 for
+padding), `mask` (N, L) bool (the real steps), and `probabilities` and `weights` (N,), one
+per sequence. In raw mode `data` and `offsets` hold the real steps, row after row.
 """
 
 from __future__ import annotations
@@ -51,6 +57,23 @@ class Batch:
         return b"".join(
             b"%s %d %.9g %.9g\n" % (escape_key(m.key), m.seq, p, w)
             for m, p, w in zip(self.metas, self.probabilities.tolist(), self.weights.tolist()))
+
+
+@dataclass
+class SequenceBatch(Batch):
+    """N sequences of L steps. `metas` (and `places`) are the real steps, row by row (where
+    `mask`, (N, L), is True); `probabilities` and `weights` are per sequence; `starts` are the
+    sequences' first steps."""
+
+    starts: list[EntryMeta] = field(default_factory=list)
+    mask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+
+    def manifest(self) -> bytes:
+        """One line per sequence: START_KEY SEQ PROBABILITY WEIGHT LENGTH (LENGTH: its real steps)."""
+        return b"".join(
+            b"%s %d %.9g %.9g %d\n" % (escape_key(m.key), m.seq, p, w, k)
+            for m, p, w, k in zip(self.starts, self.probabilities.tolist(), self.weights.tolist(),
+                                  self.mask.sum(axis=1).tolist()))
 
 
 # ----- parts of a file ------------------------------------------------------------------------
@@ -247,8 +270,11 @@ class _Joined:
 
 
 def _stacked_member(name: str, descr: str, shape: tuple[int, ...], length: int, values: Sequence[bytes],
-                    offsets: np.ndarray, crcs: np.ndarray, joined: _Joined | None = None) -> Member:
-    head = npy_header(descr, (len(values), *shape))
+                    offsets: np.ndarray, crcs: np.ndarray, joined: _Joined | None = None,
+                    lead: tuple[int, ...] | None = None) -> Member:
+    """Field `length` bytes long at offsets[i] of values[i], stacked to (*lead, *shape) (`lead`:
+    (len(values),) unless given)."""
+    head = npy_header(descr, (*(lead or (len(values),)), *shape))
     if length * len(values) <= SMALL:
         data = joined.field(offsets, length) if joined is not None else \
             b"".join([memoryview(v)[o:o + length] for v, o in zip(values, offsets.tolist())])
@@ -270,7 +296,9 @@ def _raw_members(metas: list[EntryMeta], values: Sequence[bytes]) -> list[Member
 
 def batch_file(batch: Batch, values: Sequence[bytes], layout: Layout | None) -> BatchFile:
     """The `batch/N.npz` file of `batch`, whose entries' contents are `values`: stacked
-    by `layout` when every entry has its places, else raw."""
+    by `layout` when every entry has its places, else raw (sequences: see the module docstring)."""
+    if isinstance(batch, SequenceBatch):
+        return _file(_sequence_members(batch, values, layout) + _draw_members(batch))
     members: list[Member] = []
     if layout is not None and batch.places is not None and values:
         offsets, crcs = batch.places
@@ -284,7 +312,56 @@ def batch_file(batch: Batch, values: Sequence[bytes], layout: Layout | None) -> 
     keys = [m.key.decode("utf-8", "surrogateescape") for m in batch.metas]
     members.append(_array_member("keys.npy", np.array(keys) if keys else np.zeros(0, dtype="<U1")))
     members.append(_array_member("seqs.npy", np.array([m.seq for m in batch.metas], dtype=np.int64)))
-    members.append(_array_member("probabilities.npy", np.asarray(batch.probabilities, dtype=np.float64)))
-    members.append(_array_member("weights.npy", np.asarray(batch.weights, dtype=np.float64)))
+    return _file(members + _draw_members(batch))
+
+
+def _draw_members(batch: Batch) -> list[Member]:
+    return [_array_member("probabilities.npy", np.asarray(batch.probabilities, dtype=np.float64)),
+            _array_member("weights.npy", np.asarray(batch.weights, dtype=np.float64))]
+
+
+def _file(members: list[Member]) -> BatchFile:
     f = BatchFile(zip_parts(members))
     return BatchFile([Blob(bytes(f))]) if f.size <= SMALL else f
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(length: int) -> tuple[bytes, int]:
+    """`length` zero bytes (a padding step's field) and their CRC-32."""
+    data = bytes(length)
+    return data, zlib.crc32(data)
+
+
+def _sequence_members(batch: SequenceBatch, values: Sequence[bytes], layout: Layout | None) -> list[Member]:
+    """The members of a batch of sequences but probabilities and weights: the real steps'
+    values placed at their (N, L) positions, padding read from a zero buffer."""
+    mask = batch.mask
+    shape = mask.shape
+    real = np.flatnonzero(mask.ravel())  # position of each of `values` in the N*L steps
+    members: list[Member] = []
+    if layout is not None and batch.places is not None and values:
+        offsets, crcs = batch.places
+        widest = max(f.nbytes for f in layout.fields)
+        pad = _zeros(widest)[0]
+        steps: list[bytes] = [pad] * mask.size
+        for at, value in zip(real.tolist(), values):
+            steps[at] = value
+        joined = _Joined(steps) if sum(len(v) for v in steps) <= SMALL else None
+        for j, f in enumerate(layout.fields):
+            at = np.zeros(mask.size, dtype=np.int64)  # padding: the field's bytes are the zeros at 0
+            at[real] = offsets[:, j]
+            crc = np.full(mask.size, _zeros(f.nbytes)[1], dtype=np.uint32)
+            crc[real] = crcs[:, j]
+            members.append(_stacked_member(batch_name(f, sequences=True) + ".npy", f.dtype, f.shape, f.nbytes,
+                                           steps, at, crc, joined, lead=shape))
+    elif values:
+        members.extend(_raw_members(batch.metas, values))
+    keys = [""] * mask.size
+    seqs = np.full(mask.size, -1, dtype=np.int64)
+    for at, m in zip(real.tolist(), batch.metas):
+        keys[at] = m.key.decode("utf-8", "surrogateescape")
+    seqs[real] = [m.seq for m in batch.metas]
+    members.append(_array_member("keys.npy", np.array(keys).reshape(shape)))
+    members.append(_array_member("seqs.npy", seqs.reshape(shape)))
+    members.append(_array_member("mask.npy", mask))
+    return members

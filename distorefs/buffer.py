@@ -12,6 +12,9 @@ its config.json, fixed by the first entry when none was given; an entry of anoth
 is refused (EINVAL) unless the buffer is in raw mode. Where each entry's arrays are is
 found when it commits and kept by slot (`SlotPlaces`), so `batch/N.npz` is a gather of
 byte slices (distorefs/batch.py).
+
+With `sequence_length` set, entries are the steps of episodes (their keys say which:
+distorefs/sequences.py) and a draw is of sequences of consecutive steps (a `SequenceBatch`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections import deque
 import numpy as np
 import trio
 
-from .batch import Batch, BatchFile, batch_file
+from .batch import Batch, BatchFile, SequenceBatch, batch_file
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
 from .config import MAX_PRIORITY, BufferConfig, check_priority, priority_text
@@ -38,6 +41,7 @@ from .waiting import Abandoned, wait_event
 from .prefetcher import Prefetcher
 from .removers import LowestPriority, Remover, ring_remover
 from .sampler import Sampler
+from .sequences import SequenceIndex
 from .services import Services
 
 
@@ -48,6 +52,7 @@ class Buffer(RingNamespace):
     def __init__(self, services: Services, ns_id: int, name: str, config: BufferConfig, owner: Owner,
                  ctime_ns: int) -> None:
         self.sampler = Sampler(config)
+        self.sequences = SequenceIndex(config, self.sampler)
         super().__init__(services, ns_id, name, config, owner, ctime_ns, observer=self,
                          make_remover=self._remover)
         self.layout: Layout | None = None
@@ -80,18 +85,23 @@ class Buffer(RingNamespace):
         remover = self.ring.remover
         if isinstance(remover, LowestPriority):  # told of every priority it orders by
             remover.changed(meta.slot, meta.seq, value)
+        self.sequences.add(meta.slot, meta.key)
         self.places.set(meta.slot, meta.places)
         self._wake()
 
     def entry_replaced(self, old: EntryMeta, new: EntryMeta) -> None:
         self.places.set(new.slot, new.places)  # same slot: priority and times sampled carry over
+        if old.key != new.key:  # renamed: maybe another episode and step
+            self.sequences.rename(new.slot, new.key)
 
     def entry_removed(self, meta: EntryMeta) -> None:
         self.sampler.remove(meta.slot)
+        self.sequences.remove(meta.slot)
         self.places.clear(meta.slot)
 
     def slots_grown(self, capacity: int) -> None:
         self.sampler.grow(capacity)
+        self.sequences.grow(capacity)
         self.places.grow(capacity)
 
     def _remover(self, config: BufferConfig) -> Remover:
@@ -99,6 +109,7 @@ class Buffer(RingNamespace):
 
     def priorities_set(self, slots: np.ndarray, values: np.ndarray) -> None:
         self.sampler.set_priorities(slots, values)
+        self.sequences.priorities_changed(slots)
         remover = self.ring.remover
         if isinstance(remover, LowestPriority):
             remover.changed_many(slots, self.ring.slot_seq[slots], values)
@@ -117,6 +128,7 @@ class Buffer(RingNamespace):
         """Insert or rewrite an entry; the first entry of a buffer without a schema fixes it."""
         if self.layout is None and not self.config.raw:
             self.ring.check_insert(key, len(data))
+            self._check_key(key)  # a refused first entry fixes no layout
             try:
                 layout: Layout | None = parse(data)[0]  # headers only
             except NotStackable as exc:  # plain bytes (or arrays that cannot stack): raw mode
@@ -139,15 +151,22 @@ class Buffer(RingNamespace):
         except DistorefsError as exc:
             return exc
 
-    def _place(self, data: bytes) -> list[tuple[int, int]] | None:
+    def _place(self, key: bytes, data: bytes) -> list[tuple[int, int]] | None:
         """Where the arrays of a new entry are (the ring calls it when the insert is
-        planned): InvalidArgument if they do not fit the buffer's layout."""
+        planned): InvalidArgument if they do not fit the buffer's layout, or if its key
+        names no step of an episode of a buffer of sequences."""
+        self._check_key(key)
         if self.config.raw:
             return None
         layout = self.layout
         if layout is None:
             raise InvalidArgument(f"buffers/{self.name}: its layout changed while this entry was written; retry")
         return [(off, f.nbytes) for off, f in zip(place(layout, data), layout.fields)]
+
+    def _check_key(self, key: bytes) -> None:
+        if self.sequences.on:
+            current = self.ring.by_key.get(key)
+            self.sequences.check(key, current.slot if current is not None else -1)
 
     def _set_layout(self, config: BufferConfig) -> None:
         layout = None if config.raw or config.schema is None else Layout.from_json(config.schema)
@@ -165,8 +184,13 @@ class Buffer(RingNamespace):
     # ----- sampling ------------------------------------------------------------------
 
     def check_batch_size(self, n: int) -> None:
-        if not 1 <= n <= self.limits.max_batch_entries:
-            raise InvalidArgument(f"batch size must be in 1..{self.limits.max_batch_entries}, got {n}")
+        limit = self.limits.max_batch_entries
+        length = self.config.sequence_length
+        if length and 1 <= n and n * length > limit:
+            raise InvalidArgument(f"a batch of {n} sequences of {length} steps is {n * length} entries, over "
+                                  f"max_batch_entries ({limit})")
+        if not 1 <= n <= limit:
+            raise InvalidArgument(f"batch size must be in 1..{limit}, got {n}")
 
     async def sample(self, n: int, nonblocking: bool = False, abandoned: Abandoned | None = None, *,
                      presample: bool = True) -> Batch:
@@ -175,10 +199,13 @@ class Buffer(RingNamespace):
         False: the caller reads the values itself (the client beside the mount), so nothing
         is drawn and read ahead into the daemon's memory for it."""
         self.check_batch_size(n)
-        while self.sampler.drawable_count() < self.config.min_size_to_sample:
+        sequences = self.sequences
+        while (self.sampler.drawable_count() < self.config.min_size_to_sample
+               or (sequences.on and not sequences.count())):
             if nonblocking:
-                raise WouldBlock(f"buffers/{self.name}: {self.sampler.drawable_count()} drawable entries, "
-                                 f"min_size_to_sample is {self.config.min_size_to_sample}")
+                raise WouldBlock(f"buffers/{self.name}: {self.sampler.drawable_count()} drawable entries "
+                                 f"({sequences.count()} sequences), min_size_to_sample is "
+                                 f"{self.config.min_size_to_sample}")
             self._waiting += 1
             try:
                 await wait_event(self._changed, abandoned, f"buffers/{self.name}: sampling")
@@ -194,17 +221,31 @@ class Buffer(RingNamespace):
         def valid(slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
             return ring.slot_seq[slots] == seqs  # still the entry it held when drawn ahead
 
-        slots, spent = self.sampler.select(n, self._order, hint, valid)
-        probs, weights = self.sampler.probabilities(slots, spent)
-        metas = [ring.slot_meta[s] for s in slots.tolist()]
-        batch = Batch(metas, probs, weights, [ring.slot_meta[s] for s in spent.tolist()],  # type: ignore[misc]
-                      self.places.take(slots) if self.layout is not None and len(slots) else None)
+        if sequences.on:
+            batch: Batch = self._draw_sequences(n, hint, valid)
+        else:
+            slots, spent = self.sampler.select(n, self._order, hint, valid)
+            probs, weights = self.sampler.probabilities(slots, spent)
+            batch = Batch([ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
+                          [ring.slot_meta[s] for s in spent.tolist()],  # type: ignore[misc]
+                          self.places.take(slots) if self.layout is not None and len(slots) else None)
         self.counters["batches"] += 1
-        self.counters["sampled_entries"] += len(metas)
-        self._record_sampled(metas)
+        self.counters["sampled_entries"] += len(batch.metas)
+        self._record_sampled(batch.metas)
         if presample:
             self._schedule_presample(n)
         return batch
+
+    def _draw_sequences(self, n: int, hint, valid) -> SequenceBatch:
+        """n sequences (a buffer with sequence_length set): their real steps, row by row."""
+        drawn = self.sequences.select(n, hint, valid)
+        slot_meta = self.ring.slot_meta
+        real = drawn.slots[drawn.mask]
+        return SequenceBatch([slot_meta[s] for s in real.tolist()], drawn.probabilities,  # type: ignore[misc]
+                             drawn.weights, [],
+                             self.places.take(real) if self.layout is not None and len(real) else None,
+                             starts=[slot_meta[s] for s in drawn.starts.tolist()],  # type: ignore[misc]
+                             mask=drawn.mask)
 
     def _record_sampled(self, metas: list[EntryMeta]) -> None:
         if self.read_only:
@@ -281,10 +322,15 @@ class Buffer(RingNamespace):
         try:
             queue = self._presampled.setdefault(n, deque())
             while len(queue) < self.config.presample_batches:
-                slots = self.sampler.draw(n, self._order)
+                if self.sequences.on:  # the sequences' starts are drawn ahead, their steps read ahead
+                    slots = self.sequences.draw(n)
+                    steps = self.sequences.windows(slots)[0]
+                    ahead = steps[steps >= 0]
+                else:
+                    slots = ahead = self.sampler.draw(n, self._order)
                 if len(slots) == 0:
                     return
-                metas = [self.ring.slot_meta[s] for s in slots.tolist()]
+                metas = [self.ring.slot_meta[s] for s in ahead.tolist()]
                 queue.append((slots, self.ring.slot_seq[slots]))
                 cached = self.ring.values.cache.peek
                 ns = self.ns_id
@@ -359,12 +405,14 @@ class Buffer(RingNamespace):
     def reconfigure(self, config: BufferConfig) -> None:
         self.ring.configure(config)
         self.sampler.reconfigure(config)
+        self.sequences.reconfigure(config, self.ring.oldest)
         self._set_layout(config)
         self._presampled.clear()
         self._wake()
 
     def stats(self) -> dict:
         s = self.sampler
+        extra = {"sequences": self.sequences.stats()} if self.sequences.on else {}
         return {
             "name": self.name,
             "sampler": self.config.sampler,
@@ -375,6 +423,7 @@ class Buffer(RingNamespace):
             "priority_total": self.sampler.weighted_total(),
             "presampled_batches": {str(n): len(q) for n, q in self._presampled.items()},
             **self.counters,
+            **extra,
         }
 
 

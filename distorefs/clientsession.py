@@ -28,7 +28,7 @@ import trio
 
 from . import clientwire as wire
 from .backends.segments import LOCATION
-from .batch import Batch
+from .batch import Batch, SequenceBatch
 from .buffer import Buffer
 from .dataset import Dataset
 from .errors import DistorefsError, InvalidArgument
@@ -108,6 +108,8 @@ class ClientSession:
         stacked = buf.layout is not None and batch.places is not None and bool(batch.metas)
         if stacked:
             tables["places"] = np.asarray(batch.places[0], dtype=np.int64)  # type: ignore[index]
+        if isinstance(batch, SequenceBatch):  # the entries are the real steps, row by row where mask is True
+            tables["mask"] = batch.mask
         meta = {"layout": buf.layout.to_json() if stacked else None,  # type: ignore[union-attr]
                 "segments": self._segment_paths(batch.metas)}
         return wire.pack_tables(meta, tables)

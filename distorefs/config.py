@@ -19,6 +19,8 @@ from .errors import InvalidArgument, InvalidConfig
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 RING_REMOVERS = ("fifo", "lifo", "uniform")  # distorefs/removers.py
 BUFFER_REMOVERS = RING_REMOVERS + ("lowest_priority",)  # buffers have priorities
+SEQUENCE_PRIORITIES = ("max", "mean")
+MAX_SEQUENCE_LENGTH = 65536
 MIN_LEVEL = -100  # zstd's fast (negative) levels trade ratio for speed; below this they barely compress
 COMPRESSIONS = ("zstd", "none")
 
@@ -176,6 +178,12 @@ class BufferConfig(RingConfig):
     # null until the first entry fixes it; `raw`: entries are any bytes, batches concatenate.
     schema: dict | None = None
     raw: bool = False
+    # Sequence sampling (distorefs/sequences.py): keys EPISODE<sequence_separator>STEP[.ext] group
+    # the entries into episodes, and a draw is of sequence_length consecutive steps (0: of entries).
+    sequence_length: int = 0
+    sequence_stride: int = 1  # a step whose number is a multiple of it may start a sequence
+    sequence_priority: str = "max"  # a sequence's priority: the max or the mean of its steps'
+    sequence_separator: str = "."
 
     def validate(self) -> None:
         super().validate()
@@ -200,6 +208,27 @@ class BufferConfig(RingConfig):
                  f"min_size_to_sample ({self.min_size_to_sample}) must not exceed capacity ({self.capacity})")
         _require(0 <= self.presample_batches <= 64,
                  f"presample_batches must be in 0..64, got {self.presample_batches}")
+        self._validate_sequences()
+
+    def _validate_sequences(self) -> None:
+        _require(0 <= self.sequence_length <= MAX_SEQUENCE_LENGTH,
+                 f"sequence_length must be in 0..{MAX_SEQUENCE_LENGTH} (0: no sequences), got {self.sequence_length}")
+        _require(1 <= self.sequence_stride <= MAX_SEQUENCE_LENGTH,
+                 f"sequence_stride must be in 1..{MAX_SEQUENCE_LENGTH}, got {self.sequence_stride}")
+        _require(self.sequence_priority in SEQUENCE_PRIORITIES,
+                 f"sequence_priority must be one of {', '.join(SEQUENCE_PRIORITIES)}, got {self.sequence_priority!r}")
+        sep = self.sequence_separator
+        # a digit would make the step ambiguous; '/' and NUL cannot be in a file name
+        _require(1 <= len(sep) <= 8 and not any(c.isdigit() or c in "/\0" for c in sep),
+                 f"sequence_separator must be 1..8 characters, no digit, '/' or NUL, got {sep!r}")
+        if self.sequence_length:
+            # sequences are drawn with replacement from a distribution: not queues, and an entry
+            # spent by one sequence would cut every other sequence through it
+            _require(self.sampler in ("uniform", "prioritized"),
+                     f"sequence_length needs sampler uniform or prioritized, got {self.sampler!r}")
+            _require(self.max_times_sampled == 0,
+                     f"sequence_length and max_times_sampled cannot be combined, got max_times_sampled "
+                     f"{self.max_times_sampled}")
 
 
 @dataclass

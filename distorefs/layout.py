@@ -270,11 +270,13 @@ def place(layout: Layout, data: bytes | memoryview) -> tuple[int, ...]:
 
 # Names a batch gives its own arrays; a field named like one is stacked as `entry_<name>`.
 RESERVED = ("keys", "seqs", "probabilities", "weights", "offsets")
+SEQUENCE_RESERVED = RESERVED + ("mask",)  # a batch of sequences has a `mask` too
 
 
-def batch_name(field: Field) -> str:
-    """The name of a field's stacked array in a batch (`batch/N.npz`, the client's `sample`)."""
-    return f"entry_{field.name}" if field.name in RESERVED else field.name
+def batch_name(field: Field, sequences: bool = False) -> str:
+    """The name of a field's stacked array in a batch (`batch/N.npz`, the client's `sample`);
+    `sequences`: in a batch of sequences."""
+    return f"entry_{field.name}" if field.name in (SEQUENCE_RESERVED if sequences else RESERVED) else field.name
 
 
 # ----- where each entry's arrays are ----------------------------------------------------------

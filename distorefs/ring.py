@@ -84,10 +84,11 @@ class Ring:
         self._room_epoch = 0  # bumped by every eviction that made room
         # Set by namespaces that read ahead (buffers: pre-sampled batches); keys (seq, gen).
         self.prefetcher: Prefetcher | None = None
-        # Set by namespaces whose entries hold arrays (buffers): the (offset, length) of each
-        # array in an entry's content, None for an entry kept as plain bytes; raises
-        # InvalidArgument for an entry the namespace refuses. Called when the insert is planned.
-        self.place: Callable[[bytes], list[tuple[int, int]] | None] | None = None
+        # Set by namespaces whose entries hold arrays (buffers): given an entry's key and
+        # content, the (offset, length) of each array in it, None for an entry kept as plain
+        # bytes; raises InvalidArgument for an entry the namespace refuses. Called when the
+        # insert is planned.
+        self.place: Callable[[bytes, bytes], list[tuple[int, int]] | None] | None = None
 
     # ----- queries -------------------------------------------------------------------
 
@@ -512,7 +513,7 @@ class InsertEntry(Change):
     def plan(self, overlay: Overlay) -> None:
         ring = self.ring
         if ring.place is not None:  # the arrays in it, found from their headers (no data read)
-            self.regions = ring.place(self.raw)
+            self.regions = ring.place(self.key, self.raw)
         ro = overlay.ring(ring.ns_id)
         old = ring.by_key.get(self.key)
         if old is not None and old.seq in ro.removed:

@@ -368,6 +368,9 @@ def bench() -> None:
 BENCHMARKS = {
     "rl": ("A DQN learner fed by actors through the mount, in process (cpprb) and on Reverb; Reverb's own "
            "113 KB rows.", "Shorter runs, smaller buffers (a smoke run).", "the stores and plain files"),
+    "sequences": ("Sequence sampling: batch/32.npz of 80-step sequences of 10 KB steps (uniform, and prioritized with "
+                  "per-step priorities written back) and the client's sample(32), vs an in-process numpy buffer slicing "
+                  "the same sequences.", "4,000 steps, 3 s phases (a smoke run).", "the store"),
     "client": ("The Python client beside the mount: the DQN learner loop, sample(256) of 113 KB entries in 1 and "
                "2 processes, 113 KB inserts from 4 actors; client and file path vs in-process (cpprb).",
                "Shorter runs, fewer frames (a smoke run).", "the stores"),

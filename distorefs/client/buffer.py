@@ -81,9 +81,28 @@ def entry_key(key: str | bytes) -> bytes:
 
 
 def stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes], keys: list[bytes],
-          seqs: np.ndarray) -> dict[str, np.ndarray]:
+          seqs: np.ndarray, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Entries as `batch/N.npz` holds them: each field of `layout` stacked (`places`: where
-    each entry's fields start, (N, fields)), or raw (`data`, `offsets`); `keys`, `seqs`."""
+    each entry's fields start, (N, fields)), or raw (`data`, `offsets`); `keys`, `seqs`.
+    `mask` (sequences): the entries are the real steps of mask.shape sequences and steps, row
+    by row; fields, keys and seqs are (N, L, ...), padded as batch/N.npz pads them."""
+    out = _stack(layout, places, values, keys, seqs, mask is not None)
+    if mask is None:
+        return out
+    for name, array in out.items():
+        if name in ("data", "offsets"):
+            continue  # raw mode: the real steps' bytes, as they are
+        full = np.zeros(mask.shape + array.shape[1:], dtype=array.dtype)  # padding: zeros, '' keys
+        if name == "seqs":
+            full[:] = -1
+        full[mask] = array
+        out[name] = full
+    out["mask"] = np.array(mask, dtype=bool)  # a copy: the reply's own bytes are read-only
+    return out
+
+
+def _stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes], keys: list[bytes],
+           seqs: np.ndarray, sequences: bool) -> dict[str, np.ndarray]:
     n = len(values)
     out: dict[str, np.ndarray] = {}
     if layout is not None and places is not None:
@@ -103,7 +122,7 @@ def stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes],
                 rows = stacked.reshape(n, -1).view(np.uint8).reshape(n, nbytes)
                 for i, (value, off) in enumerate(zip(values, places[:, j].tolist())):
                     rows[i] = np.frombuffer(value, dtype=np.uint8, count=nbytes, offset=off)
-            out[batch_name(f)] = stacked
+            out[batch_name(f, sequences)] = stacked
     else:
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum([len(v) for v in values], out=offsets[1:])
@@ -295,7 +314,7 @@ class ClientBuffer:
     def _assemble(self, meta: dict, arrays: dict, values: list[bytes]) -> dict[str, np.ndarray]:
         layout = meta.get("layout")
         out = stack(_layout(json.dumps(layout)) if layout is not None else None,  # field order: as given
-                    arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"])
+                    arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"], arrays.get("mask"))
         if "probabilities" in arrays:  # a draw's (not a read by key)
             out["probabilities"] = arrays["probabilities"].astype(np.float64)
             out["weights"] = arrays["weights"].astype(np.float64)
