@@ -45,10 +45,17 @@ class RingOverlay:
     count: int = 0
     bytes: int = 0
     removed: set[int] = field(default_factory=set)
+    inserts: int = 0  # inserts and rewrites planned so far
     # The ring's eviction candidates, shared by the group's plans (each continues where the
     # previous stopped instead of walking past the victims already chosen); closed once
     # the group is planned. A `close()`-able object (distorefs/removers.py Candidates).
     candidates: Any = None
+
+
+class Replan(Exception):
+    """Raised by `plan`: the change does not fit beside what the group planned before it;
+    it is planned again, first, in the next group. Never raised by a group's first change,
+    so every group makes progress."""
 
 
 class Overlay:
@@ -170,11 +177,12 @@ class Committer:
         while True:
             group = await self._next_group()
             self._started += 1
-            await self._commit(group)
+            replanned = await self._commit(group)
             self._finished += 1
             self._group_done.set()
             self._group_done = trio.Event()
-            self._queued -= len(group)
+            self._queued -= len(group) - len(replanned)
+            self._held[:0] = replanned
             if self._queued == 0:
                 self._idle.set()
 
@@ -204,12 +212,20 @@ class Committer:
         self._held = rest
         return group
 
-    async def _commit(self, group: list[_Pending]) -> None:
+    async def _commit(self, group: list[_Pending]) -> list[_Pending]:
+        """Commit a group; returns the changes to plan again in the next one (Replan)."""
         overlay = Overlay()
-        planned = []
+        planned: list[_Pending] = []
+        replanned: list[_Pending] = []
         for pending in group:
             try:
                 pending.change.plan(overlay)
+            except Replan:
+                if not planned:  # a first change has nothing to wait for: a bug, not a retry
+                    log.error("%r asked to be planned again as the first change of its group", pending.change)
+                    self._finish(pending, DistorefsError("internal error: nothing to wait for"))
+                else:
+                    replanned.append(pending)
             except DistorefsError as exc:  # the request's answer (ENOENT, EEXIST...), not a failure
                 self.rejected += 1
                 self._finish(pending, exc, rejected=True)
@@ -220,7 +236,7 @@ class Committer:
                 planned.append(pending)
         overlay.close()
         if not planned:
-            return
+            return replanned
 
         def write(txn: Any) -> None:
             for pending in planned:
@@ -242,13 +258,13 @@ class Committer:
             exc = from_backend(raised)  # a full disk, say: ENOSPC
             if len(planned) > 1:
                 for pending in planned:
-                    await self._commit([pending])
-                return
+                    await self._commit([pending])  # alone: never replanned
+                return replanned
             error = exc if isinstance(exc, DistorefsError) else DistorefsError(f"commit failed: {exc}")
             if not isinstance(exc, DistorefsError):
                 log.error("commit of %r failed", planned[0].change, exc_info=raised)
             self._finish(planned[0], error)
-            return
+            return replanned
         self.groups += 1
         for pending in planned:
             try:
@@ -257,6 +273,7 @@ class Committer:
                 log.exception("applying %r failed", pending.change)
             self.changes += 1
             self._finish(pending, None)
+        return replanned
 
     def _finish(self, pending: _Pending, error: BaseException | None, rejected: bool = False) -> None:
         if error is not None and not pending.waited:

@@ -24,7 +24,7 @@ from sortedcontainers import SortedDict
 
 from . import codec
 from .catalog import DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, ns_prefix, pack_f64
-from .committer import Change, Overlay
+from .committer import Change, Overlay, Replan
 from .config import RingConfig
 from .errors import CorruptValue, DistorefsError, NoSpace, NotFound, TooLarge
 from .layout import pack_places
@@ -313,15 +313,20 @@ class Ring:
             self.remover = self.make_remover(config)
         self.config = config
 
+    def over_bounds(self, ro, config: RingConfig | None = None) -> bool:
+        """Whether the ring, with the group's planned changes `ro`, passes its bounds."""
+        config = config or self.config
+        return (len(self.by_key) + ro.count > config.capacity
+                or bool(config.max_bytes and self.bytes + ro.bytes > config.max_bytes))
+
     def plan_evictions(self, ro, protect: int = -1, config: RingConfig | None = None) -> list[EntryMeta]:
         """Entries to evict, in the order the remover gives (`evict`), so the ring fits its
         bounds after the planned changes."""
         victims: list[EntryMeta] = []
         config = config or self.config
-        cap, max_bytes = config.capacity, config.max_bytes
 
         def over() -> bool:
-            return len(self.by_key) + ro.count > cap or bool(max_bytes and self.bytes + ro.bytes > max_bytes)
+            return self.over_bounds(ro, config)
 
         if not over():
             return victims
@@ -528,7 +533,29 @@ class InsertEntry(Change):
             ro.count += 1
             ro.bytes += len(self.raw)
         self.victims = ring.plan_evictions(ro, protect=self.seq)
+        if ro.inserts and ring.over_bounds(ro):
+            # Only entries committed before the group can be evicted, and the group's earlier
+            # inserts already took what fits: this one waits for the next group, where
+            # they are evictable (so the ring never commits over its bounds).
+            self._unplan(ro)
+            raise Replan(f"{ring.kind}/{ring.name}: full with this group's inserts")
+        ro.inserts += 1
         self.mtime_ns = time.time_ns()
+
+    def _unplan(self, ro) -> None:
+        ring = self.ring
+        for victim in self.victims:
+            ro.removed.discard(victim.seq)
+            ro.count += 1
+            ro.bytes += victim.size
+        if self.old is not None:
+            ro.bytes -= len(self.raw) - self.old.size
+        else:
+            ro.count -= 1
+            ro.bytes -= len(self.raw)
+            if ring.next_seq == self.seq + 1:
+                ring.next_seq = self.seq  # no gap in the sequence numbers
+        self.victims = []
 
     def prepare(self) -> None:
         if self.enc is None:  # kept across a rerun of the transaction

@@ -120,3 +120,24 @@ def test_concurrent_inserts_stay_within_capacity(tmp_path, evict):
         await insert(buf, "last")
         assert len(buf.ring) == 20 and "last" in keys(buf.ring)
     run(tmp_path / "s", body)
+
+
+@pytest.mark.parametrize("evict", ["fifo", "lifo", "uniform", "lowest_priority"])
+def test_a_group_never_leaves_the_ring_over_its_bounds(tmp_path, evict):
+    """More new entries in one commit group than the ring holds (insert_many, or many
+    writers at once into a small ring): the ring stays within capacity and max_bytes."""
+    async def body(store):
+        buf = await raw_buffer(store, b'{"capacity": 30, "raw": true, "evict": "%s"}' % evict.encode())
+        results = await buf.ring.insert_many([(b"a%d" % i, b"v" * 10) for i in range(40)], OWNER)
+        assert all(not isinstance(r, BaseException) for r in results)
+        assert len(buf.ring) == 30
+        await store.configure_buffer("rb", b'{"capacity": 5}')
+        async with trio.open_nursery() as nursery:
+            for w in range(8):
+                nursery.start_soon(insert, buf, f"w{w}")
+        assert len(buf.ring) == 5
+        await store.configure_buffer("rb", b'{"capacity": 1000, "max_bytes": 100}')
+        results = await buf.ring.insert_many([(b"b%d" % i, b"v" * 30) for i in range(10)], OWNER)
+        assert all(not isinstance(r, BaseException) for r in results)
+        assert buf.ring.bytes <= 100 and len(buf.ring) == 3
+    run(tmp_path / "s", body)
