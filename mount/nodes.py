@@ -321,7 +321,7 @@ class AtDir(Node):
 
 
 class BufferDir(RingDir):
-    """buffers/NAME/: config.json, stats.json, priorities, entries/, sample/, batch/."""
+    """buffers/NAME/: config.json, stats.json, priorities, entries/, sample/, batch/, client."""
 
     def __init__(self, fs: "Filesystem", buf: Buffer) -> None:
         super().__init__(fs, buf)
@@ -333,6 +333,20 @@ class BufferDir(RingDir):
             b"batch": lambda: intern(("batch", ns), lambda: DrawDir(fs, buf, npz=True)),
             b"client": lambda: intern(("client", ns), lambda: ClientFile(fs, buf)),
         })
+        self._sessions = itertools.count(1)
+
+    async def lookup(self, name: bytes, ctx=None) -> Node:
+        if name != b"client" or ctx is None:
+            return await super().lookup(name, ctx)
+        # Every session gets an inode of its own: the kernel lets one write at a time into
+        # an inode, and a session's request may wait (min_size_to_sample): on a shared inode
+        # it would hold back every other session of the buffer, the very actor it waits for
+        # among them.
+        key = ("client", self.ns.ns_id, ctx.pid)
+        node = self.fs.inodes.intern(key, lambda: ClientFile(self.fs, self.ns))
+        if node.open_handles:
+            node = self.fs.inodes.intern(key + (next(self._sessions),), lambda: ClientFile(self.fs, self.ns))
+        return node
 
 
 class BufferControlFile(Node):
@@ -365,7 +379,12 @@ class PrioritiesFile(BufferControlFile):
 
 class ClientFile(BufferControlFile):
     """client: the channel of the client beside the mount (distorefs/client); each open
-    (for reading and writing) is a session of its own (distorefs/clientsession.py)."""
+    (for reading and writing) is a session of its own (distorefs/clientsession.py), on an
+    inode of its own (BufferDir.lookup), so the kernel looks the name up at every open."""
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        o = self.buf.owner
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o644), 0, o.uid, o.gid, self.buf.ctime_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if not (wants_read(flags) and wants_write(flags)):
