@@ -15,6 +15,11 @@ byte slices (distorefs/batch.py).
 
 With `sequence_length` set, entries are the steps of episodes (their keys say which:
 distorefs/sequences.py) and a draw is of sequences of consecutive steps (a `SequenceBatch`).
+
+A buffer may hold its actors and learners to a samples-per-insert ratio (Reverb's
+SampleToInsertRatio, distorefs/ratelimit.py): inserts are admitted (`admit_insert`) before
+their data is written and counted when they commit; draws wait in `sample` like the wait
+for `min_size_to_sample`.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from .ring import RemoveEntry, RingNamespace
 from .waiting import Abandoned, wait_event
 from .prefetcher import Prefetcher
 from .removers import LowestPriority, Remover, ring_remover
+from .ratelimit import InsertTicket, Ratio, RateLimiter, SampleClaim
 from .sampler import Sampler
 from .sequences import SequenceIndex
 from .services import Services
@@ -55,13 +61,14 @@ class Buffer(RingNamespace):
         self.sequences = SequenceIndex(config, self.sampler)
         super().__init__(services, ns_id, name, config, owner, ctime_ns, observer=self,
                          make_remover=self._remover)
+        self.read_only = services.read_only  # draws keep no counts, spend no entries; no rate limiter
+        self.limiter = RateLimiter(name, lambda: len(self.ring), None if self.read_only else _ratio(config))
         self.layout: Layout | None = None
         self.places = SlotPlaces(0)
         self._set_layout(config)
         self.committer = services.committer
         self.limits = services.config  # max_batch_entries, max_batch_bytes
         self.spawn = services.spawn
-        self.read_only = services.read_only  # draws keep no counts, spend no entries
         # Pre-sampled batches are the order this buffer's prefetcher reads ahead along.
         self.prefetcher = self.ring.prefetcher = Prefetcher(services.prefetch_budget, self.ring.prefetch_loader,
                                                             spawn=services.spawn, lag=4096)
@@ -87,6 +94,7 @@ class Buffer(RingNamespace):
             remover.changed(meta.slot, meta.seq, value)
         self.sequences.add(meta.slot, meta.key)
         self.places.set(meta.slot, meta.places)
+        self.limiter.inserted()
         self._wake()
 
     def entry_replaced(self, old: EntryMeta, new: EntryMeta) -> None:
@@ -98,6 +106,10 @@ class Buffer(RingNamespace):
         self.sampler.remove(meta.slot)
         self.sequences.remove(meta.slot)
         self.places.clear(meta.slot)
+        self.limiter.wake()  # below min_size_to_sample inserts go freely
+
+    def entries_loaded(self) -> None:
+        self.limiter.restart()  # what was loaded is no insert of this run (see distorefs/ratelimit.py)
 
     def slots_grown(self, capacity: int) -> None:
         self.sampler.grow(capacity)
@@ -123,6 +135,19 @@ class Buffer(RingNamespace):
 
     def initial_priority(self) -> float:
         return self.config.initial_priority or self.sampler.max_priority
+
+    async def admit_insert(self, nonblocking: bool = False, abandoned: Abandoned | None = None
+                           ) -> InsertTicket | None:
+        """Wait until the rate limiter lets one more new entry in (WouldBlock if
+        `nonblocking`, Interrupted once `abandoned()`); the ticket is released once the insert
+        committed or failed. None: no rate limiter. `insert` itself never waits: a caller
+        that makes new entries is admitted first (the mount at the create or the first write,
+        the client session when an insert arrives)."""
+        return await self.limiter.admit_insert(nonblocking, abandoned)
+
+    def insert_held_back(self) -> bool:
+        """Whether `admit_insert` would wait now."""
+        return not self.limiter.insert_allowed()
 
     async def insert(self, key: bytes, data: bytes, owner: Owner) -> EntryMeta:
         """Insert or rewrite an entry; the first entry of a buffer without a schema fixes it."""
@@ -195,9 +220,16 @@ class Buffer(RingNamespace):
     async def sample(self, n: int, nonblocking: bool = False, abandoned: Abandoned | None = None, *,
                      presample: bool = True) -> Batch:
         """Draw a batch of n entries (waiting for `min_size_to_sample` entries unless nonblocking;
-        the wait ends with Interrupted once `abandoned()` says the caller gave up). `presample`
-        False: the caller reads the values itself (the client beside the mount), so nothing
-        is drawn and read ahead into the daemon's memory for it."""
+        the wait ends with Interrupted once `abandoned()` says the caller gave up), then for
+        the rate limiter to allow n samples. `presample` False: the caller reads the values
+        itself (the client beside the mount), so nothing is drawn and read ahead into the
+        daemon's memory for it."""
+        return (await self._sample(n, nonblocking, abandoned, presample))[0]
+
+    async def _sample(self, n: int, nonblocking: bool, abandoned: Abandoned | None,
+                      presample: bool) -> tuple[Batch, SampleClaim]:
+        """`sample`, with the samples the rate limiter counted for it (to give back those
+        of a batch not handed out after all)."""
         self.check_batch_size(n)
         sequences = self.sequences
         while (self.sampler.drawable_count() < self.config.min_size_to_sample
@@ -211,6 +243,21 @@ class Buffer(RingNamespace):
                 await wait_event(self._changed, abandoned, f"buffers/{self.name}: sampling")
             finally:
                 self._waiting -= 1
+        want = n
+        if self.config.sampler in ("fifo", "lifo"):  # they hand out at most the entries there are
+            want = min(n, self.sampler.drawable_count())
+        elif sequences.on:  # each real step handed out counts: at most n x sequence_length
+            want = n * self.config.sequence_length
+        claim = await self.limiter.admit_sample(want, nonblocking, abandoned)
+        try:
+            batch = self._draw(n, presample)
+        except BaseException:
+            claim.give_back()
+            raise
+        claim.give_back(want - len(batch.metas))  # fewer after all (entries spent meanwhile)
+        return batch, claim
+
+    def _draw(self, n: int, presample: bool) -> Batch:
         hint = None
         queue = self._presampled.get(n)
         if queue:
@@ -221,7 +268,7 @@ class Buffer(RingNamespace):
         def valid(slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
             return ring.slot_seq[slots] == seqs  # still the entry it held when drawn ahead
 
-        if sequences.on:
+        if self.sequences.on:
             batch: Batch = self._draw_sequences(n, hint, valid)
         else:
             slots, spent = self.sampler.select(n, self._order, hint, valid)
@@ -275,7 +322,7 @@ class Buffer(RingNamespace):
         """Draw a batch and describe its npz (no copy: see distorefs/batch.py); a batch that
         lost an entry to eviction or a rewrite while its values were read is drawn again."""
         for attempt in range(3):
-            batch = await self.sample(n, nonblocking, abandoned)
+            batch, claim = await self._sample(n, nonblocking, abandoned, True)
             try:
                 size = sum(m.size for m in batch.metas)
                 if size > self.limits.max_batch_bytes:  # the values are held while the file is open
@@ -288,11 +335,13 @@ class Buffer(RingNamespace):
                     data = batch_file(batch, values, self.layout)
             except NotFound:
                 self.release(batch)
+                claim.give_back()  # drawn again: counted again
                 if attempt == 2:
                     raise
                 continue
             except BaseException:
                 self.release(batch)
+                claim.give_back()
                 raise
             return batch, data
         raise AssertionError("unreachable")
@@ -408,6 +457,8 @@ class Buffer(RingNamespace):
         self.sequences.reconfigure(config, self.ring.oldest)
         self._set_layout(config)
         self._presampled.clear()
+        if not self.read_only:
+            self.limiter.configure(_ratio(config))  # wakes its waiters: the new settings apply to them
         self._wake()
 
     def stats(self) -> dict:
@@ -423,8 +474,13 @@ class Buffer(RingNamespace):
             "priority_total": self.sampler.weighted_total(),
             "presampled_batches": {str(n): len(q) for n, q in self._presampled.items()},
             **self.counters,
+            "rate_limiter": self.limiter.stats(),
             **extra,
         }
+
+
+def _ratio(config: BufferConfig) -> Ratio | None:
+    return Ratio.of(config.samples_per_insert, config.error_buffer, config.min_size_to_sample)
 
 
 BUILD_INLINE = 1024  # a batch of more entries is described in a worker thread

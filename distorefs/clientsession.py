@@ -15,6 +15,9 @@ Invariants:
   commit group; FLUSH returns once every insert sent before it is committed (or failed),
   with the failures. What a session holds of unsent inserts is bounded (MAX_INFLIGHT):
   a write waits for commits past it, a wait bounded by the caller's interest.
+- The rate limiter (distorefs/ratelimit.py) admits an insert of a new key when it arrives,
+  before it is queued: the write carrying it waits there (bounded by the caller's interest
+  like every wait), and the insert's ticket is released once its commit is done.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .dataset import Dataset
 from .errors import DistorefsError, InvalidArgument
 from .owner import Owner
 from .placement import TIER_NVME
+from .ratelimit import InsertTicket
 from .values import StoredValue, ValueLayer
 from .waiting import Abandoned, wait_event
 
@@ -57,6 +61,7 @@ class ClientSession:
         self.told: set[int] = set()  # segments whose path the client was given
         self.priorities: list = []  # queued priority commits (failed or not done yet), waited for by FLUSH
         self.queue: list[tuple[bytes, bytes]] = []
+        self.tickets: list[InsertTicket] = []  # the rate limiter's, of the queued inserts of new keys
         self.inflight = 0  # bytes sent and not yet committed
         self.committing = False
         self.committed = 0
@@ -166,6 +171,10 @@ class ClientSession:
             return
         while self.inflight and self.inflight + len(data) > MAX_INFLIGHT:
             await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client inserts")
+        if key not in self.buffer.ring.by_key:  # a new entry (a rewrite is no insert)
+            ticket = await self.buffer.admit_insert(False, self.abandoned)
+            if ticket is not None:
+                self.tickets.append(ticket)
         self.queue.append((key, data))
         self.inflight += len(data)
         if not self.committing:
@@ -177,11 +186,15 @@ class ClientSession:
         try:
             while self.queue:
                 items, self.queue = self.queue, []
+                tickets, self.tickets = self.tickets, []
                 try:
                     results = await self.buffer.insert_many(items, self.owner)
                 except Exception as exc:  # never the daemon: every insert of the lot fails
                     log.exception("client inserts into buffers/%s", self.buffer.name)
                     results = [exc] * len(items)
+                finally:
+                    for ticket in tickets:  # committed (counted as inserts) or failed
+                        ticket.release()
                 for (key, data), result in zip(items, results):
                     self.inflight -= len(data)
                     if isinstance(result, BaseException):

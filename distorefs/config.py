@@ -144,6 +144,10 @@ class BankConfig(RingConfig):
 # Priorities are summed (as p**alpha, alpha <= 10) over up to 2**32 entries: above this bound
 # the sum could overflow to inf and every draw would fail. Refused (EINVAL), not clamped.
 MAX_PRIORITY = 1e15
+# Bounds of the rate limiter's settings: its counts times samples_per_insert stay exact in
+# a float far beyond any buffer's life.
+MAX_SAMPLES_PER_INSERT = 1e6
+MAX_ERROR_BUFFER = 1e12
 
 
 def check_priority(key: bytes, value: float) -> None:
@@ -184,6 +188,9 @@ class BufferConfig(RingConfig):
     sequence_stride: int = 1  # a step whose number is a multiple of it may start a sequence
     sequence_priority: str = "max"  # a sequence's priority: the max or the mean of its steps'
     sequence_separator: str = "."
+    # The sample-to-insert rate limiter (distorefs/ratelimit.py): 0 or null, none.
+    samples_per_insert: float | None = None
+    error_buffer: float | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -209,6 +216,7 @@ class BufferConfig(RingConfig):
         _require(0 <= self.presample_batches <= 64,
                  f"presample_batches must be in 0..64, got {self.presample_batches}")
         self._validate_sequences()
+        self._validate_rate_limiter()
 
     def _validate_sequences(self) -> None:
         _require(0 <= self.sequence_length <= MAX_SEQUENCE_LENGTH,
@@ -229,6 +237,21 @@ class BufferConfig(RingConfig):
             _require(self.max_times_sampled == 0,
                      f"sequence_length and max_times_sampled cannot be combined, got max_times_sampled "
                      f"{self.max_times_sampled}")
+
+    def _validate_rate_limiter(self) -> None:
+        spi, error = self.samples_per_insert, self.error_buffer
+        _require(spi is None or 0 <= spi <= MAX_SAMPLES_PER_INSERT,
+                 f"samples_per_insert must be in [0, {MAX_SAMPLES_PER_INSERT:g}] (0 or null: no rate limiter), "
+                 f"got {spi}")
+        _require(error is None or 0 <= error <= MAX_ERROR_BUFFER,
+                 f"error_buffer must be in [0, {MAX_ERROR_BUFFER:g}], got {error}")
+        if spi:
+            # Reverb's rule: a smaller range could hold both sides back for good (an insert
+            # moves the error by samples_per_insert, a sample by 1)
+            need = max(1.0, spi)
+            _require(error is not None and error >= need,
+                     f"error_buffer must be >= max(1, samples_per_insert) = {need:g} with samples_per_insert "
+                     f"{spi:g}, or inserts and samples could both wait for good; got {error}")
 
 
 @dataclass

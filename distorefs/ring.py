@@ -47,6 +47,7 @@ class RingObserver(Protocol):
     def entry_replaced(self, old: EntryMeta, new: EntryMeta) -> None: ...
     def entry_removed(self, meta: EntryMeta) -> None: ...
     def slots_grown(self, capacity: int) -> None: ...
+    def entries_loaded(self) -> None: ...
 
 
 class Ring:
@@ -456,6 +457,8 @@ class Ring:
         self.by_seq.update((m.seq, m) for m in metas)
         for meta in metas:
             self.apply_add(meta, prio.get(meta.seq), sampled.get(meta.seq, 0), indexed=True)
+        if self.observer is not None:
+            self.observer.entries_loaded()
 
 
 class RingNamespace:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Awaitable, Callable
 
 from distorefs import clientwire as wire
 from distorefs.batch import Batch, BatchFile
 from distorefs.buffer import Buffer
 from distorefs.clientsession import ClientSession, DatasetSession
-from distorefs.errors import InvalidArgument, NotPermitted, TooLarge
+from distorefs.errors import DistorefsError, InvalidArgument, NotPermitted, TooLarge
 from distorefs.names import unescape_key
+from distorefs.ratelimit import InsertTicket
 
 
 class Handle:
@@ -190,16 +192,60 @@ class StagingWriter(Handle):
 
 
 class EntryWriter(StagingWriter):
-    """Insert or rewrite of one entry: visible, whole, when it commits."""
+    """Insert or rewrite of one entry: visible, whole, when it commits.
 
-    def __init__(self, node, initial: bytes, limit: int, readable: bool, owner, fresh: bool) -> None:
+    A new entry of a rate-limited buffer (distorefs/ratelimit.py) holds the limiter's ticket
+    from its admission until its first commit (or the release of a writer that never
+    commits). One the limiter held back at the create is admitted at its first write() or
+    close(), which wait for it; if that wait is interrupted nothing of the entry is ever
+    published (the writer fails as after a refused write)."""
+
+    def __init__(self, node, initial: bytes, limit: int, readable: bool, owner, fresh: bool,
+                 ticket: InsertTicket | None = None,
+                 admit: Callable[[], Awaitable[InsertTicket | None]] | None = None) -> None:
         super().__init__(initial, limit, readable)
         self.node = node
         self.owner = owner
         self.dirty = fresh  # created or truncated: commits even if nothing is written
+        self.ticket = ticket
+        self.admit = admit
+
+    async def _admitted(self) -> None:
+        if self.admit is None:
+            return
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self.ticket = await self.admit()
+        except DistorefsError as exc:  # Interrupted: the writer is gone or has a signal to take
+            self.failed = exc
+            raise
+        self.admit = None
+
+    async def write(self, off: int, buf: bytes) -> int:
+        await self._admitted()
+        return await super().write(off, buf)
+
+    async def flush(self) -> None:
+        await self._admitted()
+        await super().flush()
 
     async def apply(self, data: bytes) -> None:
-        await self.node.commit(data, self.owner)
+        try:
+            await self.node.commit(data, self.owner)
+        finally:
+            self._release_ticket()  # committed (counted as an insert) or failed
+
+    async def release(self) -> None:
+        try:
+            await super().release()
+        finally:
+            self._release_ticket()
+
+    def _release_ticket(self) -> None:
+        ticket, self.ticket = self.ticket, None
+        if ticket is not None:
+            ticket.release()
 
 
 class ConfigWriter(StagingWriter):

@@ -7,12 +7,13 @@ typed exceptions, turned into errno by `operations`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
 import stat
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterator
 
 import pyfuse3
 import trio
@@ -26,6 +27,7 @@ from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFo
                               OperationNotPermitted, Unsupported, WouldBlock)
 from distorefs.names import check_name
 from distorefs.owner import Owner
+from distorefs.ratelimit import InsertTicket
 
 from .callers import abandoned_by, process_of
 from .handles import (BytesReader, ClientHandle, ConfigWriter, EntryWriter, Handle, PrioritiesWriter,
@@ -328,7 +330,7 @@ class AtDir(Node):
 
 
 class BufferDir(RingDir):
-    """buffers/NAME/: config.json, stats.json, priorities, entries/, sample/, batch/."""
+    """buffers/NAME/: config.json, stats.json, priorities, entries/, sample/, batch/, client."""
 
     def __init__(self, fs: "Filesystem", buf: Buffer) -> None:
         super().__init__(fs, buf)
@@ -340,6 +342,20 @@ class BufferDir(RingDir):
             b"batch": lambda: intern(("batch", ns), lambda: DrawDir(fs, buf, npz=True)),
             b"client": lambda: intern(("client", ns), lambda: ClientFile(fs, buf)),
         })
+        self._sessions = itertools.count(1)
+
+    async def lookup(self, name: bytes, ctx=None) -> Node:
+        if name != b"client" or ctx is None:
+            return await super().lookup(name, ctx)
+        # Every session gets an inode of its own: the kernel lets one write at a time into
+        # an inode, and a session's request may wait (min_size_to_sample, the rate
+        # limiter): on a shared inode it would hold back every other session of the
+        # buffer, the very learner or actor it waits for among them.
+        key = ("client", self.ns.ns_id, ctx.pid)
+        node = self.fs.inodes.intern(key, lambda: ClientFile(self.fs, self.ns))
+        if node.open_handles:
+            node = self.fs.inodes.intern(key + (next(self._sessions),), lambda: ClientFile(self.fs, self.ns))
+        return node
 
 
 class BufferControlFile(Node):
@@ -372,7 +388,12 @@ class PrioritiesFile(BufferControlFile):
 
 class ClientFile(BufferControlFile):
     """client: the channel of the client beside the mount (distorefs/client); each open
-    (for reading and writing) is a session of its own (distorefs/clientsession.py)."""
+    (for reading and writing) is a session of its own (distorefs/clientsession.py), on an
+    inode of its own (BufferDir.lookup), so the kernel looks the name up at every open."""
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        o = self.buf.owner
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o644), 0, o.uid, o.gid, self.buf.ctime_ns, NO_CACHE)
 
     async def open(self, flags: int, ctx) -> Handle:
         if not (wants_read(flags) and wants_write(flags)):
@@ -541,6 +562,7 @@ class EntriesDir(Node):
         self.buf.ring.check_insert(name, 0)
         self.fs.take_redirect(self.name_key(name), ctx.pid)
         existing = self.buf.ring.by_key.get(name)
+        ticket, admit = None, None
         if existing is not None:
             if flags & os.O_EXCL:
                 raise AlreadyExists(f"entry {name!r} exists")
@@ -548,11 +570,27 @@ class EntriesDir(Node):
         else:
             node = self.fs.inodes.node_of(self.name_key(name))
             if node is None or node.version is not None or not node.writers:
+                # a new entry (not one another writer is creating: this one's close would rewrite it)
+                ticket, admit = await self._admission(flags, ctx)
                 if node is not None:
                     self.fs.inodes.unname(self.name_key(name))
                 node = self.fs.inodes.intern(self.name_key(name), lambda: EntryNode(self.fs, self, name, None))
         owner = Owner(stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
-        return node, node.writer(b"", flags, owner)
+        return node, node.writer(b"", flags, owner, ticket=ticket, admit=admit)
+
+    async def _admission(self, flags: int, ctx
+                         ) -> tuple[InsertTicket | None, Callable[[], Awaitable[InsertTicket | None]] | None]:
+        """A new entry and the rate limiter (distorefs/ratelimit.py): its ticket, or how its
+        writer waits for one. The create itself never waits - the kernel holds entries/
+        locked through it, so every create, lookup and ls there would wait too - but
+        O_NONBLOCK gets EAGAIN here; a writer held back waits at its first write() or close()
+        instead, before any of its data is taken."""
+        if not isinstance(self.buf, Buffer):
+            return None, None  # a bank: no limiter
+        if flags & os.O_NONBLOCK or not self.buf.insert_held_back():
+            return await self.buf.admit_insert(nonblocking=True), None
+        abandoned = abandoned_by(process_of(ctx.pid))  # any thread of the creator may write
+        return None, functools.partial(self.buf.admit_insert, False, abandoned)
 
     async def unlink(self, name: bytes) -> None:
         await self.buf.ring.delete(name)
@@ -628,8 +666,13 @@ class EntryNode(Node):
         nlink = 1 if self.current() else 0
         return make_attrs(self.ino, meta.mode, meta.size, meta.uid, meta.gid, meta.mtime_ns, timeout, nlink=nlink)
 
-    def writer(self, initial: bytes, flags: int, owner: Owner, fresh: bool = True) -> EntryWriter:
-        w = EntryWriter(self, initial, self.buf.ring.config.max_entry_bytes, wants_read(flags), owner, fresh)
+    def writer(self, initial: bytes, flags: int, owner: Owner, fresh: bool = True,
+               ticket: InsertTicket | None = None,
+               admit: Callable[[], Awaitable[InsertTicket | None]] | None = None) -> EntryWriter:
+        """A writer of this inode; a new entry's has the rate limiter's `ticket`, or `admit`
+        to wait for one at its first write() or close()."""
+        w = EntryWriter(self, initial, self.buf.ring.config.max_entry_bytes, wants_read(flags), owner, fresh,
+                        ticket, admit)
         self.writers.append(w)
         return w
 

@@ -1,6 +1,7 @@
 """RL workloads end to end: a DQN learner fed by actors, through the mount and in process.
 
-`distorefs bench rl [--quick] [--out DIR] [--workdir DIR]` runs, in one go:
+`distorefs bench rl [--quick] [--only PHASE] [--out DIR] [--workdir DIR]` runs, in one go
+(or only the phases named: dqn, frames, limiter):
 
 a) The DQN loop: 2 actor processes step a small environment, insert each transition
    (obs, action, reward, next_obs, done) and re-read the published Q-network every 200
@@ -24,8 +25,17 @@ b) Reverb's own ground, 113 KB uint8 entries in a prioritized buffer: `sample 25
    priority updates) while 2 writers insert; distorefs (np.save into entries/, np.load of
    batch/N.npz, a `priorities` write per step) against Reverb. Target: >= 1.0x Reverb.
 
+c) The rate limiter (samples_per_insert 8, error_buffer 256, min_size_to_sample 256): 2
+   unpaced DQN actors (an environment step of no cost) inserting transitions and a learner
+   whose step takes 20 ms (batch 64), through files without and with the limiter, and
+   through the client with it; then actors paced at 50 steps/s and a learner without a
+   step (the learner held back): the
+   samples per insert observed over time, the error `inserts * 8 - samples` against the
+   range the limiter keeps it in, each side's rate and the time each side waited. Goal:
+   with the limiter the error stays within error_buffer of its target.
+
 Client processes are started with `spawn`; numpy uses one thread per process. Writes
-OUT/rl.json and OUT/rl.png; prints a table.
+OUT/rl.json, OUT/rl.png (a, b) and OUT/rl-limiter.png (c); prints a table.
 """
 
 from __future__ import annotations
@@ -54,8 +64,10 @@ REVERB_IN_FLIGHT = 32  # items a Reverb writer leaves unconfirmed before flush()
 
 def _params(quick: bool) -> dict:
     if quick:
-        return {"seconds": 4.0, "warmup": 300, "env_cost": 20, "actor_hz": 100, "reverb_seconds": 3.0, "frames": 600}
-    return {"seconds": 20.0, "warmup": 1000, "env_cost": 20, "actor_hz": 100, "reverb_seconds": 10.0, "frames": 3000}
+        return {"seconds": 4.0, "warmup": 300, "env_cost": 20, "actor_hz": 100, "reverb_seconds": 3.0, "frames": 600,
+                "limit_seconds": 5.0}
+    return {"seconds": 20.0, "warmup": 1000, "env_cost": 20, "actor_hz": 100, "reverb_seconds": 10.0, "frames": 3000,
+            "limit_seconds": 15.0}
 
 
 def _one_thread() -> None:
@@ -588,6 +600,124 @@ def _frames(system: str, root: Path, p: dict, ctx) -> dict:
         _end_phase(workers, mount, server)
 
 
+# ----- c) the rate limiter: fast actors, a slow learner ------------------------------------------
+
+LIMIT_SPI = 8.0  # samples_per_insert the limited runs hold the actors to
+LIMIT_ERROR = 256.0  # error_buffer: four batches of 64 of slack either side
+LIMIT_MIN_SIZE = 256  # min_size_to_sample
+LIMIT_STEP_S = 0.02  # the learner's training step: a GPU learner's pace, slower than the actors
+LIMIT_SLOW_ACTOR_HZ = 50  # inserts per second of each actor in the run where the learner is ahead
+UNPACED = 1e9  # steps per second of an actor that runs as fast as its inserts go
+# (label, system, limited, actors' steps per second, the learner's step in seconds)
+LIMIT_RUNS = (("files, no limiter", "distorefs", False, UNPACED, LIMIT_STEP_S),
+              ("files, limiter", "distorefs", True, UNPACED, LIMIT_STEP_S),
+              ("client, limiter", "client", True, UNPACED, LIMIT_STEP_S),
+              ("slow actors, limiter", "distorefs", True, LIMIT_SLOW_ACTOR_HZ, 0.0))
+
+
+def _limited_learner(system: str, cfg: dict, result) -> None:
+    """A learner whose step takes cfg["step_s"]: samples a batch, trains, and again."""
+    _one_thread()
+    out: dict[str, Any] = {"steps": 0, "seconds": 0.0, "sampling_seconds": 0.0, "error": None}
+    try:
+        source = _Source(system, cfg)
+        t0 = time.perf_counter()
+        deadline = t0 + cfg["seconds"]
+        while time.perf_counter() < deadline:
+            s0 = time.perf_counter()
+            batch = source.sample(BATCH)  # waits while the learner is ahead (and for min_size_to_sample)
+            out["sampling_seconds"] += time.perf_counter() - s0
+            assert len(batch["keys"]) == BATCH
+            time.sleep(cfg["step_s"])
+            out["steps"] += 1
+        out["seconds"] = time.perf_counter() - t0
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+    result.put(out)
+
+
+def _limiter(root: Path, p: dict, ctx) -> dict:
+    """2 unpaced actors and a learner of LIMIT_STEP_S steps, without and with the rate limiter
+    (through files, and through the client), then slow actors and a fast learner (the other
+    side held back): the samples per insert observed over time, the error (inserts *
+    samples_per_insert - samples) against its range, each side's rate and the time each side
+    waited."""
+    mount = None
+    workers = _Workers(ctx)
+    res: dict[str, Any] = {"samples_per_insert": LIMIT_SPI, "error_buffer": LIMIT_ERROR,
+                           "min_size_to_sample": LIMIT_MIN_SIZE, "learner_step_s": LIMIT_STEP_S, "runs": {}}
+    try:
+        mount = DistorefsMount(root / "store", root / "mnt")
+        mount.mount()
+        weights = mount.mnt / "weights" / "limiter" / "q.npy"  # what the DQN actors re-read every 200 steps
+        weights.parent.mkdir(parents=True)
+        np.save(weights, QNet(0).weights())
+        for i, (label, system, limited, actor_hz, step_s) in enumerate(LIMIT_RUNS):
+            buf = mount.mnt / "buffers" / f"limit{i}"
+            buf.mkdir()
+            config: dict[str, Any] = {"capacity": 1_000_000, "min_size_to_sample": LIMIT_MIN_SIZE}
+            if limited:
+                config.update(samples_per_insert=LIMIT_SPI, error_buffer=LIMIT_ERROR)
+            (buf / "config.json").write_text(json.dumps(config))
+            cfg = {"buffer": str(buf), "weights": str(weights), "seconds": p["limit_seconds"], "read_ahead": False,
+                   "actor_hz": actor_hz, "env_cost": 0, "step_s": step_s}
+            res["runs"][label] = _limited_run(system, cfg, p, ctx, workers)
+            print(f"  limiter {label:20s}: " + json.dumps({k: v for k, v in res["runs"][label].items()
+                                                           if k != "series"}), flush=True)
+        return res
+    finally:
+        _end_phase(workers, mount, None)
+
+
+def _limited_run(system: str, cfg: dict, p: dict, ctx, workers: "_Workers") -> dict:
+    buf = Path(cfg["buffer"])
+    stop, counter, errors, result = ctx.Event(), ctx.Value("q", 0), ctx.Queue(), ctx.Queue()
+    actors = [workers.start(_actor, system, {**cfg, "seed": 300 + i}, stop, counter, errors) for i in range(2)]
+    learner = workers.start(_limited_learner, system, cfg, result)
+    series = []  # (seconds, inserts, samples) of the buffer, from its stats.json
+    t0 = time.perf_counter()
+    out = None
+    while out is None:
+        s = json.loads((buf / "stats.json").read_bytes())
+        series.append((round(time.perf_counter() - t0, 3), s["inserts"], s["sampled_entries"]))
+        try:
+            out = result.get(timeout=0.25)
+        except queue.Empty:
+            if time.perf_counter() - t0 > p["limit_seconds"] + 240:
+                raise RuntimeError("the learner did not finish")
+    stats = json.loads((buf / "stats.json").read_bytes())
+    stop.set()
+    (buf / "config.json").write_text(json.dumps({"samples_per_insert": 0}))  # actors held back go, and stop
+    workers.finish(actors + [learner])
+    limiter = stats.get("rate_limiter") or {}
+    offset = LIMIT_MIN_SIZE * LIMIT_SPI
+    errors_seen = [ins * LIMIT_SPI - smp - offset for _, ins, smp in series if ins >= LIMIT_MIN_SIZE]
+    secs = out["seconds"] or 1e-9
+    inserted, sampled = stats["inserts"], stats["sampled_entries"]
+    half = next((s for s in series if s[0] >= series[-1][0] / 2), series[-1])
+    steady = (sampled - half[2]) / (inserted - half[1]) if inserted > half[1] else None
+    run = {"seconds": round(secs, 2), "inserts_per_s": round(inserted / secs, 1),
+           "samples_per_s": round(sampled / secs, 1), "learner_steps_per_s": round(out["steps"] / secs, 1),
+           "samples_per_insert": round(sampled / inserted, 3) if inserted else None,
+           "samples_per_insert_second_half": round(steady, 3) if steady is not None else None,
+           "error_min": round(min(errors_seen), 1) if errors_seen else None,
+           "error_max": round(max(errors_seen), 1) if errors_seen else None,
+           "learner_sampling_s": round(out["sampling_seconds"], 2),
+           "insert_wait_s": (limiter.get("insert") or {}).get("wait_seconds", 0.0),
+           "sample_wait_s": (limiter.get("sample") or {}).get("wait_seconds", 0.0),
+           "insert_waits": (limiter.get("insert") or {}).get("waits", 0),
+           "sample_waits": (limiter.get("sample") or {}).get("waits", 0),
+           "series": series}
+    errs = []
+    while not errors.empty():
+        errs.append(errors.get())
+    if out["error"]:
+        errs.append(out["error"])
+    if errs:
+        run["errors"] = errs[:3]
+    return run
+
+
 # ----- report ---------------------------------------------------------------------------------
 
 def _ratio(a, b) -> float | None:
@@ -595,6 +725,13 @@ def _ratio(a, b) -> float | None:
 
 
 def format_table(res: dict) -> str:
+    parts = [_systems_table(res)] if res.get("dqn") or res.get("frames") else []
+    if (res.get("limiter") or {}).get("runs"):
+        parts.append(_limiter_table(res["limiter"]["runs"]))
+    return "\n\n".join(parts)
+
+
+def _systems_table(res: dict) -> str:
     lines = [f"{'measure':58s} {'distorefs':>10s} {'in-process':>11s} {'Reverb':>9s} {'vs base':>8s} {'target':>8s}"]
     dqn = res.get("dqn", {})
     d = (dqn.get("distorefs") or {}).get("learner_steps_per_s")
@@ -625,6 +762,21 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _limiter_table(runs: dict) -> str:
+    lines = [f"rate limiter: samples_per_insert {LIMIT_SPI:g}, error_buffer {LIMIT_ERROR:g}, min_size_to_sample "
+             f"{LIMIT_MIN_SIZE}; 2 unpaced actors and a learner of batch {BATCH} and {LIMIT_STEP_S * 1000:.0f} ms "
+             f"steps, then 2 actors of {LIMIT_SLOW_ACTOR_HZ}/s and a learner without a step",
+             f"{'run':22s} {'inserts/s':>10s} {'samples/s':>10s} {'steps/s':>8s} {'samples/ins':>11s} "
+             f"{'2nd half':>8s} {'error vs target':>17s} {'insert wait s':>13s} {'sample wait s':>13s}"]
+    for label, v in runs.items():
+        band = "-" if v.get("error_min") is None else f"{v['error_min']:g}..{v['error_max']:g}"
+        lines.append(f"{label:22s} {v['inserts_per_s']:>10,.1f} {v['samples_per_s']:>10,.1f} "
+                     f"{v['learner_steps_per_s']:>8,.1f} {v['samples_per_insert'] or 0:>11.3f} "
+                     f"{v['samples_per_insert_second_half'] or 0:>8.2f} {band:>17s} "
+                     f"{v['insert_wait_s']:>13.1f} {v['sample_wait_s']:>13.1f}")
+    return "\n".join(lines)
+
+
 def _plot(res: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -646,7 +798,57 @@ def _plot(res: dict, path: Path, title: str) -> None:
     save_figure(fig, path, title)
 
 
-def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
+PHASES = ("dqn", "frames", "limiter")
+
+
+def _recent_ratio(series: list, i: int, window: float = 1.0) -> float:
+    """Entries sampled per entry inserted over the `window` seconds up to series[i]."""
+    t, ins, smp = series[i]
+    j = i
+    while j > 0 and series[j - 1][0] >= t - window:
+        j -= 1
+    back = series[j - 1] if j > 0 else (0.0, 0, 0)
+    return (smp - back[2]) / (ins - back[1]) if ins > back[1] else float("nan")
+
+
+def _plot_limiter(res: dict, path: Path, title: str) -> None:
+    """Samples per insert over time, the error against the limiter's range, each side's rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = res["limiter"]["runs"]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    offset = LIMIT_MIN_SIZE * LIMIT_SPI
+    for label, v in runs.items():
+        series = v["series"]
+        t = [s[0] for s in series]
+        ax1.plot(t, [_recent_ratio(series, i) for i in range(len(series))], label=label)
+        if "no limiter" not in label:
+            ax2.plot(t, [s[1] * LIMIT_SPI - s[2] - offset if s[1] >= LIMIT_MIN_SIZE else float("nan")
+                         for s in v["series"]], label=label)
+    ax1.axhline(LIMIT_SPI, color="k", linestyle="--", linewidth=1, label=f"target {LIMIT_SPI:g}")
+    ax1.set_title("samples per insert over the last second")
+    ax1.set_xlabel("seconds")
+    ax1.legend()
+    for y in (-LIMIT_ERROR, LIMIT_ERROR):
+        ax2.axhline(y, color="r", linestyle="--", linewidth=1)
+    ax2.set_ylim(-2 * LIMIT_ERROR, 2 * LIMIT_ERROR)
+    ax2.set_title(f"inserts*{LIMIT_SPI:g} - samples - target (range +-{LIMIT_ERROR:g})")
+    ax2.set_xlabel("seconds")
+    ax2.legend()
+    labels = list(runs)
+    x = np.arange(len(labels))
+    ax3.bar(x - 0.2, [runs[k]["inserts_per_s"] * LIMIT_SPI for k in labels], 0.4, label=f"inserts/s x {LIMIT_SPI:g}")
+    ax3.bar(x + 0.2, [runs[k]["samples_per_s"] for k in labels], 0.4, label="samples/s")
+    ax3.set_xticks(x, [k.replace(", ", "\n") for k in labels])
+    ax3.set_title("each side's rate")
+    ax3.legend()
+    save_figure(fig, path, title)
+
+
+def run(out: Path, quick: bool = False, workdir: Path | None = None, only: tuple[str, ...] = ()) -> dict:
+    """Run the phases named in `only` (every phase when empty)."""
+    phases = [ph for ph in PHASES if not only or ph in only]
     r = start_run(out, workdir)
     out, root, notes, machine = r.out, r.root, r.notes, r.machine
     p = _params(quick)
@@ -656,45 +858,74 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     if reverb_missing:
         notes.append(f"Reverb not measured ({reverb_missing}); install it with pip install 'distorefs[reverb]'")
     print(f"distorefs bench rl{' --quick' if quick else ''}: workdir {root}, {machine['cpus']} CPUs", flush=True)
-    res: dict[str, Any] = {"dqn": {}, "frames": {}}
+    res: dict[str, Any] = {"dqn": {}, "frames": {}, "limiter": {}}
     errors: list[str] = []
+    others = () if reverb_missing else ("reverb",)
     try:
-        for system in ("in-process", "distorefs") + (() if reverb_missing else ("reverb",)):
+        for system in ("in-process", "distorefs") + others if "dqn" in phases else ():
             try:
                 res["dqn"][system] = _dqn(system, root / f"dqn-{system}", p, ctx)
                 print(f"  DQN loop {system:10s}: {res['dqn'][system]}", flush=True)
             except Exception as exc:
                 errors.append(f"DQN {system}: {type(exc).__name__}: {exc}")
-        for system in ("distorefs",) + (() if reverb_missing else ("reverb",)):
+        for system in ("distorefs",) + others if "frames" in phases else ():
             try:
                 res["frames"][system] = _frames(system, root / f"frames-{system}", p, ctx)
                 print(f"  113 KB {system:10s}: {res['frames'][system]}", flush=True)
             except Exception as exc:
                 errors.append(f"113 KB {system}: {type(exc).__name__}: {exc}")
+        if "limiter" in phases:
+            try:
+                res["limiter"] = _limiter(root / "limiter", p, ctx)
+            except Exception as exc:
+                errors.append(f"limiter: {type(exc).__name__}: {exc}")
     finally:
         if not any(_is_mounted(m) for m in root.rglob("mnt*") if m.is_dir()):
             shutil.rmtree(root, ignore_errors=True)
     for part in ("dqn", "frames"):
         for system, v in res[part].items():
             errors.extend(f"{part} {system}: {e}" for e in v.get("errors", []))
-    d = (res["dqn"].get("distorefs") or {}).get("learner_steps_per_s")
-    i = (res["dqn"].get("in-process") or {}).get("learner_steps_per_s")
-    goals = [{"goal": "DQN learner loop via files >= 0.5x in-process", "value": f"{_ratio(d, i)}x",
-              "met": None if _ratio(d, i) is None else _ratio(d, i) >= 0.5}]
-    for label, key in (("sample_256_idle", "entries_per_s"), ("sample_256_with_4_writers", "entries_per_s"),
-                       ("learner_64_with_2_writers", "steps_per_s")):
-        dv = ((res["frames"].get("distorefs") or {}).get(label) or {}).get(key)
-        rv = ((res["frames"].get("reverb") or {}).get(label) or {}).get(key)
-        goals.append({"goal": f"{label.replace('_', ' ')} >= 1.0x Reverb", "value": f"{_ratio(dv, rv)}x",
-                      "met": None if _ratio(dv, rv) is None else _ratio(dv, rv) >= 1.0})
+    for label, v in (res["limiter"].get("runs") or {}).items():
+        errors.extend(f"limiter {label}: {e}" for e in v.get("errors", []))
+    goals = []
+    if "dqn" in phases:
+        d = (res["dqn"].get("distorefs") or {}).get("learner_steps_per_s")
+        i = (res["dqn"].get("in-process") or {}).get("learner_steps_per_s")
+        goals.append({"goal": "DQN learner loop via files >= 0.5x in-process", "value": f"{_ratio(d, i)}x",
+                      "met": None if _ratio(d, i) is None else _ratio(d, i) >= 0.5})
+    if "frames" in phases:
+        for label, key in (("sample_256_idle", "entries_per_s"), ("sample_256_with_4_writers", "entries_per_s"),
+                           ("learner_64_with_2_writers", "steps_per_s")):
+            dv = ((res["frames"].get("distorefs") or {}).get(label) or {}).get(key)
+            rv = ((res["frames"].get("reverb") or {}).get(label) or {}).get(key)
+            goals.append({"goal": f"{label.replace('_', ' ')} >= 1.0x Reverb", "value": f"{_ratio(dv, rv)}x",
+                          "met": None if _ratio(dv, rv) is None else _ratio(dv, rv) >= 1.0})
+    if "limiter" in phases:
+        goals.append(_limiter_goal(res["limiter"]))
     table = format_table(res)
     result = {"benchmark": "rl", "quick": quick, "params": p, "machine": machine, "results": res, "goals": goals,
               "notes": notes, "errors": errors, "table": table}
     (out / "rl.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    try:
-        _plot(res, out / "rl.png", f"distorefs RL workloads ({machine['cpus']} CPUs{', quick' if quick else ''})")
-    except Exception as exc:
-        errors.append(f"plot: {exc}")
+    title = f"({machine['cpus']} CPUs{', quick' if quick else ''})"
+    figures = []
+    for name, wanted, plot in (("rl.png", {"dqn", "frames"}, _plot), ("rl-limiter.png", {"limiter"}, _plot_limiter)):
+        if wanted & set(phases):
+            try:
+                plot(res, out / name, f"distorefs RL workloads {title}" if name == "rl.png" else
+                     f"distorefs rate limiter: 2 actors, a learner of {LIMIT_STEP_S * 1000:.0f} ms steps {title}")
+                figures.append(str(out / name))
+            except Exception as exc:
+                errors.append(f"plot {name}: {exc}")
     print_report(table, goals, notes, errors)
-    print(f"wrote {out / 'rl.json'} and {out / 'rl.png'}")
+    print(f"wrote {out / 'rl.json'}" + "".join(f" and {f}" for f in figures))
     return result
+
+
+def _limiter_goal(lim: dict) -> dict:
+    """With the limiter, the error stays within error_buffer of its target (files and client)."""
+    limited = [v for label, v in (lim.get("runs") or {}).items() if "no limiter" not in label]
+    spread = [max(-v["error_min"], v["error_max"]) for v in limited if v.get("error_min") is not None]
+    worst = max(spread) if spread else None
+    return {"goal": f"rate limiter holds inserts*{LIMIT_SPI:g} - samples within +-{LIMIT_ERROR:g} of its target",
+            "value": "-" if worst is None else f"worst {worst:g}",
+            "met": None if worst is None or len(spread) < len(limited) else worst <= LIMIT_ERROR}

@@ -367,7 +367,8 @@ def bench() -> None:
 # name: (what it measures, what --quick does, what goes in --workdir)
 BENCHMARKS = {
     "rl": ("A DQN learner fed by actors through the mount, in process (cpprb) and on Reverb; Reverb's own "
-           "113 KB rows.", "Shorter runs, smaller buffers (a smoke run).", "the stores and plain files"),
+           "113 KB rows; the rate limiter holding fast actors to a slow learner.",
+           "Shorter runs, smaller buffers (a smoke run).", "the stores and plain files"),
     "sequences": ("Sequence sampling: batch/32.npz of 80-step sequences of 10 KB steps (uniform, and prioritized with "
                   "per-step priorities written back) and the client's sample(32), vs an in-process numpy buffer slicing "
                   "the same sequences.", "4,000 steps, 3 s phases (a smoke run).", "the store"),
@@ -394,8 +395,12 @@ BENCHMARKS = {
 }
 
 
+# Benchmarks made of phases that can be run alone (`--only PHASE`, repeatable): their PHASES.
+BENCH_PHASES = {"rl": ("dqn", "frames", "limiter")}
+
+
 def _bench_command(name: str, doc: str, quick_help: str, workdir_help: str) -> None:
-    def command(out, quick, workdir, drop_caches) -> None:
+    def command(out, quick, workdir, drop_caches, only=()) -> None:
         import importlib
         import signal
         from . import bench_buffers
@@ -408,13 +413,17 @@ def _bench_command(name: str, doc: str, quick_help: str, workdir_help: str) -> N
             signal.signal(sig, interrupted)
         module = importlib.import_module(f"{__package__}.bench_{name}")
         try:
-            module.run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None)
+            module.run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None,
+                       **({"only": tuple(only)} if only else {}))
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
             bench_buffers.unmount_all()
 
     command.__doc__ = doc
+    if name in BENCH_PHASES:
+        command = click.option("--only", multiple=True, type=click.Choice(BENCH_PHASES[name]),
+                               help="Run only this phase (repeat for several; default: all).")(command)
     command = click.option("--drop-caches", is_flag=True,
                            help="Drop the host's page cache before cold reads (root; every process on the host "
                                 "loses its cache). Without it cold reads may be served from memory.")(command)

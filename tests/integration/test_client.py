@@ -351,6 +351,26 @@ def test_min_size_to_sample_waits_or_says_eagain(buf):
         assert time.monotonic() - t0 >= 0.4 and len(batch["keys"]) == 2
 
 
+def test_a_session_waiting_in_the_daemon_holds_back_no_other_session(buf):
+    """A learner's draw waiting for min_size_to_sample must not hold back the inserts of the
+    actor it waits for: the kernel writes into one inode at a time, so each session has its
+    own (with one `client` inode the actor's write waited behind the learner's for good)."""
+    set_config(buf, {"min_size_to_sample": 3, "presample_batches": 0})
+    with open_buffer(buf, direct=True) as learner, open_buffer(buf, direct=True) as actor:
+        got: list = []
+        drawing = threading.Thread(target=lambda: got.append(learner.sample(2)), daemon=True)
+        drawing.start()
+        drawing.join(1.0)
+        assert drawing.is_alive()  # waiting for the entries
+        flushed: list = []
+        inserting = threading.Thread(target=lambda: (actor.insert_many({"a": b"1", "b": b"2", "c": b"3"}),
+                                                     flushed.append(actor.flush())), daemon=True)
+        inserting.start()
+        inserting.join(30)
+        drawing.join(30)
+        assert flushed == [3] and len(got) == 1 and len(got[0]["keys"]) == 2
+
+
 def test_requests_split_across_write_requests_arrive_whole(buf):
     """A write of several large inserts reaches the daemon as many WRITE requests (the
     kernel's max_write): frames cut anywhere are put back together."""

@@ -416,3 +416,17 @@ def test_client_draw_of_sequences(tmp_path):
         check_batch(z, 4)
         assert "entry_mask" in z and z["mask"].flags.writeable
     run(tmp_path / "s", body)
+
+
+def test_rate_limiter_counts_the_real_steps_of_sequences(tmp_path):
+    """With sequences, a draw counts each real step it hands out (inserts are steps)."""
+    async def body(store):
+        buf = await make_buffer(store, {"sequence_length": 4, "seed": 2, "presample_batches": 0,
+                                        "samples_per_insert": 1, "error_buffer": 1000})
+        await episodes(buf, {0: 5, 1: 2})  # 7 steps; sequences of 4, cut at each episode's end
+        batch, data = await buf.sample_npz(8)
+        real = int(load(data)["mask"].sum())
+        assert real == len(batch.metas) and 8 <= real < 8 * 4  # some sequences run past an end
+        stats = buf.stats()["rate_limiter"]
+        assert stats["inserts"] == 7 and stats["samples"] == real
+    run(tmp_path / "s", body)
