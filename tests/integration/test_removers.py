@@ -58,3 +58,14 @@ def test_lifo_and_uniform_bank_and_buffer(fs):
     assert len(left) == 4 and "n39" in left
     # fifo would keep exactly the 4 newest; uniform eviction keeps some older ones
     assert left != ["n36", "n37", "n38", "n39"]
+
+
+def test_the_readme_example_runs_as_written(fs):
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("**Removers** (`evict`"):]
+    (code,) = re.findall(r"```sh\n(.*?)```", section[:section.index("\n### ")], re.S)
+    out = subprocess.run(["bash", "-euc", code.replace("MNT/", f"{fs.mnt}/")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["step-1", "step-3", "step-4"]  # what its comment says
