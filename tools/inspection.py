@@ -391,6 +391,7 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
     total = sum(st.st_size for _, st in items if stat_mod.S_ISREG(st.st_mode))
     dest.mkdir(parents=True, exist_ok=True)
     manifest, dirs, errors, copied, nbytes = [], [], [], 0, 0
+    keep_owners = os.geteuid() == 0
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
               desc="export", dynamic_ncols=True) as bar:
         for rel, st in items:
@@ -399,7 +400,7 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
                 if stat_mod.S_ISDIR(st.st_mode):
                     d.mkdir(exist_ok=True)
                     dirs.append({**xattrs(s), "path": str(rel), "mode": st.st_mode & 0o7777,
-                                 "mtime_ns": st.st_mtime_ns})
+                                 "mtime_ns": st.st_mtime_ns, "uid": st.st_uid, "gid": st.st_gid})
                 elif stat_mod.S_ISLNK(st.st_mode):
                     os.symlink(os.readlink(s), d)
                 elif stat_mod.S_ISREG(st.st_mode):
@@ -414,6 +415,8 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
                             size += len(chunk)
                             fout.write(chunk)
                             bar.update(len(chunk))
+                    if keep_owners:  # as cp -a: the copy is the owner's (import restores it)
+                        os.chown(d, st.st_uid, st.st_gid)
                     os.chmod(d, st.st_mode & 0o777)
                     os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
                     want = a.get("checksum", "")
@@ -422,7 +425,8 @@ def export(src: Path, dest: Path, progress: bool = True) -> dict:
                     # the record's own fields last: an attribute named path or size (a dataset
                     # item's) must not replace them
                     manifest.append({**a, "path": str(rel), "size": size, "crc32": f"crc32:{crc:08x}",
-                                     "mode": st.st_mode & 0o7777, "mtime_ns": st.st_mtime_ns})
+                                     "mode": st.st_mode & 0o7777, "mtime_ns": st.st_mtime_ns,
+                                     "uid": st.st_uid, "gid": st.st_gid})
                     copied += 1
                     nbytes += size
             except OSError as exc:

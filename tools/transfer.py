@@ -167,14 +167,18 @@ class _ignore_missing:
 
 
 def _restore_attrs(src: Path, dest: Path, dir_record: dict | None = None) -> None:
-    """Mode and mtime as exported: a file's as the export set them on its copy, a
-    directory's from the manifest (the export's own directory has the exporter's)."""
+    """Owner (when run as root), mode and mtime as exported: a file's as the export set them
+    on its copy (an export run as root keeps owners, as cp -a does), a directory's from the
+    manifest (the export's own directory has the exporter's)."""
     if dir_record is not None:
         mode, mtime_ns = dir_record["mode"], dir_record["mtime_ns"]
+        owner = (dir_record["uid"], dir_record["gid"]) if "uid" in dir_record else None
     else:
         st = os.lstat(src)
-        mode, mtime_ns = st.st_mode & 0o7777, st.st_mtime_ns
+        mode, mtime_ns, owner = st.st_mode & 0o7777, st.st_mtime_ns, (st.st_uid, st.st_gid)
     now = os.lstat(dest)
+    if owner is not None and os.geteuid() == 0 and (now.st_uid, now.st_gid) != owner:
+        os.lchown(dest, *owner)  # before chmod: a chown clears setuid/setgid bits
     if now.st_mode & 0o7777 != mode:
         os.chmod(dest, mode)
     if now.st_mtime_ns != mtime_ns:

@@ -306,6 +306,9 @@ def _fill_store(m) -> dict:
     (w / "notes.txt").write_text("weights notes\n")
     os.chmod(w / "notes.txt", 0o600)
     os.symlink("v1", w / "latest")
+    os.chown(w / "notes.txt", 1234, 1235)  # owners: kept by an export and an import run as root
+    os.chown(w / "v1", 1234, 1235)
+    os.chown(b / "entries" / "e05", 1234, 1235)
     src = m.root / "ds-src"
     (src / "a").mkdir(parents=True)
     rows = ["path,label,score"]
@@ -374,6 +377,9 @@ def test_export_import_round_trip(fresh_mount, tmp_path):
     assert os.readlink(w / "latest") == "v1" and (w / "latest" / "model.bin").read_bytes() == \
         make_payload("model", 310_000, seed=2)
     assert oct(os.stat(w / "notes.txt").st_mode & 0o777) == "0o600"
+    for path in (w / "notes.txt", w / "v1", entries / "e05"):  # (also compared in the manifests)
+        assert (os.stat(path).st_uid, os.stat(path).st_gid) == (1234, 1235), path
+    assert os.stat(entries / "e06").st_uid == 0
     ds = b.mnt / "datasets" / "ds"
     assert xattr(ds, "state") == "sealed"
     index = np.load(ds / "index.npy")
