@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .floorfs import FloorMount
+from .mounts import mountpoints_under
 from .workload import FrameSource
 
 SMALL_SHAPE = (16, 84, 84)    # uint8, 112,896 bytes + 128 header: ~110 KiB .npy
@@ -893,6 +894,17 @@ def save_figure(fig, path: Path, title: str | None = None, fontsize: float | Non
     plt.close(fig)
 
 
+def remove_workdir(root: Path, errors: list[str]) -> None:
+    """Remove a benchmark's work directory, unless something is still mounted below it: a
+    removal would go through the mount (a store's or a baseline's files), so it is left
+    in place and `errors` says so."""
+    still = mountpoints_under(root)
+    if still:
+        errors.append(f"left {root} in place: still mounted: {', '.join(map(str, still))}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def start_run(out: Path, workdir: Path | None) -> BenchRun:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -953,11 +965,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
         print(f"  setup failed: {exc}", flush=True)
     finally:
         bench.teardown()
-        still = [m for m in (bench.dfs.mnt, bench.bfs.mnt) if m.exists() and _is_mounted(m)]
-        if still:  # never delete through a live mount
-            bench.errors.append(f"left {root} in place: still mounted: {', '.join(map(str, still))}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_workdir(root, bench.errors)
     print("[sum-tree]", flush=True)
     bench.sumtree()
     machine["other_load_cores_end"] = _other_load(1.0)

@@ -43,11 +43,11 @@ from typing import Any
 import numpy as np
 
 if __package__:
-    from .bench_buffers import (DistorefsMount, _CpuMeter, _is_mounted, _other_load, print_report, save_figure,
+    from .bench_buffers import (DistorefsMount, _CpuMeter, _other_load, print_report, remove_workdir, save_figure,
                                 start_run)
     from .bench_weights import _RssSampler, _Tmpfs
 else:  # `python tools/bench_checkpoints.py`
-    from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _is_mounted, _other_load, print_report,
+    from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _other_load, print_report, remove_workdir,
                                                save_figure, start_run)
     from distorefs.tools.bench_weights import _RssSampler, _Tmpfs
 
@@ -457,10 +457,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, fit_budget:
     finally:
         section("unmount", dfs.umount)
         tmpfs.remove()
-        if dfs.mnt.exists() and _is_mounted(dfs.mnt):  # never delete through a live mount
-            errors.append(f"left {root} in place: {dfs.mnt} is still mounted")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_workdir(root, errors)
     machine["other_load_cores_end"] = _other_load(0.5)
     goals = _goals(result)
     result.update(labels=labels, goals=goals, notes=notes, errors=errors, elapsed_s=round(time.time() - started, 1))

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, _is_mounted, print_report, save_figure, start_run
+from .bench_buffers import DistorefsMount, print_report, remove_workdir, save_figure, start_run
 from .bench_rl import FRAME, _dqn, _one_thread, _params, _Workers
 
 REVERB_INSERTS = 9322.0  # 113 KB inserts/s by 4 actors with Reverb's trajectory writers (issue 13)
@@ -306,8 +306,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
         except Exception as exc:
             errors.append(f"dataset: {type(exc).__name__}: {exc}")
     finally:
-        if not any(_is_mounted(m) for m in root.rglob("mnt*") if m.is_dir()):
-            shutil.rmtree(root, ignore_errors=True)
+        remove_workdir(root, errors)
     for v in res["dqn"].values():
         errors.extend(v.get("errors", []))
     c = res["frames"].get("client") or {}

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_buffers import BindfsMount, DistorefsMount, _drop_caches, _is_mounted, save_figure, start_run
+from .bench_buffers import BindfsMount, DistorefsMount, _drop_caches, remove_workdir, save_figure, start_run
 
 GOAL_EPOCH = 1.0  # distorefs cold items/s vs bindfs, 10 KB items, 4 readers (issue 12)
 GOAL_EPOCH_READERS = "4"
@@ -353,11 +353,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
         traceback.print_exc()
     finally:
         bench.teardown()
-        still = [m for m in (bench.dfs.mnt, bench.bfs.mnt) if m.exists() and _is_mounted(m)]
-        if still:
-            bench.errors.append(f"left {root} in place: still mounted: {', '.join(map(str, still))}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_workdir(root, bench.errors)
     result.update(bench.res)
     rows = _rows(bench.res)
     result["rows"] = rows

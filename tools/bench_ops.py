@@ -32,7 +32,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .bench_buffers import (LIVE_MOUNTS, BindfsMount, DistorefsMount, _is_mounted, print_report, save_figure,
+from .bench_buffers import (LIVE_MOUNTS, BindfsMount, DistorefsMount, print_report, remove_workdir, save_figure,
                             start_run)
 from .floorfs import FloorMount
 
@@ -435,10 +434,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
                 s.umount()
             except Exception as exc:
                 errors.append(f"umount {s.name}: {exc}")
-        if not any(_is_mounted(s.mnt) for s in systems.values()):
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            errors.append(f"left {root}: still mounted")
+        remove_workdir(root, errors)
     goals = [{"goal": f"{op}: distorefs CPU per request within {TARGET_RATIO:g}x of the floor",
               "value": f"{res[op].get('cpu_per_request_ratio', '-')}x",
               "met": (res[op]["cpu_per_request_ratio"] <= TARGET_RATIO) if "cpu_per_request_ratio" in res[op] else None}

@@ -44,7 +44,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import shutil
 import time
 import traceback
 from pathlib import Path
@@ -52,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, _is_mounted, print_report, save_figure, start_run
+from .bench_buffers import DistorefsMount, print_report, remove_workdir, save_figure, start_run
 
 OBS = 8
 ACTIONS = 4
@@ -880,8 +879,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, only: tuple
             except Exception as exc:
                 errors.append(f"limiter: {type(exc).__name__}: {exc}")
     finally:
-        if not any(_is_mounted(m) for m in root.rglob("mnt*") if m.is_dir()):
-            shutil.rmtree(root, ignore_errors=True)
+        remove_workdir(root, errors)
     for part in ("dqn", "frames"):
         for system, v in res[part].items():
             errors.extend(f"{part} {system}: {e}" for e in v.get("errors", []))

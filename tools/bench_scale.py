@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, _drop_caches, save_figure, start_run
+from .bench_buffers import DistorefsMount, _drop_caches, remove_workdir, save_figure, start_run
 
 SHAPE = (16, 84, 84)  # uint8: 112,896 bytes + a 128-byte .npy header
 ENTRY_BYTES = int(np.prod(SHAPE)) + 128
@@ -456,7 +456,10 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
         if monitor is not None:
             res["timeline"] = monitor.stop()
         m.umount()
-        shutil.rmtree(root, ignore_errors=True)
+        errors: list[str] = []
+        remove_workdir(root, errors)  # a failed umount leaves the store, never deletes through it
+        if errors:
+            res["errors"] = errors
     res["elapsed_s"] = round(time.time() - started, 1)
     rows = _rows(res)
     res["table"] = rows

@@ -21,14 +21,13 @@ Writes OUT/sequences.json and OUT/sequences.png; prints a table.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, _CpuMeter, _is_mounted, print_report, save_figure, start_run
+from .bench_buffers import DistorefsMount, _CpuMeter, print_report, remove_workdir, save_figure, start_run
 from .bench_rl import _one_thread
 
 N, LENGTH = 32, 80
@@ -220,8 +219,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
         except Exception as exc:
             errors.append(f"in-process: {type(exc).__name__}: {exc}")
     finally:
-        if not any(_is_mounted(m) for m in root.rglob("mnt*") if m.is_dir()):
-            shutil.rmtree(root, ignore_errors=True)
+        remove_workdir(root, errors)
     notes.append("the page cache is not dropped: steps are read from the daemon's memory tier and LMDB's pages, as a "
                  "learner sampling a warm buffer reads them")
     table = format_table(res)

@@ -49,12 +49,11 @@ from typing import Any
 import numpy as np
 
 if __package__:
-    from .bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted, _other_load,
-                                _proc_cpu, print_report, save_figure, start_run)
+    from .bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _other_load, _proc_cpu,
+                                print_report, remove_workdir, save_figure, start_run)
 else:  # `python tools/bench_weights.py`
-    from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _is_mounted,
-                                               _other_load, _proc_cpu, print_report, save_figure,
-                                               start_run)
+    from distorefs.tools.bench_buffers import (DistorefsMount, _CpuMeter, _drop_caches, _fs_of, _other_load,
+                                               _proc_cpu, print_report, remove_workdir, save_figure, start_run)
 
 SYSTEMS = ("distorefs", "tmpfs", "ext4")
 HEADER = 4096
@@ -767,10 +766,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, distorefs_t
         except Exception as exc:
             errors.append(f"unmount {dfs.mnt}: {exc}")
         tmpfs.remove()
-        if dfs.mnt.exists() and _is_mounted(dfs.mnt):  # never delete through a live mount
-            errors.append(f"left {root} in place: {dfs.mnt} is still mounted")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_workdir(root, errors)
     machine["other_load_cores_end"] = _other_load(0.5)
     machine["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
     goals = _goals(result)

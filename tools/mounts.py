@@ -34,6 +34,14 @@ def mounts() -> list[MountInfo]:
     return out
 
 
+def mountpoints_under(path: str | os.PathLike) -> list[Path]:
+    """Every mount point (of any filesystem) at or below `path`."""
+    top = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        points = [_unescape(line.split()[1]) for line in f if len(line.split()) >= 2]
+    return [Path(p) for p in points if p == top or p.startswith(top.rstrip("/") + "/")]
+
+
 def find_mount(mountpoint: str | os.PathLike) -> MountInfo | None:
     target = Path(mountpoint).resolve()
     for m in mounts():

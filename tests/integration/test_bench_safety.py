@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 from distorefs.tools import bench_buffers
+from distorefs.tools.mounts import mountpoints_under
 from distorefs_it import CLI
 
 
 def _mounts_under(root: Path) -> list[str]:
-    with open("/proc/mounts") as f:
-        return [line.split()[1] for line in f if line.split()[1].startswith(str(root))]
+    return [str(p) for p in mountpoints_under(root)]
 
 
 def test_page_cache_is_dropped_only_when_asked(monkeypatch):
@@ -57,3 +57,15 @@ def test_an_interrupted_benchmark_unmounts_what_it_mounted(tmp_path):
             proc.wait()
         for mnt in _mounts_under(work):  # only what this test's benchmark left (under its own dir)
             subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
+
+
+def test_a_workdir_with_a_live_mount_is_never_removed(fresh_mount):
+    m = fresh_mount()
+    (m.mnt / "buffers" / "kept").mkdir()
+    errors: list[str] = []
+    bench_buffers.remove_workdir(m.root, errors)
+    assert (m.mnt / "buffers" / "kept").is_dir() and (m.root / "store").is_dir()  # nothing deleted through it
+    assert errors == [f"left {m.root} in place: still mounted: {m.mnt}"]
+    m.umount()
+    bench_buffers.remove_workdir(m.root, errors)
+    assert not m.root.exists() and len(errors) == 1
