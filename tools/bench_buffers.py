@@ -22,6 +22,7 @@ Writes `OUT/buffers.json` and `OUT/buffers.png`, prints a table, returns the JSO
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import multiprocessing as mp
@@ -41,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .floorfs import FloorMount
-from .mounts import mountpoints_under
+from .mounts import daemon_pid, mountpoints_under
 from .workload import FrameSource
 
 SMALL_SHAPE = (16, 84, 84)    # uint8, 112,896 bytes + 128 header: ~110 KiB .npy
@@ -144,6 +145,7 @@ DROP_CACHES = False
 
 # Mounts a benchmark made and has not unmounted yet: taken down on SIGINT/SIGTERM too.
 LIVE_MOUNTS: set = set()
+MOUNT_SETTLE_S = 10.0  # how long the take-down of a mount cut short waits for its daemon
 
 
 def unmount_all() -> None:
@@ -187,41 +189,54 @@ def _is_mounted(mnt: Path) -> bool:
         return any(line.split()[1].replace("\\040", " ") == target for line in f)
 
 
-def _daemon_pid(store: Path) -> int | None:
-    try:
-        parts = (store / "lock").read_text().split()
-        return int(parts[1]) if len(parts) >= 2 and parts[0] == "pid" else None
-    except (OSError, ValueError):
-        return None
-
-
 class DistorefsMount:
     def __init__(self, store: Path, mnt: Path) -> None:
         self.store, self.mnt, self.pid = store, mnt, None
+        self.starting = False  # `distorefs mount` ran and did not finish (a signal cut it short)
 
     def mount(self, *options: str) -> None:
         """Mount; `options` are store settings (KEY=VALUE, as for -o)."""
         self.mnt.mkdir(parents=True, exist_ok=True)
         LIVE_MOUNTS.add(self)
+        self.starting = True
         r = _cli("mount", *[a for o in options for a in ("-o", o)], str(self.store), str(self.mnt))
+        self.starting = False
         if r.returncode != 0:
             raise RuntimeError(f"distorefs mount failed: {r.stderr.strip() or r.stdout.strip()}")
-        self.pid = _daemon_pid(self.store)
+        self.pid = daemon_pid(self.store)
+
+    def _settle(self) -> None:
+        """A mount cut short: the command was killed, but the daemon it started goes on.
+        Wait until that daemon is mounted or gone (none within a second: none was started),
+        so that its mount is taken down now rather than appearing afterwards."""
+        start = time.monotonic()
+        while not _is_mounted(self.mnt):
+            waited = time.monotonic() - start
+            if (daemon_pid(self.store) is None and waited > 1.0) or waited > MOUNT_SETTLE_S:
+                break
+            time.sleep(0.05)
+        self.pid = daemon_pid(self.store)
+        self.starting = False  # (only now: a signal during the wait leaves it to unmount_all)
 
     def umount(self) -> None:
-        LIVE_MOUNTS.discard(self)
-        if not _is_mounted(self.mnt):
-            return
+        # Out of LIVE_MOUNTS only once down: a second signal that cuts this short leaves it
+        # there for unmount_all to finish.
+        if self.starting:
+            self._settle()
         pid = self.pid
-        r = _cli("umount", str(self.mnt))
-        if r.returncode != 0:
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
-            if pid and Path(f"/proc/{pid}").exists():
-                try:
-                    os.kill(pid, signal.SIGTERM)  # our own daemon, by its pid
-                except ProcessLookupError:
-                    pass
+        if not _is_mounted(self.mnt):
+            if pid is not None:  # our own daemon, by its pid, that never got its mount up
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        else:
+            r = _cli("umount", str(self.mnt))
+            if r.returncode != 0:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+                if pid and Path(f"/proc/{pid}").exists():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)  # our own daemon, by its pid
         self.pid = None
+        LIVE_MOUNTS.discard(self)
 
 
 class BindfsMount:
@@ -246,20 +261,19 @@ class BindfsMount:
             time.sleep(0.05)
 
     def umount(self) -> None:
+        if self.proc is not None:  # (out of LIVE_MOUNTS only once down, as DistorefsMount)
+            if _is_mounted(self.mnt):
+                for cmd in (["fusermount3", "-u", str(self.mnt)], ["fusermount", "-u", str(self.mnt)],
+                            ["fusermount3", "-u", "-z", str(self.mnt)]):
+                    if subprocess.run(cmd, capture_output=True).returncode == 0:
+                        break
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()  # our own bindfs, by its Popen handle
+                self.proc.wait(timeout=10)
+            self.proc = None
         LIVE_MOUNTS.discard(self)
-        if self.proc is None:
-            return
-        if _is_mounted(self.mnt):
-            for cmd in (["fusermount3", "-u", str(self.mnt)], ["fusermount", "-u", str(self.mnt)],
-                        ["fusermount3", "-u", "-z", str(self.mnt)]):
-                if subprocess.run(cmd, capture_output=True).returncode == 0:
-                    break
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.terminate()  # our own bindfs, by its Popen handle
-            self.proc.wait(timeout=10)
-        self.proc = None
 
 
 # ----- worker processes --------------------------------------------------------------------

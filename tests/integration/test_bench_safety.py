@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from distorefs.tools import bench_buffers
 from distorefs.tools.mounts import mountpoints_under
 from distorefs_it import CLI
@@ -69,3 +71,32 @@ def test_a_workdir_with_a_live_mount_is_never_removed(fresh_mount):
     m.umount()
     bench_buffers.remove_workdir(m.root, errors)
     assert not m.root.exists() and len(errors) == 1
+
+
+@pytest.mark.parametrize("after", [0.4, 0.7, 1.0])
+def test_ctrl_c_twice_while_mounting_leaves_no_mount(tmp_path, after):
+    """Two SIGINTs (an impatient Ctrl-C) while `distorefs mount` runs: the command is
+    killed, the daemon it started goes on; the benchmark waits for that daemon and takes
+    its mount down instead of leaving it to appear afterwards."""
+    work = tmp_path / "work"
+    proc = subprocess.Popen(CLI + ["bench", "datasets", "--quick", "--workdir", str(work), "--out",
+                                   str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(work.glob("*/mnt")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)  # the mount point is made just before the mount command runs
+        assert list(work.glob("*/mnt")), f"the benchmark never began to mount: {proc.poll()}"
+        time.sleep(after)  # the command has started its daemon, whose mount is not up yet
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        time.sleep(2)  # what a daemon still starting would take to appear
+        assert not _mounts_under(work), f"left mounted: {_mounts_under(work)}\n{out[-2000:]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for mnt in _mounts_under(work):
+            subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
