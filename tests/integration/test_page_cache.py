@@ -150,23 +150,31 @@ def test_one_process_with_two_batches_open_reads_each_whole(buf):
             assert all((row == row[0]).all() for row in data)
 
 
+def staged(fs, tmp_path, name: str, prefix: str, count: int, size: int) -> tuple:
+    """`count` files of random bytes (`size` + i bytes) staged into datasets/NAME (sealed):
+    (the dataset's path, {file name: its bytes})."""
+    src = tmp_path / "src"
+    src.mkdir()
+    payloads = {f"{prefix}{i}.bin": os.urandom(size + i) for i in range(count)}
+    for file, data in payloads.items():
+        (src / file).write_bytes(data)
+    ds = fs.mnt / "datasets" / name
+    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=120)
+    return ds, payloads
+
+
 def test_reads_of_sealed_items_cost_no_attribute_requests(fs, tmp_path):
     """A sealed dataset never changes: the path to an item (datasets/NAME, items/) and the
     item's attributes stay cached, so an open + read + close again costs OPEN, FLUSH and
     RELEASE, and no GETATTR of a directory on the way."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(20):
-        (src / f"i{i}.bin").write_bytes(os.urandom(5000 + i))
-    ds = fs.mnt / "datasets" / "pagecache"
-    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=120)
+    ds, payloads = staged(fs, tmp_path, "pagecache", "i", 20, 5000)
     items = [ds / "items" / f"i{i}.bin" for i in range(20)]
 
     def read_all() -> None:
         for p in items:  # no fstat: only what the path walk and the read ask for
             fd = os.open(p, os.O_RDONLY)
             try:
-                assert len(os.read(fd, 1 << 16)) == os.path.getsize(src / p.name)
+                assert len(os.read(fd, 1 << 16)) == len(payloads[p.name])
             finally:
                 os.close(fd)
     read_all()  # looked up, attributes and pages cached
@@ -180,13 +188,7 @@ def test_reads_of_sealed_items_cost_no_attribute_requests(fs, tmp_path):
 
 def test_prefetched_items_are_read_without_read_requests(fs, tmp_path):
     """Items loaded ahead along a declared order go into the page cache at their open."""
-    src = tmp_path / "src"
-    src.mkdir()
-    payloads = {f"p{i}.bin": os.urandom(7000 + i) for i in range(12)}
-    for name, data in payloads.items():
-        (src / name).write_bytes(data)
-    ds = fs.mnt / "datasets" / "prefetched"
-    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=120)
+    ds, payloads = staged(fs, tmp_path, "prefetched", "p", 12, 7000)
     index = np.load(ds / "index.npy")
     order = np.arange(len(index), dtype=np.int64)
     with open(ds / "order", "wb") as f:
@@ -208,13 +210,7 @@ def test_prefetched_items_are_read_without_read_requests(fs, tmp_path):
 def test_an_item_pushed_ahead_counts_once_when_its_pages_are_gone(fs, tmp_path):
     """A prefetched value pushed into the page cache is a hit at open; if the kernel has
     dropped those pages by the time the item is read, its READ must not count a miss too."""
-    src = tmp_path / "src"
-    src.mkdir()
-    payloads = {f"q{i}.bin": os.urandom(9000 + i) for i in range(10)}
-    for name, data in payloads.items():
-        (src / name).write_bytes(data)
-    ds = fs.mnt / "datasets" / "pushedgone"
-    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=120)
+    ds, payloads = staged(fs, tmp_path, "pushedgone", "q", 10, 9000)
     for name in payloads:  # the kernel knows every inode: values loaded ahead are pushed
         (ds / "items" / name).read_bytes()
     index = np.load(ds / "index.npy")
