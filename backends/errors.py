@@ -35,3 +35,7 @@ class Unreadable(BackendError):
 
 class ReadOnly(BackendError):
     """The engine was opened read-only (a read-only mount): nothing can be written."""
+
+
+class Unavailable(BackendError):
+    """A shared engine did not answer, or did not replicate a write, within its time limit."""

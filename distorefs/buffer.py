@@ -159,7 +159,12 @@ class Buffer(RingNamespace):
             except NotStackable as exc:  # plain bytes (or arrays that cannot stack): raw mode
                 log.info("buffers/%s: the first entry is not stackable arrays (%s): raw mode", self.name, exc)
                 layout = None
-            await self.committer.submit(FixLayout(self, layout))
+            shared = self.ring.shared
+            if shared is not None:  # the first layout in the cluster's log wins, on every node
+                await shared.publish(shared.log.set_layout, self.kind, self.name,
+                                     None if layout is None else layout.to_json())
+            else:
+                await self.committer.submit(FixLayout(self, layout))
         return await self.ring.insert(key, data, owner, self.initial_priority())
 
     async def insert_many(self, items: list[tuple[bytes, bytes]], owner: Owner) -> list[EntryMeta | BaseException]:
@@ -354,9 +359,13 @@ class Buffer(RingNamespace):
         """Remove entries sampled max_times_sampled times (in the background)."""
         if self.read_only:
             return
+        shared = self.ring.shared
         for meta in metas:
             self.counters["exhausted"] += 1
-            self.committer.submit_nowait(RemoveEntry(self.ring, meta.key, meta.seq, "exhausted"))
+            if shared is not None:  # through the log: spent on every node
+                shared.publish_soon(shared.log.delete, self.kind, self.name, meta.key)
+            else:
+                self.committer.submit_nowait(RemoveEntry(self.ring, meta.key, meta.seq, "exhausted"))
 
     def _order(self, kind: str):
         return self.ring.oldest() if kind == "fifo" else self.ring.newest()
@@ -419,6 +428,10 @@ class Buffer(RingNamespace):
             values.append(value)
         if not metas:
             return None, 0
+        shared = self.ring.shared
+        if shared is not None:
+            pairs = [(m.key, v) for m, v in zip(metas, values)]
+            return shared.publish_soon(shared.log.priorities, self.kind, self.name, pairs), len(metas)
         return self.committer.enqueue(SetPriorities(self, metas, values)), len(metas)
 
     async def set_times_sampled(self, key: bytes, times: int) -> None:

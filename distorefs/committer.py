@@ -32,6 +32,7 @@ from typing import Any, Hashable
 import trio
 
 from .errors import DistorefsError, from_backend
+from .waiting import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -98,19 +99,13 @@ class Change(ABC):
         """Make the committed change visible in memory (event loop)."""
 
 
-class _Pending:
-    __slots__ = ("change", "done", "error", "waited")
+class _Pending(Outcome):
+    __slots__ = ("change", "waited")
 
     def __init__(self, change: Change, waited: bool) -> None:
+        super().__init__()
         self.change = change
         self.waited = waited
-        self.done = trio.Event()
-        self.error: BaseException | None = None
-
-    async def wait(self) -> None:
-        await self.done.wait()
-        if self.error is not None:
-            raise self.error
 
 
 class Committer:

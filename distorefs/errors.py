@@ -103,6 +103,13 @@ class WouldBlock(DistorefsError):
     errno = _errno.EAGAIN
 
 
+class EngineUnavailable(DistorefsError):
+    """The shared engine (a Redis Cluster) did not answer or replicate in time: EIO, and
+    nothing acknowledged."""
+
+    errno = _errno.EIO
+
+
 class StoreLocked(DistorefsError):
     """The store directory is already opened (mounted) by another process."""
 
@@ -135,7 +142,7 @@ def from_backend(exc: BaseException) -> BaseException:
     is returned as it is."""
     for kind, mapped in ((_backend.Missing, NotFound), (_backend.Damaged, CorruptValue), (_backend.Full, NoSpace),
                          (_backend.BadRequest, InvalidArgument), (_backend.Unreadable, DamagedStore),
-                         (_backend.ReadOnly, ReadOnly)):
+                         (_backend.ReadOnly, ReadOnly), (_backend.Unavailable, EngineUnavailable)):
         if isinstance(exc, kind):
             return mapped(str(exc))
     return exc

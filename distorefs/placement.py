@@ -24,7 +24,8 @@ from .config import StoreConfig
 # The tiers a stored value can be in (`StoredValue.tier`).
 TIER_LMDB = 0
 TIER_NVME = 1
-TIER_NAMES = {TIER_LMDB: "lmdb", TIER_NVME: "nvme"}
+TIER_CLUSTER = 2  # a shared store's values, in its Redis Cluster (distorefs/clusterlog.py)
+TIER_NAMES = {TIER_LMDB: "lmdb", TIER_NVME: "nvme", TIER_CLUSTER: "cluster"}
 
 # Demotion starts once the hot tier is this full and empties it down to DEMOTE_TO, so
 # that new values keep landing in it (placement sends them to NVMe only past the budget).

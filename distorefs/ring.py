@@ -26,7 +26,7 @@ from . import codec
 from .catalog import DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, ns_prefix, pack_f64
 from .committer import Change, Overlay, Replan
 from .config import RingConfig
-from .errors import CorruptValue, DistorefsError, NoSpace, NotFound, TooLarge
+from .errors import CorruptValue, CrossDevice, DistorefsError, NoSpace, NotFound, TooLarge
 from .layout import pack_places
 from .room import plan_room
 from .names import check_name
@@ -90,6 +90,10 @@ class Ring:
         # bytes; raises InvalidArgument for an entry the namespace refuses. Called when the
         # insert is planned.
         self.place: Callable[[bytes, bytes], list[tuple[int, int]] | None] | None = None
+        # A ring of a store shared on a Redis Cluster: every change goes through the
+        # cluster's log and is applied here (as on every node) by its follower, which alone
+        # evicts, in the log's global FIFO order.
+        self.shared = services.follower
 
     # ----- queries -------------------------------------------------------------------
 
@@ -232,6 +236,8 @@ class Ring:
         """Insert or rewrite `key` with `data`; returns once committed. With the disk full,
         the oldest entries make room if the ring allows it (`evict_when_full`)."""
         self.check_insert(key, len(data))
+        if self.shared is not None:
+            return await self._insert_shared(key, data, owner, priority)
         for attempt in range(4):
             change = InsertEntry(self, key, data, owner, priority)
             epoch = self._room_epoch
@@ -244,12 +250,43 @@ class Ring:
             return change.meta  # type: ignore[return-value]
         raise AssertionError("unreachable")
 
+    async def _insert_shared(self, key: bytes, data: bytes, owner: Owner, priority: float | None) -> EntryMeta:
+        """The value to the cluster, then the insert to its log (both durable), then the
+        entry as this node's follower applied it."""
+        shared = self.shared
+        assert shared is not None
+        regions = self.place(key, data) if self.place is not None else None  # refused here, not in the log
+        config = self.config
+
+        def append() -> bytes:
+            crc, places = None, b""
+            if regions:
+                crc, crcs = codec.checksums(data, regions)
+                places = pack_places([off for off, _ in regions], crcs)
+            value = self.values.put_shared(codec.encode(data, config.compression, config.compression_level, crc=crc))
+            return shared.log.insert(self.kind, self.name, key, len(data), value.pack(), places, owner,
+                                     time.time_ns(), priority)
+
+        await shared.publish(append)
+        meta = self.by_key.get(key)
+        if meta is None:  # evicted (or deleted) again by the records that followed it
+            raise NotFound(f"{self.kind}/{self.name}: {key!r} was inserted and removed again at once")
+        self.values.cache.put(self._cache_key(meta), bytes(data))
+        return meta
+
     async def insert_many(self, items: list[tuple[bytes, bytes]], owner: Owner,
                           priority: float | None = None) -> list["EntryMeta | BaseException"]:
         """Insert or rewrite many entries in the order given, sharing commit groups; each
         result is the entry committed or the error of its insert. One refused for lack of
         room is retried alone, as `insert` does (the oldest entries may make room)."""
         out: list[EntryMeta | BaseException] = []
+        if self.shared is not None:
+            for key, data in items:
+                try:
+                    out.append(await self.insert(key, data, owner, priority))
+                except DistorefsError as exc:
+                    out.append(exc)
+            return out
         changes: list[InsertEntry] = []
         for key, data in items:
             try:
@@ -296,10 +333,16 @@ class Ring:
             return True
 
     async def delete(self, key: bytes, expect_seq: int | None = None, reason: str = "deletes") -> None:
+        if self.shared is not None:
+            self.get(key)  # NotFound here, before the log
+            await self.shared.publish(self.shared.log.delete, self.kind, self.name, key)
+            return
         await self.committer.submit(RemoveEntry(self, key, expect_seq, reason))
 
     async def rename(self, old: bytes, new: bytes) -> None:
         check_name(new)
+        if self.shared is not None:  # `mv` copies and unlinks instead
+            raise CrossDevice(f"{self.kind}/{self.name}: entries of a shared store are not renamed in place")
         await self.committer.submit(RenameEntry(self, old, new))
 
     async def set_attrs(self, key: bytes, *, mode: int | None = None, uid: int | None = None,
@@ -317,6 +360,8 @@ class Ring:
     def over_bounds(self, ro, config: RingConfig | None = None) -> bool:
         """Whether the ring, with the group's planned changes `ro`, passes its bounds."""
         config = config or self.config
+        if self.shared is not None:
+            return False  # the log's records say what leaves (global FIFO)
         return (len(self.by_key) + ro.count > config.capacity
                 or bool(config.max_bytes and self.bytes + ro.bytes > config.max_bytes))
 
@@ -360,6 +405,26 @@ class Ring:
         txn.delete(k, db=DB_PRIO)
         txn.delete(k, db=DB_SAMPLED)
         self.values.delete(txn, meta.value)
+
+    def txn_put(self, txn, meta: EntryMeta, priority: float | None) -> None:
+        """An entry's record (and a new entry's first priority, if it has one)."""
+        k = entry_key(self.ns_id, meta.seq)
+        txn.put(k, meta.pack(), db=DB_ENTRIES)
+        if priority is not None:
+            txn.put(k, pack_f64(priority), db=DB_PRIO)
+
+    def apply_written(self, victims: list[EntryMeta], old: EntryMeta | None, meta: EntryMeta,
+                      priority: float | None) -> None:
+        """An insert (`old` None) or rewrite committed, and the entries it evicted."""
+        for victim in victims:
+            self.apply_remove(victim, "evictions")
+        if old is not None:
+            self.apply_replace(old, meta)
+            self.counters["rewrites"] += 1
+        else:
+            self.apply_add(meta, priority)
+            self.counters["inserts"] += 1
+        self.counters["inserted_bytes"] += meta.size
 
     def apply_add(self, meta: EntryMeta, priority: float | None = None, times_sampled: int = 0,
                   indexed: bool = False) -> None:
@@ -582,22 +647,12 @@ class InsertEntry(Change):
         value = values.put(txn, k, enc, stream=ring.ns_id, cold=self.seq < ring.demote_front)
         self.meta = EntryMeta(self.seq, self.key, value, self.owner.mode, self.owner.uid, self.owner.gid,
                               self.mtime_ns, self.places)
-        txn.put(k, self.meta.pack(), db=DB_ENTRIES)
-        if self.old is None and self.priority is not None:
-            txn.put(k, pack_f64(self.priority), db=DB_PRIO)
+        ring.txn_put(txn, self.meta, None if self.old is not None else self.priority)
 
     def apply(self) -> None:
         ring = self.ring
-        for victim in self.victims:
-            ring.apply_remove(victim, "evictions")
         assert self.meta is not None
-        if self.old is not None:
-            ring.apply_replace(self.old, self.meta)
-            ring.counters["rewrites"] += 1
-        else:
-            ring.apply_add(self.meta, self.priority)
-            ring.counters["inserts"] += 1
-        ring.counters["inserted_bytes"] += len(self.raw)
+        ring.apply_written(self.victims, self.old, self.meta, self.priority)
         ring.values.cache.put(ring._cache_key(self.meta), bytes(self.raw))
         if self.meta.tier == TIER_LMDB:
             ring._hot_value_added()

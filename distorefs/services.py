@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from .backends.lmdbenv import LmdbEnv
 from .committer import Committer
@@ -20,6 +20,16 @@ from .values import ValueLayer
 
 if TYPE_CHECKING:
     from .catalog import EntryMeta
+
+
+class SharedLogFollower(Protocol):
+    """What rings of a shared store use of its follower (distorefs/follower.py)."""
+
+    log: Any  # the store's SharedLog (distorefs/clusterlog.py): its appends, run in worker threads
+
+    async def publish(self, append: Callable[..., bytes], *args: Any) -> bytes: ...
+
+    def publish_soon(self, append: Callable[..., bytes], *args: Any) -> Any: ...
 
 
 def _nothing(*_args: Any) -> None:
@@ -53,3 +63,6 @@ class Services:
     memory_changed: Callable[[], None] = _nothing
     # A read-only open: reads keep no state in the store (times sampled, spent entries).
     read_only: bool = False
+    # A store shared on a Redis Cluster: rings publish their changes through its log and
+    # see them once applied (distorefs/follower.py). None for a node-local store.
+    follower: SharedLogFollower | None = None

@@ -32,10 +32,13 @@ from .bank import Bank
 from .buffer import Buffer
 from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, EntryMeta, pack_u32, unpack_u32
 from .checkpoints import DB_CKPT, Checkpoints
+from .backends.redisengine import ClusterEngine, ClusterValues
 from .clientsession import ClientSession, DatasetSession
+from .clusterlog import SHARED_KINDS, ClusterSpec, Record, SharedLog
 from .committer import Change, Committer, Overlay
 from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
 from .dataset import DB_DSNODES, Dataset
+from .follower import POSITION_KEY, Follower
 from .errors import AlreadyExists, InvalidConfig, NoSpace, NotEmpty, NotFound, ReadOnly, from_backend
 from .lockfile import take_lock
 from .memory import MemoryPlan
@@ -45,7 +48,7 @@ from .namespace import ConfigureNamespace, SetNamespaceOwner, ns_key
 from .owner import Owner
 from .prefetcher import PrefetchBudget, hit_rate
 from .recovery import Recovery, recover
-from .ring import Ring
+from .ring import RemoveEntry, Ring
 from .services import Services
 from .tiering import TierMover
 from .values import ValueLayer
@@ -56,12 +59,13 @@ log = logging.getLogger(__name__)
 EntryListener = Callable[[Ring, EntryMeta, "EntryMeta | None"], None]
 Namespace = Buffer | Bank | Dataset
 KINDS: dict[str, type] = {"buffers": Buffer, "banks": Bank, "datasets": Dataset}
+CATCH_UP_S = 120.0  # a node joining a shared store applies its log this long before serving
 CATALOG_DBS = (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DSNODES, DB_CKPT)
 
 
 class Store:
     def __init__(self, path: str | os.PathLike, *, nvme_dirs: list | None = None,
-                 config: dict | None = None, read_only: bool = False) -> None:
+                 config: dict | None = None, read_only: bool = False, cluster: ClusterSpec | None = None) -> None:
         """Open (creating if missing) the store at `path`. `config` overrides stored settings.
 
         Raises StoreLocked if another process has it open, and RecoveryFailed if it was not
@@ -70,8 +74,15 @@ class Store:
         `read_only`: open an existing store without changing anything in it, not even by
         recovery (a store that was not closed cleanly, or is damaged, serves what can be
         read; writes fail with EROFS, sampling keeps no times-sampled counts, nothing runs
-        in the background), and leave its lock as it was found."""
+        in the background), and leave its lock as it was found.
+
+        `cluster`: join the shared store it names on a Redis Cluster: buffers/ and banks/ are
+        the cluster's, followed through its log (distorefs/follower.py); the rest stays on
+        this node."""
         self.path = Path(path).resolve()
+        if cluster is not None and read_only:
+            raise InvalidConfig("a read-only mount cannot follow a cluster's log: mount it read-write")
+        self.cluster = cluster
         self.read_only = read_only
         if read_only:
             if not (self.path / "meta" / "data.mdb").is_file():
@@ -136,11 +147,13 @@ class Store:
             migrate(self.env, self.values)  # a store of an older format, once
         self.prefetch_budget = PrefetchBudget(0)
         self.committer = Committer(self.env.write)
+        self.follower = self._join(self.cluster) if self.cluster is not None else None
         self.services = Services(values=self.values, committer=self.committer, env=self.env, config=self.config,
                                  prefetch_budget=self.prefetch_budget, spool_dir=self.path / "spool",
                                  spawn=self.spawn, sync=self.sync, collect=self.collect,
                                  entry_changed=self._entry_changed, hot_value_added=self._hot_value_added,
-                                 memory_changed=self.apply_memory_plan, read_only=self.read_only)
+                                 memory_changed=self.apply_memory_plan, read_only=self.read_only,
+                                 follower=self.follower)
         if not self.read_only:
             self._clear_spool()
         self.mover = TierMover(self.values, self.committer, self.rings, lambda: self.memory.transfer)
@@ -159,6 +172,61 @@ class Store:
         self.checkpoints.after_crash = self.recovery.ran  # steps cut short go back to their restore points
         self.env.read(self._load_namespaces)
         self.apply_memory_plan()
+
+    def _join(self, spec: ClusterSpec) -> Follower:
+        """Connect to the cluster, check this store may follow the shared store `spec` names
+        (an empty store, or one that followed that same shared store before), and make the
+        follower that applies its log from where this store left off."""
+        try:
+            engine = ClusterEngine(spec.url)
+            shared = SharedLog(engine, spec.store)
+            identity = shared.identity().decode()
+        except BackendError as exc:
+            raise from_backend(exc) from None
+        self.values.attach_cluster(ClusterValues(engine, f"distorefs:{spec.store}"))
+
+        def check(txn) -> bytes:
+            stored = _copy(txn.get(b"cluster", db=DB_META))
+            if stored is not None:
+                joined = json.loads(stored)
+                if joined["id"] != identity:
+                    raise InvalidConfig(f"this store followed shared store {joined['store']!r} (id {joined['id']}), "
+                                        f"not {spec.store!r} (id {identity}) of {spec.url}: use another STORE "
+                                        f"directory for it")
+            else:
+                local = [bytes(k).decode() for k, _ in txn.cursor(DB_NS)
+                         if bytes(k).decode().partition("/")[0] in SHARED_KINDS]
+                if local:
+                    raise InvalidConfig(f"this store holds node-local {', '.join(local[:3])}: a node joins a "
+                                        f"shared store with an empty STORE directory (or one that followed it)")
+                txn.put(b"cluster", json.dumps({"store": spec.store, "id": identity, "url": spec.url}).encode(),
+                        db=DB_META)
+            return _copy(txn.get(POSITION_KEY, db=DB_META)) or b"0-0"
+
+        position = self.env.write(check)
+        self.engine = engine
+        return Follower(shared, self.committer, position, self._shared_namespace, self._catalog_changes)
+
+    def _shared_namespace(self, kind: str, name: str) -> Namespace | None:
+        return self.namespaces[kind].get(name) if kind in SHARED_KINDS else None
+
+    def _catalog_changes(self, rec: Record) -> list[Change]:
+        """The local changes of a namespace's create, drop or configure record."""
+        if rec.kind not in SHARED_KINDS:
+            return []
+        cls = KINDS[rec.kind]
+        if rec.op == "create":
+            owner = Owner(int(rec.fields[b"mode"]), int(rec.fields[b"uid"]), int(rec.fields[b"gid"]))
+            config = cls.config_type.from_dict(json.loads(rec.fields[b"config"]))
+            return [CreateNamespace(self, rec.kind, rec.name, owner, config)]
+        ns = self.namespaces[rec.kind].get(rec.name)
+        if ns is None:
+            raise NotFound(f"no {rec.kind}/{rec.name} here")
+        if rec.op == "drop":
+            return [DropNamespace(self, ns)]
+        config = cls.config_type.from_dict(json.loads(rec.fields[b"config"]))
+        return [ConfigureNamespace(ns, config)] + [RemoveEntry(ns.ring, key, seq, "evictions")
+                                                    for seq, key in rec.evicted()]
 
     def _clear_spool(self) -> None:
         """Spool files are scratch of writers (drafts, a seal's index) that never finished:
@@ -251,6 +319,11 @@ class Store:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.committer.run)
+            if self.follower is not None:
+                await nursery.start(self.follower.run)
+                if not await self.follower.catch_up(CATCH_UP_S):
+                    log.warning("the cluster's log is not applied up to its head after %.0f s: serving, and "
+                                "catching up meanwhile", CATCH_UP_S)
             nursery.start_soon(self._sync_loop)
             await nursery.start(self.checkpoints.run)
             await nursery.start(self.mover.run)
@@ -348,11 +421,21 @@ class Store:
         cls = KINDS[kind]
         if config is None:
             config = self.config.default_buffer if kind == "buffers" else cls.config_type()
+        if self.follower is not None and kind in SHARED_KINDS:
+            if config.evict != "fifo":
+                raise InvalidConfig(f"a shared {kind[:-1]} evicts in global FIFO order: evict must be fifo")
+            await self.follower.publish(self.follower.log.create, kind, name, config.to_dict(), owner,
+                                        time.time_ns())
+            return self.namespace(kind, name)
         await self.committer.submit(CreateNamespace(self, kind, name, owner, config))
         return self.namespaces[kind][name]
 
     async def drop(self, kind: str, name: str) -> None:
         """Remove an empty namespace (NotEmpty while it has entries)."""
+        if self.follower is not None and kind in SHARED_KINDS:
+            self.namespace(kind, name)
+            await self.follower.publish(self.follower.log.drop, kind, name)
+            return
         await self.committer.submit(DropNamespace(self, self.namespace(kind, name)))
 
     def namespace(self, kind: str, name: str) -> Namespace:
@@ -365,6 +448,14 @@ class Store:
         """Merge a JSON config into the namespace's; an invalid one raises InvalidConfig, old kept."""
         ns = self.namespace(kind, name)
         config = ns.config_type.from_json(text, ns.config)
+        if self.follower is not None and kind in SHARED_KINDS:
+            if config.evict != "fifo":
+                raise InvalidConfig(f"a shared {kind[:-1]} evicts in global FIFO order: evict must be fifo")
+            check = getattr(ns, "check_reconfigure", None)
+            if check is not None:
+                check(config)
+            await self.follower.publish(self.follower.log.configure, kind, name, config.to_dict())
+            return config
         await self.committer.submit(ConfigureNamespace(ns, config))
         return config
 
@@ -450,6 +541,10 @@ class Store:
             "checkpoints": self.checkpoints.stats(),
             "datasets": {name: d.stats() for name, d in sorted(self.datasets.items())},
             "recovery": self.recovery.as_dict(),
+            **({"cluster": {"store": self.cluster.store, "url": self.cluster.url,
+                            "applied": self.follower.applied.decode(), **self.follower.counters,
+                            **self.engine.counters, "wait_replicas": self.engine.wait_replicas}}
+               if self.follower is not None and self.cluster is not None else {}),
             "prefetch": {"budget_bytes": self.prefetch_budget.capacity, "held_bytes": self.prefetch_budget.used,
                          **_sum_prefetch([ns.prefetcher for kind in self.namespaces.values()
                                           for ns in kind.values() if getattr(ns, "prefetcher", None)])},

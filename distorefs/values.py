@@ -37,7 +37,7 @@ from .backends.segments import SegmentDir, SegmentValues
 from .cache import ValueCache
 from .config import StoreConfig
 from .errors import CorruptValue, DistorefsError, NotFound, from_backend
-from .placement import TIER_LMDB, TIER_NAMES, TIER_NVME, choose_tier
+from .placement import TIER_CLUSTER, TIER_LMDB, TIER_NAMES, TIER_NVME, choose_tier
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,19 @@ class ValueLayer:
                          "read_batches": 0}
         self._gen = 0
         self._reads = _Reads(self)
+
+    def attach_cluster(self, backend: ValueBackend) -> None:
+        """A shared store: values of its shared namespaces live in the cluster's tier."""
+        self.tiers[TIER_CLUSTER] = backend
+
+    def put_shared(self, enc: codec.Encoded) -> StoredValue:
+        """Store one encoded value in the cluster (worker thread; durable when it returns).
+        No transaction: the log record that refers to it is the commit."""
+        try:
+            loc = self.tiers[TIER_CLUSTER].put(None, b"", enc.stored)  # type: ignore[arg-type]
+        except BackendError as exc:
+            raise from_backend(exc) from None
+        return StoredValue(enc.size, len(enc.stored), enc.checksum, enc.codec, TIER_CLUSTER, loc)
 
     # ----- writes: inside a commit's transaction -------------------------------------
 

@@ -70,7 +70,7 @@ from .config import NAMESPACE_CONFIGS, StoreConfig
 from .errors import CorruptValue, DamagedStore, DistorefsError, InvalidName, NotFound, from_backend
 from .lockfile import take_lock
 from .names import check_name
-from .placement import TIER_LMDB, TIER_NAMES, TIER_NVME
+from .placement import TIER_CLUSTER, TIER_LMDB, TIER_NAMES, TIER_NVME
 from .values import StoredValue, ValueLayer
 
 # What a pass may meet in damaged metadata; it is reported and the check goes on.
@@ -297,6 +297,9 @@ class Check:
 
     def ref(self, what: str, value: StoredValue, whole: Whole | None = None) -> None:
         tier, loc = value.tier, value.loc
+        if tier == TIER_CLUSTER:  # a shared store's value: its cluster keeps it, not this node
+            self.report.counts["cluster_values"] = self.report.counts.get("cluster_values", 0) + 1
+            return
         if tier not in self.tiers:
             self.error(f"{what}: unknown tier {tier}")
             self.incomplete(f"{what} names an unknown tier")

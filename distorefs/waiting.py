@@ -24,6 +24,22 @@ TICK = 0.5  # seconds between two looks at the caller
 Abandoned = Callable[[], bool]
 
 
+class Outcome:
+    """Work going on elsewhere (a commit, a publish): `wait()` returns once it is done,
+    or raises its error."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.error: BaseException | None = None
+
+    async def wait(self) -> None:
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
 async def wait_event(event: trio.Event, abandoned: Abandoned | None, what: str) -> None:
     """Wait for `event`, or for at most TICK seconds (the caller re-checks its condition
     and waits again); Interrupted if the caller gave up meanwhile."""

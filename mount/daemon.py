@@ -14,6 +14,7 @@ import signal
 import pyfuse3
 import trio
 
+from distorefs.clusterlog import ClusterSpec
 from distorefs.store import Store
 
 from .metrics_http import serve_metrics
@@ -77,14 +78,16 @@ def _set_read_ahead(mountpoint: str, kb: int) -> None:
 
 def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, allow_other: bool = False,
           config: dict | None = None, ready_fd: int | None = None, debug_fuse: bool = False,
-          read_only: bool = False, metrics_addr: tuple[str, int] | None = None) -> None:
+          read_only: bool = False, metrics_addr: tuple[str, int] | None = None,
+          cluster: ClusterSpec | None = None) -> None:
     """Mount `store_path` at `mountpoint` and serve until unmounted (blocking). `read_only`:
     the store is opened read-only (distorefs/store.py) and mounted `ro` (the kernel refuses
     every change with EROFS before it reaches us). `metrics_addr`: (host, port) to serve
-    GET /metrics on (mount/metrics_http.py)."""
+    GET /metrics on (mount/metrics_http.py). `cluster`: the shared store on a Redis Cluster
+    this node joins (distorefs/clusterlog.py)."""
     glibc = _Glibc()
     try:
-        store = Store(store_path, nvme_dirs=nvme_dirs, config=config, read_only=read_only)
+        store = Store(store_path, nvme_dirs=nvme_dirs, config=config, read_only=read_only, cluster=cluster)
     except Exception as exc:
         log.error("cannot open the store: %s", exc)
         _report(ready_fd, f"error: {exc}")

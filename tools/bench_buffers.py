@@ -194,12 +194,13 @@ class DistorefsMount:
         self.store, self.mnt, self.pid = store, mnt, None
         self.starting = False  # `distorefs mount` ran and did not finish (a signal cut it short)
 
-    def mount(self, *options: str) -> None:
-        """Mount; `options` are store settings (KEY=VALUE, as for -o)."""
+    def mount(self, *options: str, flags: tuple[str, ...] = ()) -> None:
+        """Mount; `options` are store settings (KEY=VALUE, as for -o), `flags` more of
+        `distorefs mount`'s options (--cluster URL)."""
         self.mnt.mkdir(parents=True, exist_ok=True)
         LIVE_MOUNTS.add(self)
         self.starting = True
-        r = _cli("mount", *[a for o in options for a in ("-o", o)], str(self.store), str(self.mnt))
+        r = _cli("mount", *flags, *[a for o in options for a in ("-o", o)], str(self.store), str(self.mnt))
         self.starting = False
         if r.returncode != 0:
             raise RuntimeError(f"distorefs mount failed: {r.stderr.strip() or r.stdout.strip()}")

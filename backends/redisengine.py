@@ -1,0 +1,254 @@
+"""The shared engine: a Redis Cluster that holds the values and the log of a store several
+nodes mount (README, Several nodes).
+
+`ClusterEngine` is the connection: writes run on the master of their key's slot and are
+followed, on the same connection, by `WAIT` for the replicas the durability promise
+needs, so a write it returns survives the loss of that master (its replica is promoted).
+Failover, a moved slot or a master restarting are retried until `deadline` seconds have
+passed; then `Unavailable`. A script that refuses (a Lua `error_reply` of the form
+"CODE message") raises `Refused` carrying the code, for the core to map.
+
+`ClusterValues` is the value tier on it: one key per value, spread over the shards by key
+hash. Nothing here knows the core's records or the log's meaning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Callable, Iterator, Sequence
+
+import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import (AskError, BusyLoadingError, ClusterDownError, MasterDownError, MovedError,
+                              ReadOnlyError, RedisClusterException, RedisError, ResponseError, TryAgainError)
+
+from .base import TierUsage, Txn, ValueBackend
+from .errors import BackendError, Missing, Unavailable
+
+log = logging.getLogger(__name__)
+
+WAIT_MS = 5000  # how long a write waits for its replica before it fails
+DEADLINE_S = 10.0
+RECHECK_S = 5.0  # how often a master without a replica is looked at again  # how long an operation is retried across a failover
+_RETRY = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "LOADING", "READONLY", "MASTERDOWN", "NOREPLICAS")
+
+
+class Refused(BackendError):
+    """A script refused the operation; `code` is the errno name it gave (ENOENT, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ClusterEngine:
+    def __init__(self, url: str, *, wait_replicas: int | None = None, deadline: float = DEADLINE_S) -> None:
+        """Connect to the cluster of which `url` (redis://HOST:PORT) names any node.
+        `wait_replicas`: replicas each write waits for; by default 1 when every master has
+        a replica, else 0 (then an acknowledged write survives a daemon's loss, not a
+        master's)."""
+        self.url = url
+        self.deadline = deadline
+        try:
+            self.rc = RedisCluster.from_url(url, decode_responses=False, socket_timeout=WAIT_MS / 1000 + 5,
+                                            socket_connect_timeout=5)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise Unavailable(f"cannot reach the Redis Cluster at {url}: {exc}") from None
+        self.wait_replicas = self.replicas_per_master() if wait_replicas is None else wait_replicas
+        # Masters without a live replica (after a failover), written to without WAIT: when
+        # each was last checked.
+        self.degraded: dict[str, float] = {}
+        self.counters = {"round_trips": 0, "bytes_out": 0, "bytes_in": 0, "retries": 0}
+
+    def _degraded(self, master: str) -> bool:
+        checked = self.degraded.get(master)
+        if checked is None:
+            return False
+        if time.monotonic() - checked > RECHECK_S:
+            if self.live_replicas(master) > 0:
+                del self.degraded[master]
+                log.info("Redis master %s has a replica again: its writes wait for it", master)
+                return False
+            self.degraded[master] = time.monotonic()
+        return True
+
+    def live_replicas(self, master: str) -> int:
+        """How many replicas not marked failed the cluster lists for master `master` (host:port)."""
+        nodes = self.rc.cluster_nodes()
+        ids = {info["node_id"] for addr, info in nodes.items() if addr == master}
+        return sum(1 for info in nodes.values() if "slave" in info["flags"] and "fail" not in info["flags"]
+                   and info["master_id"] in ids)
+
+    def replicas_per_master(self) -> int:
+        """1 if every master has at least one replica, else 0."""
+        nodes = self._retry(lambda: self.rc.cluster_nodes())
+        masters = {info["node_id"] for info in nodes.values() if "master" in info["flags"]
+                   and "fail" not in info["flags"]}
+        served = {info["master_id"] for info in nodes.values() if "slave" in info["flags"]
+                  and "fail" not in info["flags"]}
+        return 1 if masters and masters <= served else 0
+
+    # ----- running commands -------------------------------------------------------------
+
+    def _retry(self, fn: Callable[[], Any]) -> Any:
+        end = time.monotonic() + self.deadline
+        delay = 0.05
+        while True:
+            try:
+                return fn()
+            except (ClusterDownError, TryAgainError, MovedError, AskError, MasterDownError, ReadOnlyError,
+                    BusyLoadingError) as exc:
+                error: Exception = exc
+            except ResponseError as exc:
+                text = str(exc)
+                if "Command # " in text and " of pipeline caused error: " in text:
+                    text = text.split(" of pipeline caused error: ", 1)[1]
+                if not text.startswith(_RETRY):
+                    code, _, message = text.partition(" ")
+                    if code.isupper() and code.startswith("E"):
+                        raise Refused(code, message) from None
+                    raise BackendError(f"the Redis Cluster refused: {text}") from None
+                error = exc
+            except (RedisError, RedisClusterException, OSError, Unavailable) as exc:
+                error = exc
+            if time.monotonic() + delay > end:
+                raise Unavailable(f"the Redis Cluster did not answer within {self.deadline:.0f} s: {error}")
+            self.counters["retries"] += 1
+            log.warning("Redis Cluster: %s; retrying", error)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            try:
+                self.rc.nodes_manager.initialize()  # who serves which slot now
+            except (RedisError, RedisClusterException, OSError):
+                pass
+
+    def on_master(self, key: bytes, add: Callable[[Any], None], *, durable: bool = True) -> list:
+        """Run the commands `add(pipe)` queues on the master of `key`'s slot, on one
+        connection, then (`durable`) WAIT for `wait_replicas`; their results."""
+        def run() -> list:
+            node = self.rc.get_node_from_key(key)
+            if node is None:
+                raise Unavailable(f"no master serves the slot of {key!r}")
+            conn: redis.Redis = self.rc.get_redis_connection(node)
+            pipe = conn.pipeline(transaction=False)
+            add(pipe)
+            waited = durable and self.wait_replicas > 0 and not self._degraded(node.name)
+            if waited:
+                pipe.execute_command("WAIT", self.wait_replicas, WAIT_MS)
+            out = pipe.execute(raise_on_error=True)
+            self.counters["round_trips"] += 1
+            if waited:
+                acked = out.pop()
+                if acked < self.wait_replicas and self.live_replicas(node.name) > 0:
+                    raise Unavailable(f"a write to {node.name} reached {acked} of {self.wait_replicas} "
+                                      f"replicas within {WAIT_MS} ms")
+                if acked < self.wait_replicas:
+                    # After a failover the promoted master has no replica until one is added:
+                    # its writes go on, surviving a daemon's loss but not this master's.
+                    self.degraded[node.name] = time.monotonic()
+                    log.warning("Redis master %s has no live replica: its writes are not replicated until one "
+                                "is added (CLUSTER REPLICATE)", node.name)
+            return out
+        return self._retry(run)
+
+    def eval(self, script: str, keys: Sequence[bytes], args: Sequence[Any], *, durable: bool = True) -> Any:
+        """A Lua script on the master of `keys` (one slot: give them one hash tag)."""
+        self.counters["bytes_out"] += sum(len(a) for a in args if isinstance(a, (bytes, str)))
+        return self.on_master(keys[0], lambda p: p.eval(script, len(keys), *keys, *args), durable=durable)[0]
+
+    def set(self, key: bytes, data: bytes | memoryview, *, durable: bool = True) -> None:
+        self.counters["bytes_out"] += len(data)
+        self.on_master(key, lambda p: p.set(key, bytes(data)), durable=durable)
+
+    def get(self, key: bytes) -> bytes | None:
+        data = self._retry(lambda: self.rc.get(key))
+        self.counters["round_trips"] += 1
+        if data is not None:
+            self.counters["bytes_in"] += len(data)
+        return data
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """One pipeline per master over the keys' slots."""
+        def run() -> list:
+            pipe = self.rc.pipeline()
+            for k in keys:
+                pipe.get(k)
+            return pipe.execute()
+        out = self._retry(run)
+        self.counters["round_trips"] += 1
+        self.counters["bytes_in"] += sum(len(d) for d in out if d is not None)
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            def run() -> None:
+                pipe = self.rc.pipeline()
+                for k in keys:
+                    pipe.delete(k)
+                pipe.execute()
+            self._retry(run)
+
+    def read_stream(self, stream: bytes, after: bytes, count: int, block_ms: int) -> list[tuple[bytes, dict]]:
+        """Up to `count` records of `stream` after id `after`, waiting up to `block_ms` for one."""
+        out = self._retry(lambda: self.rc.xread({stream: after}, count=count, block=block_ms))
+        self.counters["round_trips"] += 1
+        if not out:
+            return []
+        records = out[0][1] if isinstance(out, list) else next(iter(out.values()))[0]
+        return [(rid, fields) for rid, fields in records]
+
+    def last_id(self, stream: bytes) -> bytes:
+        """The id of `stream`'s newest record, b"0-0" when it has none."""
+        try:
+            info = self._retry(lambda: self.rc.xinfo_stream(stream))
+        except BackendError as exc:
+            if "no such key" in str(exc):
+                return b"0-0"
+            raise
+        return info["last-generated-id"]
+
+    def close(self) -> None:
+        self.rc.close()
+
+
+class ClusterValues(ValueBackend):
+    """Values in the cluster, one key each (`PREFIX:v:<random>`, spread over the shards).
+    Writes are durable (WAIT) before `put` returns; `delete` need not be, since the log
+    that drops a value's last reference is (every node deletes it again when applying)."""
+
+    name = "cluster"
+
+    def __init__(self, engine: ClusterEngine, prefix: str) -> None:
+        self.engine = engine
+        self.prefix = prefix.encode()
+
+    def put(self, txn: Txn | None, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
+        loc = self.prefix + b":v:" + uuid.uuid4().hex.encode()
+        self.engine.set(loc, data)
+        return loc
+
+    def get(self, loc: bytes) -> bytes:
+        data = self.engine.get(loc)
+        if data is None:
+            raise Missing(f"no value at {loc.decode(errors='replace')} in the cluster")
+        return data
+
+    def get_many(self, locs: Sequence[bytes]) -> list[bytes | None]:
+        return self.engine.get_many(locs)
+
+    def delete(self, txn: Txn | None, loc: bytes) -> None:
+        self.engine.delete([loc])
+
+    def sync(self) -> None:
+        pass  # each write was waited for (WAIT, and appendfsync on the servers)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(0, 0, 0)  # the cluster's memory is the cluster's to report (INFO memory)
+
+    def locations(self) -> Iterator[tuple[bytes, int]]:
+        return iter(())  # verify and gc look at the node's own tiers only
+
+    def close(self) -> None:
+        pass

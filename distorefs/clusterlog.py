@@ -1,0 +1,275 @@
+"""The log of a shared store: what the nodes mounting one store on a Redis Cluster agree on.
+
+Every change to a shared namespace (buffers/ and banks/: create, drop, configure, an
+entry inserted, rewritten, deleted or evicted, priorities) is one record of one Redis
+Stream, `{distorefs:STORE}:log`. Records are appended by Lua scripts that also keep, under
+the same hash tag (so in one slot, atomically), each namespace's global state: its next
+sequence number, entry count and bytes, and the FIFO of its entries. That is where global
+FIFO eviction is decided: an insert that takes a namespace past `capacity` or `max_bytes`
+names in its own record the oldest entries it evicts.
+
+Every node applies the whole log, in order, to its local store (distorefs/follower.py), so
+each node's rings, samplers and priorities are the same function of the same records, and
+a learner on any node samples over every entry of the cluster. Values themselves are not
+in the log: they are written to the cluster first (backends/redisengine.py ClusterValues),
+and a record carries the value's `StoredValue`.
+
+Everything here blocks on the network: call it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+from .backends.redisengine import ClusterEngine, Refused
+from .backends.errors import BackendError
+from .errors import AlreadyExists, InvalidArgument, NotEmpty, NotFound, from_backend
+from .owner import Owner
+
+SHARED_KINDS = ("buffers", "banks")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Which shared store a node joins: `url` names any node of the Redis Cluster (redis://
+    HOST:PORT), `store` the shared store in it."""
+
+    url: str
+    store: str = "main"
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://")):
+            raise InvalidArgument(f"--cluster takes redis://HOST:PORT, got {self.url!r}")
+        if not self.store or any(c in self.store for c in "{}/ \0"):
+            raise InvalidArgument(f"a shared store's name has no braces, slashes or spaces: {self.store!r}")
+
+# Evict the oldest live entries while the namespace is over its bounds, never the entry
+# just inserted (`keep`). FIFO items are "seq\0key"; an item whose key now maps to another
+# seq (rewritten) or to none (deleted) is a leftover and is dropped on the way.
+_EVICT = r"""
+local function evict(st, idx, fifo, keep)
+  local count = tonumber(redis.call('HGET', st, 'count'))
+  local bytes = tonumber(redis.call('HGET', st, 'bytes'))
+  local cap = tonumber(redis.call('HGET', st, 'capacity'))
+  local maxb = tonumber(redis.call('HGET', st, 'max_bytes'))
+  local out = {}
+  while count > cap or (maxb > 0 and bytes > maxb) do
+    local item = redis.call('LPOP', fifo)
+    if not item then break end
+    local z = string.find(item, '\0', 1, true)
+    local seq = string.sub(item, 1, z - 1)
+    local key = string.sub(item, z + 1)
+    if seq == keep then
+      redis.call('LPUSH', fifo, item)
+      break
+    end
+    local cur = redis.call('HGET', idx, key)
+    if cur then
+      local sp = string.find(cur, ' ', 1, true)
+      if string.sub(cur, 1, sp - 1) == seq then
+        redis.call('HDEL', idx, key)
+        count = count - 1
+        bytes = bytes - tonumber(string.sub(cur, sp + 1))
+        out[#out + 1] = item
+      end
+    end
+  end
+  redis.call('HSET', st, 'count', count, 'bytes', bytes)
+  return table.concat(out, '\0')
+end
+"""
+
+_CREATE = r"""
+if redis.call('EXISTS', KEYS[2]) == 1 then return redis.error_reply('EEXIST ' .. ARGV[1] .. ' exists') end
+redis.call('HSET', KEYS[2], 'capacity', ARGV[7], 'max_bytes', ARGV[8], 'seq', 0, 'count', 0, 'bytes', 0)
+return redis.call('XADD', KEYS[1], '*', 'op', 'create', 'ns', ARGV[1], 'config', ARGV[2], 'mode', ARGV[3],
+                  'uid', ARGV[4], 'gid', ARGV[5], 'ctime', ARGV[6])
+"""
+
+_DROP = r"""
+if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ENOENT no ' .. ARGV[1]) end
+local count = tonumber(redis.call('HGET', KEYS[2], 'count'))
+if count > 0 then return redis.error_reply('ENOTEMPTY ' .. ARGV[1] .. ' still has ' .. count .. ' entries') end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+return redis.call('XADD', KEYS[1], '*', 'op', 'drop', 'ns', ARGV[1])
+"""
+
+_CONFIGURE = _EVICT + r"""
+if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ENOENT no ' .. ARGV[1]) end
+redis.call('HSET', KEYS[2], 'capacity', ARGV[3], 'max_bytes', ARGV[4])
+local evicted = evict(KEYS[2], KEYS[3], KEYS[4], '')
+return redis.call('XADD', KEYS[1], '*', 'op', 'configure', 'ns', ARGV[1], 'config', ARGV[2], 'evicted', evicted)
+"""
+
+_INSERT = _EVICT + r"""
+if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ENOENT no ' .. ARGV[1]) end
+local key = ARGV[2]
+local size = tonumber(ARGV[3])
+local cur = redis.call('HGET', KEYS[3], key)
+local seq
+if cur then
+  local sp = string.find(cur, ' ', 1, true)
+  seq = string.sub(cur, 1, sp - 1)
+  redis.call('HINCRBY', KEYS[2], 'bytes', size - tonumber(string.sub(cur, sp + 1)))
+else
+  seq = tostring(redis.call('HINCRBY', KEYS[2], 'seq', 1))
+  redis.call('HINCRBY', KEYS[2], 'count', 1)
+  redis.call('HINCRBY', KEYS[2], 'bytes', size)
+  redis.call('RPUSH', KEYS[4], seq .. '\0' .. key)
+end
+redis.call('HSET', KEYS[3], key, seq .. ' ' .. size)
+local evicted = evict(KEYS[2], KEYS[3], KEYS[4], seq)
+return redis.call('XADD', KEYS[1], '*', 'op', 'insert', 'ns', ARGV[1], 'key', key, 'seq', seq, 'value', ARGV[4],
+                  'places', ARGV[5], 'owner', ARGV[6], 'prio', ARGV[7], 'evicted', evicted)
+"""
+
+_DELETE = r"""
+local cur = redis.call('HGET', KEYS[3], ARGV[2])
+if not cur then return redis.error_reply('ENOENT no entry ' .. ARGV[2] .. ' in ' .. ARGV[1]) end
+local sp = string.find(cur, ' ', 1, true)
+redis.call('HDEL', KEYS[3], ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'count', -1)
+redis.call('HINCRBY', KEYS[2], 'bytes', -tonumber(string.sub(cur, sp + 1)))
+return redis.call('XADD', KEYS[1], '*', 'op', 'delete', 'ns', ARGV[1], 'key', ARGV[2], 'seq', string.sub(cur, 1, sp - 1))
+"""
+
+_APPEND = r"""
+if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ENOENT no ' .. ARGV[1]) end
+return redis.call('XADD', KEYS[1], '*', 'op', ARGV[2], 'ns', ARGV[1], 'data', ARGV[3])
+"""
+
+_OWNER = struct.Struct("<IIIq")  # mode, uid, gid, mtime_ns
+_PAIR = struct.Struct("<d")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record of the log: `op` on namespace `kind`/`name`, with its fields (bytes)."""
+
+    id: bytes
+    op: str
+    kind: str
+    name: str
+    fields: dict
+
+    def evicted(self) -> list[tuple[int, bytes]]:
+        """(seq, key) of the entries this record evicted, oldest first."""
+        raw = self.fields.get(b"evicted", b"")
+        if not raw:
+            return []
+        parts = raw.split(b"\0")
+        return [(int(parts[i]), parts[i + 1]) for i in range(0, len(parts), 2)]
+
+    def owner(self) -> tuple[Owner, int]:
+        mode, uid, gid, mtime = _OWNER.unpack(self.fields[b"owner"])
+        return Owner(mode, uid, gid), mtime
+
+    def priorities(self) -> list[tuple[bytes, float]]:
+        data = self.fields[b"data"]
+        out, off = [], 0
+        while off < len(data):
+            (n,) = struct.unpack_from("<H", data, off)
+            key = data[off + 2:off + 2 + n]
+            (value,) = _PAIR.unpack_from(data, off + 2 + n)
+            out.append((bytes(key), value))
+            off += 2 + n + _PAIR.size
+        return out
+
+
+def id_tuple(rid: bytes) -> tuple[int, int]:
+    ms, _, seq = rid.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+def _mapped(exc: BackendError) -> BaseException:
+    if isinstance(exc, Refused):
+        cls = {"ENOENT": NotFound, "EEXIST": AlreadyExists, "ENOTEMPTY": NotEmpty}.get(exc.code, InvalidArgument)
+        return cls(str(exc))
+    return from_backend(exc)
+
+
+class SharedLog:
+    """Appending to and reading the log of store `store` on `engine`."""
+
+    def __init__(self, engine: ClusterEngine, store: str) -> None:
+        self.engine = engine
+        self.store = store
+        self.tag = "{distorefs:%s}" % store
+        self.key = f"{self.tag}:log".encode()
+
+    def _keys(self, kind: str, name: str) -> list[bytes]:
+        ns = f"{kind}/{name}"
+        return [self.key] + [f"{self.tag}:{part}:{ns}".encode() for part in ("ns", "idx", "fifo")]
+
+    def _eval(self, script: str, kind: str, name: str, *args) -> bytes:
+        try:
+            return self.engine.eval(script, self._keys(kind, name), [f"{kind}/{name}".encode(), *args])
+        except BackendError as exc:
+            raise _mapped(exc) from None
+
+    # ----- appending (each returns the record's id once durable) ----------------------------
+
+    def create(self, kind: str, name: str, config: dict, owner: Owner, ctime_ns: int) -> bytes:
+        return self._eval(_CREATE, kind, name, json.dumps(config), owner.mode, owner.uid, owner.gid, ctime_ns,
+                          config["capacity"], config["max_bytes"])
+
+    def drop(self, kind: str, name: str) -> bytes:
+        return self._eval(_DROP, kind, name)
+
+    def configure(self, kind: str, name: str, config: dict) -> bytes:
+        return self._eval(_CONFIGURE, kind, name, json.dumps(config), config["capacity"], config["max_bytes"])
+
+    def insert(self, kind: str, name: str, key: bytes, size: int, value: bytes, places: bytes, owner: Owner,
+               mtime_ns: int, priority: float | None) -> bytes:
+        return self._eval(_INSERT, kind, name, key, size, value, places,
+                          _OWNER.pack(owner.mode, owner.uid, owner.gid, mtime_ns),
+                          b"" if priority is None else repr(priority).encode())
+
+    def delete(self, kind: str, name: str, key: bytes) -> bytes:
+        return self._eval(_DELETE, kind, name, key)
+
+    def set_layout(self, kind: str, name: str, layout: dict | None) -> bytes:
+        """The layout the first entry of a buffer without a schema fixes (None: raw mode);
+        applied only by a node whose buffer has none yet, so the first in the log wins."""
+        return self._eval(_APPEND, kind, name, b"layout", json.dumps(layout).encode())
+
+    def priorities(self, kind: str, name: str, pairs: Sequence[tuple[bytes, float]]) -> bytes:
+        data = b"".join(struct.pack("<H", len(k)) + k + _PAIR.pack(v) for k, v in pairs)
+        return self._eval(_APPEND, kind, name, b"priorities", data)
+
+    # ----- reading -----------------------------------------------------------------------
+
+    def read(self, after: bytes, count: int = 512, block_ms: int = 500) -> list[Record]:
+        try:
+            raw = self.engine.read_stream(self.key, after, count, block_ms)
+        except BackendError as exc:
+            raise _mapped(exc) from None
+        out = []
+        for rid, fields in raw:
+            kind, _, name = fields.get(b"ns", b"/").decode().partition("/")
+            out.append(Record(rid, fields[b"op"].decode(), kind, name, fields))
+        return out
+
+    def identity(self) -> bytes:
+        """The shared store's id, made by the first node that joins it: a node whose local
+        store followed another (the cluster was wiped and set up again) must not follow this."""
+        key = f"{self.tag}:id".encode()
+        mine = uuid.uuid4().hex.encode()
+        try:
+            self.engine.on_master(key, lambda p: p.set(key, mine, nx=True))
+            found = self.engine.get(key)
+        except BackendError as exc:
+            raise _mapped(exc) from None
+        assert found is not None
+        return found
+
+    def head(self) -> bytes:
+        """The id of the newest record (b"0-0" for an empty log)."""
+        try:
+            return self.engine.last_id(self.key)
+        except BackendError as exc:
+            raise _mapped(exc) from None

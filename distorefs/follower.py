@@ -1,0 +1,266 @@
+"""Following a shared store's log (distorefs/clusterlog.py): every record, in order, applied
+to this node's store, and the changes this node makes published through it.
+
+- `Follower.run` reads the log from the position this node last applied (kept in the
+  store's metadata, committed with the changes it covers, so a restart resumes exactly) and
+  turns records into ordinary commits of the local store: an insert becomes an entry whose
+  value is in the cluster tier; an eviction, a delete, priorities, a layout and namespace
+  changes the same as on one node. Records that touch a key an earlier record of the same
+  batch touched start a new commit batch, so every record is planned against the state its
+  predecessors left.
+- `Follower.publish` runs an append in a worker thread and returns once this node has
+  applied it (read your writes), waiting at most `APPLY_WAIT_S`: past that the change is
+  durable in the cluster and will be applied, so the caller is not failed (it is logged).
+
+Applying is idempotent: a record already applied (a replay after a crash between two
+batches) finds its entry in place, or its victims gone, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+import trio
+
+from .buffer import Buffer, FixLayout, SetPriorities
+from .catalog import DB_META, EntryMeta
+from .clusterlog import Record, SharedLog, id_tuple
+from .committer import Change, Committer, Overlay
+from .errors import AlreadyExists, DistorefsError, NotFound
+from .layout import Layout
+from .ring import RemoveEntry, Ring
+from .values import StoredValue
+from .waiting import Outcome
+
+log = logging.getLogger(__name__)
+
+APPLY_WAIT_S = 10.0
+READ_COUNT = 512
+READ_BLOCK_MS = 500
+POSITION_KEY = b"cluster_pos"
+
+
+class SavePosition(Change):
+    """The id of the last record a batch applied, committed with it."""
+
+    def __init__(self, follower: "Follower", rid: bytes) -> None:
+        self.follower = follower
+        self.rid = rid
+
+    def txn(self, txn) -> None:
+        txn.put(POSITION_KEY, self.rid, db=DB_META)
+
+
+class ApplyInsert(Change):
+    """A logged insert or rewrite: the entry with the record's seq and value, and the
+    removal of the entries the insert evicted."""
+
+    def __init__(self, ring: Ring, rec: Record) -> None:
+        f = rec.fields
+        self.ring = ring
+        self.key = bytes(f[b"key"])
+        self.seq = int(f[b"seq"])
+        self.value = StoredValue.unpack_from(f[b"value"])[0]
+        self.places = bytes(f[b"places"])
+        self.owner, self.mtime_ns = rec.owner()
+        self.priority = float(f[b"prio"]) if f.get(b"prio") else None
+        self.evicted = rec.evicted()
+        self.conflict_key = (ring.ns_id, self.key)
+
+    def plan(self, overlay: Overlay) -> None:
+        ring = self.ring
+        ro = overlay.ring(ring.ns_id)
+        old = ring.by_key.get(self.key)
+        self.done = old is not None and old.seq == self.seq and old.value == self.value  # applied already
+        self.victims = [m for seq, key in self.evicted
+                        if (m := ring.by_key.get(key)) is not None and m.seq == seq and seq not in ro.removed]
+        if old is not None and old.seq != self.seq and not self.done:
+            self.victims.append(old)  # never the case when every record was applied in order
+            old = None
+        for v in self.victims:
+            ro.removed.add(v.seq)
+        self.old = old
+        ring.next_seq = max(ring.next_seq, self.seq + 1)
+
+    def txn(self, txn) -> None:
+        ring = self.ring
+        for victim in self.victims:
+            ring.txn_remove(txn, victim)
+        if self.done:
+            return
+        if self.old is not None and self.old.value != self.value:
+            ring.values.delete(txn, self.old.value)
+        self.meta = EntryMeta(self.seq, self.key, self.value, self.owner.mode, self.owner.uid, self.owner.gid,
+                              self.mtime_ns, self.places)
+        ring.txn_put(txn, self.meta, None if self.old is not None else self.priority)
+
+    def apply(self) -> None:
+        if self.done:
+            for victim in self.victims:
+                self.ring.apply_remove(victim, "evictions")
+            return
+        self.ring.apply_written(self.victims, self.old, self.meta, self.priority)
+
+
+class Follower:
+    def __init__(self, shared: SharedLog, committer: Committer, position: bytes,
+                 namespace: Callable[[str, str], Any], catalog: Callable[[Record], list[Change]]) -> None:
+        """`position`: the id of the last record this store applied; `namespace(kind, name)`
+        the local namespace or None; `catalog(record)` the local changes for a namespace's
+        create, drop or configure record."""
+        self.log = shared
+        self.committer = committer
+        self.applied = position
+        self._namespace = namespace
+        self._catalog = catalog
+        self._advanced = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.counters = {"records_applied": 0, "apply_batches": 0, "apply_errors": 0, "publish_waits_cut": 0,
+                         "read_errors": 0}
+
+    # ----- publishing ----------------------------------------------------------------------
+
+    async def publish(self, append: Callable[..., bytes], *args: Any) -> bytes:
+        """Append (in a worker thread) and wait until this node has applied the record."""
+        rid = await trio.to_thread.run_sync(append, *args)
+        await self.until(rid)
+        return rid
+
+    def publish_soon(self, append: Callable[..., bytes], *args: Any) -> Outcome:
+        """`publish` in the background; the outcome is set once it is applied here."""
+        out = Outcome()
+
+        async def go() -> None:
+            try:
+                await self.publish(append, *args)
+            except DistorefsError as exc:
+                out.error = exc
+            finally:
+                out.done.set()
+
+        if self._nursery is None:
+            out.error = NotFound("the store's cluster log is not being followed (the store is not running)")
+            out.done.set()
+        else:
+            self._nursery.start_soon(go)
+        return out
+
+    async def until(self, rid: bytes) -> None:
+        want = id_tuple(rid)
+        with trio.move_on_after(APPLY_WAIT_S):
+            while id_tuple(self.applied) < want:
+                await self._advanced.wait()
+            return
+        self.counters["publish_waits_cut"] += 1
+        log.warning("record %s is in the cluster's log but not applied here within %.0f s", rid.decode(),
+                    APPLY_WAIT_S)
+
+    async def catch_up(self, timeout: float) -> bool:
+        """Wait until everything in the log now is applied here (a node joining, or coming
+        back); False if `timeout` passed first."""
+        head = await trio.to_thread.run_sync(self.log.head)
+        with trio.move_on_after(timeout):
+            while id_tuple(self.applied) < id_tuple(head):
+                await self._advanced.wait()
+            return True
+        return False
+
+    # ----- following -----------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await self._follow()
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                records = await trio.to_thread.run_sync(self.log.read, self.applied, READ_COUNT, READ_BLOCK_MS,
+                                                        abandon_on_cancel=True)
+            except Exception as exc:  # the daemon goes on serving what it has, and tries again
+                self.counters["read_errors"] += 1
+                log.warning("reading the cluster's log: %s", exc, exc_info=not isinstance(exc, DistorefsError))
+                await trio.sleep(1.0)
+                continue
+            if records:
+                await self._apply(records)
+
+    async def _apply(self, records: list[Record]) -> None:
+        batch: list[Record] = []
+        touched: set = set()
+        for rec in records:
+            keys = self._touches(rec)
+            if keys is None or touched & keys:
+                await self._commit(batch)
+                batch, touched = [], set()
+            batch.append(rec)
+            if keys is None:  # a namespace's create, drop or configure: alone
+                await self._commit(batch)
+                batch = []
+            else:
+                touched |= keys
+        await self._commit(batch)
+
+    @staticmethod
+    def _touches(rec: Record) -> set | None:
+        ns = (rec.kind, rec.name)
+        if rec.op == "insert":
+            return {(ns, bytes(rec.fields[b"key"]))} | {(ns, k) for _, k in rec.evicted()}
+        if rec.op == "delete":
+            return {(ns, bytes(rec.fields[b"key"]))}
+        if rec.op == "priorities":
+            return {(ns, k) for k, _ in rec.priorities()}
+        if rec.op == "layout":
+            return {(ns, None)}
+        return None
+
+    async def _commit(self, batch: list[Record]) -> None:
+        if not batch:
+            return
+        changes: list[Change] = []
+        for rec in batch:
+            try:
+                changes.extend(self._changes(rec))
+            except DistorefsError as exc:
+                self._failed(rec, exc)
+        changes.append(SavePosition(self, batch[-1].id))
+        errors = await self.committer.submit_all(changes)
+        for change, error in zip(changes, errors):
+            if error is not None:
+                self._failed(None, error, change)
+        self.applied = batch[-1].id
+        self.counters["records_applied"] += len(batch)
+        self.counters["apply_batches"] += 1
+        self._advanced.set()
+        self._advanced = trio.Event()
+
+    def _failed(self, rec: Record | None, exc: BaseException, change: Change | None = None) -> None:
+        what = f"record {rec.id.decode()} ({rec.op} {rec.kind}/{rec.name})" if rec else type(change).__name__
+        if isinstance(exc, (NotFound, AlreadyExists)):  # a replay, or a record of a namespace gone since
+            log.debug("cluster log: %s: %s", what, exc)
+            return
+        self.counters["apply_errors"] += 1
+        log.warning("cluster log: %s not applied: %s", what, exc)
+
+    def _changes(self, rec: Record) -> list[Change]:
+        if rec.op in ("create", "drop", "configure"):
+            return self._catalog(rec)
+        ns = self._namespace(rec.kind, rec.name)
+        if ns is None:
+            raise NotFound(f"no {rec.kind}/{rec.name} here")
+        ring: Ring = ns.ring
+        if rec.op == "insert":
+            return [ApplyInsert(ring, rec)]
+        if rec.op == "delete":
+            return [RemoveEntry(ring, bytes(rec.fields[b"key"]), int(rec.fields[b"seq"]), "deletes")]
+        if rec.op == "priorities" and isinstance(ns, Buffer):
+            pairs = [(m, v) for k, v in rec.priorities() if (m := ring.by_key.get(k)) is not None]
+            return [SetPriorities(ns, [m for m, _ in pairs], [v for _, v in pairs])] if pairs else []
+        if rec.op == "layout" and isinstance(ns, Buffer):
+            d = json.loads(rec.fields[b"data"])
+            return [FixLayout(ns, None if d is None else Layout.from_json(d))]
+        log.warning("cluster log: record %s of unknown op %r left alone", rec.id.decode(), rec.op)
+        return []

@@ -1,0 +1,232 @@
+"""Several nodes, one store: daemons with their own mounts and store directories that join
+one shared store on a real Redis Cluster on loopback (tools/rediscluster.py).
+
+Each test uses its own shared store name in the module's cluster, so tests do not see
+each other's namespaces; the failover test has a cluster of its own (it kills a master).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import itertools
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distorefs.tools.rediscluster import LoopbackCluster
+from distorefs_it import Mount, have_fuse, is_mounted
+
+pytestmark = pytest.mark.skipif(not have_fuse(), reason="needs /dev/fuse and fusermount3")
+
+_names = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if not shutil.which("redis-server"):
+        pytest.fail("redis-server is missing: scripts/system-deps.sh installs it")
+    c = LoopbackCluster(tmp_path_factory.mktemp("redis"), masters=3, replicas=1).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def nodes(tmp_path, cluster):
+    """A factory of nodes (mounts) joining one shared store of `cluster` made for the test."""
+    made: list[Mount] = []
+    store = f"t{next(_names)}-{os.getpid()}"
+
+    def make(c: LoopbackCluster = cluster) -> Mount:
+        m = Mount(tmp_path / f"node{len(made)}")
+        m.cluster_flags = ("--cluster", c.url, "--cluster-store", store)  # type: ignore[attr-defined]
+        m.mount(flags=m.cluster_flags)  # type: ignore[attr-defined]
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.cleanup()
+    for m in made:
+        assert not is_mounted(m.mnt)
+
+
+def npy(value: int, shape=(4,)) -> bytes:
+    out = io.BytesIO()
+    np.save(out, np.full(shape, value, dtype=np.int64))
+    return out.getvalue()
+
+
+def put(buf: Path, key: str, data: bytes) -> None:
+    with open(buf / "entries" / key, "wb") as f:
+        f.write(data)
+
+
+def wait_for(cond, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def entries(buf: Path) -> list[str]:
+    return sorted(os.listdir(buf / "entries"))
+
+
+def make_buffer(node: Mount, name: str, config: str | None = None) -> Path:
+    buf = node.mnt / "buffers" / name
+    buf.mkdir()
+    if config is not None:
+        (buf / "config.json").write_text(config)
+    return buf
+
+
+def test_inserts_on_every_node_are_sampled_on_another(nodes):
+    a, b, learner = nodes(), nodes(), nodes()
+    make_buffer(a, "rb")
+    assert wait_for(lambda: (b.mnt / "buffers" / "rb").is_dir() and (learner.mnt / "buffers" / "rb").is_dir())
+    for i in range(20):
+        put(a.mnt / "buffers/rb", f"a{i:02d}", npy(i))
+        put(b.mnt / "buffers/rb", f"b{i:02d}", npy(100 + i))
+    want = sorted([f"a{i:02d}" for i in range(20)] + [f"b{i:02d}" for i in range(20)])
+    lbuf = learner.mnt / "buffers" / "rb"
+    assert wait_for(lambda: entries(lbuf) == want), entries(lbuf)
+    # the bytes come from the cluster: whole, on the node that never saw them written
+    for i in (0, 7, 19):
+        assert np.load(lbuf / "entries" / f"b{i:02d}").tolist() == [100 + i] * 4
+    seen = collections.Counter()
+    for _ in range(20):
+        with np.load(lbuf / "batch" / "16.npz") as z:
+            keys = [k.decode() if isinstance(k, bytes) else str(k) for k in z["keys"]]
+            data = z["data"] if "data" in z.files else z[z.files[0]]
+            for key, row in zip(keys, np.asarray(data)):
+                value = int(np.asarray(row).ravel()[0])
+                assert value == (int(key[1:]) + (100 if key[0] == "b" else 0)), (key, row)
+                seen[key[0]] += 1
+    assert seen["a"] > 50 and seen["b"] > 50, seen  # uniform over both nodes' entries
+
+
+def test_global_fifo_eviction(nodes):
+    a, b = nodes(), nodes()
+    make_buffer(a, "fifo", '{"capacity": 10}')
+    bb = b.mnt / "buffers" / "fifo"
+    assert wait_for(lambda: bb.is_dir())
+    order = []
+    for i in range(30):  # alternating nodes: the global insert order is this loop's
+        node = a if i % 2 == 0 else b
+        key = f"k{i:02d}"
+        put(node.mnt / "buffers/fifo", key, npy(i))
+        order.append(key)
+    want = sorted(order[-10:])
+    assert wait_for(lambda: entries(a.mnt / "buffers/fifo") == want), entries(a.mnt / "buffers/fifo")
+    assert wait_for(lambda: entries(bb) == want), entries(bb)
+    # the capacity lowered on one node evicts the oldest on every node
+    (b.mnt / "buffers/fifo/config.json").write_text('{"capacity": 4}')
+    assert wait_for(lambda: entries(a.mnt / "buffers/fifo") == sorted(order[-4:])), entries(a.mnt / "buffers/fifo")
+    # a delete on one node is a delete everywhere
+    os.unlink(a.mnt / "buffers/fifo/entries" / order[-1])
+    assert wait_for(lambda: entries(bb) == sorted(order[-4:-1])), entries(bb)
+
+
+def test_prioritized_sampling_over_all_nodes(nodes):
+    a, learner = nodes(), nodes()
+    make_buffer(a, "per", '{"sampler": "prioritized", "alpha": 1.0, "beta": 1.0, "seed": 5}')
+    for i in range(8):
+        put(a.mnt / "buffers/per", f"e{i}", npy(i))
+    lbuf = learner.mnt / "buffers" / "per"
+    assert wait_for(lambda: lbuf.is_dir() and len(entries(lbuf)) == 8)
+    prio = {f"e{i}": float(i + 1) for i in range(8)}
+    with open(lbuf / "priorities", "w") as f:  # written on the learner: through the log
+        f.write("".join(f"{k} {v}\n" for k, v in prio.items()))
+    # the actor's node has the same priorities once it applied the record
+    assert wait_for(lambda: (a.mnt / "buffers/per/priorities").read_text().count("\n") == 8)
+    counts: collections.Counter = collections.Counter()
+    total = 0
+    for _ in range(10):
+        with open(lbuf / "sample" / "200", "rb") as f:
+            for line in f.read().decode().splitlines():
+                key, _seq, p, w = line.rsplit(None, 3)
+                counts[key] += 1
+                total += 1
+                assert float(p) == pytest.approx(prio[key] / 36, rel=1e-6)
+    # chi-square against priority^alpha / sum (7 degrees of freedom; 24.3 is p = 0.001)
+    chi2 = sum((counts[k] - total * v / 36) ** 2 / (total * v / 36) for k, v in prio.items())
+    assert chi2 < 24.3, (chi2, counts)
+
+
+def test_kill9_of_a_daemon_loses_nothing_and_others_go_on(nodes):
+    a, b = nodes(), nodes()
+    make_buffer(a, "dur")
+    for i in range(30):
+        put(a.mnt / "buffers/dur", f"x{i:02d}", npy(i))  # each close() returned: acknowledged
+    a.kill9()
+    bb = b.mnt / "buffers/dur"
+    assert wait_for(lambda: len(entries(bb)) == 30), entries(bb)
+    for i in range(30, 40):  # the other node goes on
+        put(bb, f"x{i:02d}", npy(i))
+    a.lazy_umount()
+    a.mount(flags=a.cluster_flags)  # recovery, then the log from where this store left off
+    want = [f"x{i:02d}" for i in range(40)]
+    assert wait_for(lambda: entries(a.mnt / "buffers/dur") == want), entries(a.mnt / "buffers/dur")
+    assert np.load(a.mnt / "buffers/dur/entries/x35").tolist() == [35] * 4
+
+
+def test_a_node_that_joins_late_sees_everything(nodes):
+    a = nodes()
+    make_buffer(a, "one", '{"capacity": 5}')
+    (a.mnt / "banks" / "mem").mkdir()
+    for i in range(12):
+        put(a.mnt / "buffers/one", f"e{i:02d}", npy(i))
+        (a.mnt / "banks/mem/entries" / f"m{i}").write_bytes(b"memory %d" % i)
+    late = nodes()  # ready only once it applied the log up to its head
+    assert entries(late.mnt / "buffers/one") == [f"e{i:02d}" for i in range(7, 12)]
+    assert (late.mnt / "banks/mem/entries/m11").read_bytes() == b"memory 11"
+    assert len(os.listdir(late.mnt / "banks/mem/entries")) == 12
+
+
+def test_mv_in_a_shared_buffer_copies(nodes):
+    a, b = nodes(), nodes()
+    make_buffer(a, "mv")
+    put(a.mnt / "buffers/mv", "old", npy(3))
+    # rename(2) is EXDEV for entries of a shared store; mv falls back to copy and unlink
+    subprocess.run(["mv", str(a.mnt / "buffers/mv/entries/old"), str(a.mnt / "buffers/mv/entries/new")],
+                   check=True)
+    assert wait_for(lambda: entries(b.mnt / "buffers/mv") == ["new"])
+    assert np.load(b.mnt / "buffers/mv/entries/new").tolist() == [3] * 4
+
+
+def test_a_store_that_followed_another_shared_store_is_refused(nodes, cluster, tmp_path):
+    a = nodes()
+    a.umount()
+    with pytest.raises(AssertionError, match="followed shared store"):
+        a.mount(flags=("--cluster", cluster.url, "--cluster-store", "another"))
+
+
+def test_acknowledged_inserts_survive_the_loss_of_a_redis_master(tmp_path, nodes):
+    with LoopbackCluster(tmp_path / "redis", masters=3, replicas=1) as c:
+        a, b = nodes(c), nodes(c)
+        make_buffer(a, "fo")
+        for i in range(20):
+            put(a.mnt / "buffers/fo", f"y{i:02d}", npy(i))
+        # the master of the log's slot: every record of the store is on it
+        log_master = c.master_of("{distorefs:%s}:log" % a.cluster_flags[-1])  # type: ignore[attr-defined]
+        c.kill(log_master)
+        # writes wait out the failover (the engine retries), then go on
+        for i in range(20, 30):
+            put(b.mnt / "buffers/fo", f"y{i:02d}", npy(i))
+        c.wait_ok()
+        want = [f"y{i:02d}" for i in range(30)]
+        for node in (a, b):
+            assert wait_for(lambda: entries(node.mnt / "buffers/fo") == want, 30), entries(node.mnt / "buffers/fo")
+        assert np.load(a.mnt / "buffers/fo/entries/y05").tolist() == [5] * 4
+        for node in (a, b):
+            node.umount()

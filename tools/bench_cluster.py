@@ -1,0 +1,254 @@
+"""`distorefs bench cluster`: several nodes on one shared store on a Redis Cluster.
+
+Nodes are daemons with their own mounts and store directories on this machine, against
+one Redis Cluster on loopback (3 masters, each with a replica: the durable setting, every
+write waits for its replica). For 1, 2 and 3 nodes:
+- aggregate insert rate: 4 actor threads writing 110 KB `.npy` entries as files, spread
+  over the nodes;
+- a learner on node 0 reading `batch/64.npz` alone, and while the actors insert through
+  the other nodes;
+- bytes and round trips through Redis per insert, and CPU per insert of the daemons and
+  of the Redis servers (the log's master apart from the others): the figures of the model
+  that predicts N nodes on real hardware (README, Several nodes).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .bench_buffers import DistorefsMount, print_report, remove_workdir, start_run
+from .rediscluster import LoopbackCluster
+
+ENTRY = 110_000  # bytes of uint8 per entry (Atari-like frames stacked: the issue's 110 KB)
+ACTORS = 4
+BATCH = 64
+CAPACITY = 2_000  # global: the cluster holds at most this many values (220 MB)
+
+
+def _params(quick: bool) -> dict:
+    return {"seconds": 3.0 if quick else 8.0, "nodes": (1, 2, 3)}
+
+
+def _npy(rng: np.random.Generator) -> bytes:
+    out = io.BytesIO()
+    np.save(out, rng.integers(0, 256, ENTRY, dtype=np.uint8))
+    return out.getvalue()
+
+
+def _cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    import os
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Actors:
+    """ACTORS threads inserting entries as files into the buffers given, round robin."""
+
+    def __init__(self, bufs: list[Path], prefix: str) -> None:
+        self.bufs, self.prefix = bufs, prefix
+        self.count = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(ACTORS)]
+
+    def _run(self, i: int) -> None:
+        rng = np.random.default_rng(i)
+        data = [_npy(rng) for _ in range(8)]
+        buf = self.bufs[i % len(self.bufs)]
+        n = 0
+        while not self._stop.is_set():
+            try:
+                with open(buf / "entries" / f"{self.prefix}{i}-{n}", "wb") as f:
+                    f.write(data[n % len(data)])
+            except OSError as exc:
+                self.errors.append(str(exc))
+                time.sleep(0.1)
+                continue
+            n += 1
+            with self._lock:
+                self.count += 1
+
+    def __enter__(self) -> "_Actors":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+def _stats(node: DistorefsMount) -> dict:
+    return json.loads((node.mnt / ".distorefs" / "stats.json").read_bytes()).get("cluster", {})
+
+
+def _sum(nodes: list[DistorefsMount], key: str) -> int:
+    return sum(_stats(n).get(key, 0) for n in nodes)
+
+
+def _learner(buf: Path, seconds: float) -> float:
+    """batch/64.npz read and loaded for `seconds`: entries/s."""
+    with np.load(buf / "batch" / f"{BATCH}.npz") as z:  # warm: the first draw, the layout
+        _ = {k: z[k] for k in z.files}
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        with np.load(buf / "batch" / f"{BATCH}.npz") as z:
+            batch = {k: z[k] for k in z.files}
+        count += len(batch["keys"])
+    return round(count / (time.perf_counter() - t0), 1)
+
+
+def _nodes_run(cluster: LoopbackCluster, root: Path, n: int, p: dict) -> dict:
+    store = f"bench{n}"
+    nodes = [DistorefsMount(root / f"n{n}-{i}" / "store", root / f"n{n}-{i}" / "mnt") for i in range(n)]
+    log_master = cluster.master_of("{distorefs:%s}:log" % store)
+    redis_pids = {node.port: node.proc.pid for node in cluster.live()}
+    try:
+        for node in nodes:
+            node.mount(flags=("--cluster", cluster.url, "--cluster-store", store))
+        buf0 = nodes[0].mnt / "buffers" / "rb"
+        buf0.mkdir()
+        (buf0 / "config.json").write_text(json.dumps({"capacity": CAPACITY}))
+        bufs = [node.mnt / "buffers" / "rb" for node in nodes]
+        deadline = time.monotonic() + 30
+        while not all(b.is_dir() for b in bufs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with _Actors(bufs, "warm") as warm:  # fills the buffer past a batch, starts every path
+            while warm.count < 4 * BATCH:
+                time.sleep(0.05)
+        res: dict[str, Any] = {"nodes": n}
+        # ----- aggregate insert rate, actors spread over the nodes
+        before = {k: _sum(nodes, k) for k in ("bytes_out", "bytes_in", "round_trips")}
+        daemons0 = sum(_cpu_s(node.pid) for node in nodes)
+        redis0 = {port: _cpu_s(pid) for port, pid in redis_pids.items()}
+        t0 = time.perf_counter()
+        with _Actors(bufs, "a") as actors:
+            time.sleep(p["seconds"])
+            done = actors.count
+        dt = time.perf_counter() - t0
+        res["inserts_per_s"] = round(done / dt, 1)
+        res["actor_errors"] = len(actors.errors)
+        after = {k: _sum(nodes, k) for k in before}
+        res["per_insert"] = {
+            "bytes_to_redis": round((after["bytes_out"] - before["bytes_out"]) / max(1, done)),
+            "bytes_from_redis": round((after["bytes_in"] - before["bytes_in"]) / max(1, done)),
+            "round_trips": round((after["round_trips"] - before["round_trips"]) / max(1, done), 2),
+            "daemon_cpu_ms": round((sum(_cpu_s(node.pid) for node in nodes) - daemons0) * 1e3 / max(1, done), 3),
+            "redis_log_master_cpu_ms": round((_cpu_s(redis_pids[log_master]) - redis0[log_master]) * 1e3
+                                             / max(1, done), 3),
+            "redis_other_cpu_ms": round(sum(_cpu_s(pid) - redis0[port] for port, pid in redis_pids.items()
+                                            if port != log_master) * 1e3 / max(1, done), 3),
+        }
+        print(f"  {n} node(s): {res['inserts_per_s']} inserts/s; per insert {res['per_insert']}", flush=True)
+        # ----- the learner on node 0: alone, then while the other nodes' actors insert
+        res["learner_alone"] = _learner(buf0, p["seconds"])
+        if n > 1:
+            with _Actors(bufs[1:], "b") as others:
+                res["learner_while_others_insert"] = _learner(buf0, p["seconds"])
+                res["others_inserts"] = others.count
+        print(f"  {n} node(s): learner alone {res['learner_alone']} entries/s, while others insert "
+              f"{res.get('learner_while_others_insert', '-')}", flush=True)
+        apply_s = [_stats(node) for node in nodes]
+        res["applied_records"] = [s.get("records_applied") for s in apply_s]
+        return res
+    finally:
+        for node in nodes:
+            node.umount()
+
+
+def _model(rows: list[dict]) -> list[str]:
+    """What the per-insert figures predict, and where the limit is on real hardware."""
+    one = next((r for r in rows if r["nodes"] == 1), None)
+    if not one:
+        return []
+    pi = one["per_insert"]
+    total_ms = pi["daemon_cpu_ms"] + pi["redis_log_master_cpu_ms"] + pi["redis_other_cpu_ms"]
+    lines = [f"model: one insert costs {pi['daemon_cpu_ms']} ms of daemon CPU, {pi['redis_log_master_cpu_ms']} ms on "
+             f"the log's master and {pi['redis_other_cpu_ms']} ms on the other Redis servers (values, replicas), "
+             f"and moves {pi['bytes_to_redis']:,} B to Redis in {pi['round_trips']} round trips."]
+    if total_ms > 0:
+        lines.append(f"model on this machine (2 cores shared by everything, plus the actors' own CPU): at most "
+                     f"{2000 / total_ms:,.0f} inserts/s whatever the node count; measured "
+                     + ", ".join(f"{r['nodes']} node(s) {r['inserts_per_s']:,}" for r in rows) + ".")
+        log_limit = 1000 / pi["redis_log_master_cpu_ms"] if pi["redis_log_master_cpu_ms"] else float("inf")
+        lines.append(f"model on real hardware (a node per machine, Redis on machines of its own): N nodes insert "
+                     f"N x {1000 / pi['daemon_cpu_ms']:,.0f}/s per daemon core, up to the log's master at "
+                     f"{log_limit:,.0f} records/s (one core, every record of the store) and the network: "
+                     f"{pi['bytes_to_redis'] * 2 / 1e6:.2f} MB per insert with its replica copy.")
+    return lines
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'nodes':>5s} {'inserts/s':>10s} {'vs 1 node':>9s} {'learner alone':>14s} {'learner, others insert':>23s} "
+             f"{'ratio':>6s} {'B to Redis/insert':>18s} {'round trips':>11s}"]
+    base = next((r["inserts_per_s"] for r in rows if r["nodes"] == 1), None)
+    single = next((r["learner_alone"] for r in rows if r["nodes"] == 1), None)
+    for r in rows:
+        busy = r.get("learner_while_others_insert")
+        lines.append(f"{r['nodes']:>5d} {r['inserts_per_s']:>10,.1f} "
+                     f"{(r['inserts_per_s'] / base if base else 0):>8.2f}x {r['learner_alone']:>14,.1f} "
+                     f"{'-' if busy is None else f'{busy:,.1f}':>23s} "
+                     f"{'-' if busy is None or not single else f'{busy / single:.2f}x':>6s} "
+                     f"{r['per_insert']['bytes_to_redis']:>18,d} {r['per_insert']['round_trips']:>11.2f}")
+    return "\n".join(lines)
+
+
+def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
+    r = start_run(out, workdir)
+    out, root, notes, machine = r.out, r.root, r.notes, r.machine
+    p = _params(quick)
+    print(f"distorefs bench cluster{' --quick' if quick else ''}: workdir {root}, {machine['cpus']} CPUs", flush=True)
+    rows: list[dict] = []
+    errors: list[str] = []
+    cluster = LoopbackCluster(root / "redis", masters=3, replicas=1)
+    try:
+        cluster.start()
+        for n in p["nodes"]:
+            try:
+                rows.append(_nodes_run(cluster, root, n, p))
+            except Exception as exc:
+                errors.append(f"{n} node(s): {type(exc).__name__}: {exc}")
+    except Exception as exc:
+        errors.append(f"cluster: {type(exc).__name__}: {exc}")
+    finally:
+        cluster.stop()
+        remove_workdir(root, errors)
+    notes.append("nodes, the 6 Redis servers and the actors share this machine's cores: the aggregate rate cannot "
+                 "grow with nodes here; the model below says what does on real hardware")
+    notes.append("weights/, datasets/ and checkpoints/ are not shared yet: no cross-node weights latency is measured")
+    table = format_table(rows)
+    base = next((x for x in rows if x["nodes"] == 1), None)
+    three = next((x for x in rows if x["nodes"] == 3), None)
+    goals = []
+    if base and three:
+        goals.append({"goal": "aggregate inserts with 3 nodes >= 2x one node",
+                      "value": round(three["inserts_per_s"] / base["inserts_per_s"], 2),
+                      "met": three["inserts_per_s"] >= 2 * base["inserts_per_s"]})
+        busy = three.get("learner_while_others_insert")
+        if busy:
+            goals.append({"goal": "learner on one node, 2 others inserting, >= 0.8x its single-node rate",
+                          "value": round(busy / base["learner_alone"], 2), "met": busy >= 0.8 * base["learner_alone"]})
+    model = _model(rows)
+    doc = {"benchmark": "cluster", "quick": quick, "params": {**p, "entry_bytes": ENTRY, "actors": ACTORS,
+                                                              "batch": BATCH, "capacity": CAPACITY},
+           "machine": machine, "results": rows, "model": model, "goals": goals, "notes": notes, "errors": errors,
+           "table": table}
+    (out / "cluster.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print_report(table, goals, notes, errors, tuple(model))
+    print(f"wrote {out / 'cluster.json'}")
+    return doc
