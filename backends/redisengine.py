@@ -190,6 +190,9 @@ class ClusterEngine:
                 pipe.execute()
             self._retry(run)
 
+    def expire(self, key: bytes, seconds: float) -> None:
+        self._retry(lambda: self.rc.pexpire(key, max(1, int(seconds * 1000))))
+
     def read_stream(self, stream: bytes, after: bytes, count: int, block_ms: int) -> list[tuple[bytes, dict]]:
         """Up to `count` records of `stream` after id `after`, waiting up to `block_ms` for one."""
         out = self._retry(lambda: self.rc.xread({stream: after}, count=count, block=block_ms))
@@ -240,6 +243,10 @@ class ClusterValues(ValueBackend):
 
     def delete(self, txn: Txn | None, loc: bytes) -> None:
         self.engine.delete([loc])
+
+    def delete_later(self, loc: bytes, seconds: float) -> None:
+        """Drop the value in `seconds` (readers elsewhere may still hold it)."""
+        self.engine.expire(loc, seconds)
 
     def sync(self) -> None:
         pass  # each write was waited for (WAIT, and appendfsync on the servers)

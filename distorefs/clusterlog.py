@@ -241,6 +241,17 @@ class SharedLog:
         data = b"".join(struct.pack("<H", len(k)) + k + _PAIR.pack(v) for k, v in pairs)
         return self._eval(_APPEND, kind, name, b"priorities", data)
 
+    def tree_change(self, origin: str, op: str, path: str, **fields: bytes | str | int) -> bytes:
+        """A change of weights/ done at node `origin` (which applied it already): `op` is
+        wpublish (fields: version, JSON), wmkdir, wremove or wrename (fields: to); `path`
+        below weights/. Other nodes apply it by path (distorefs/weights.py)."""
+        key = self.key
+        body = {"op": op, "ns": f"weights/{path}", "origin": origin, **fields}
+        try:
+            return self.engine.on_master(key, lambda p: p.xadd(key, body))[0]
+        except BackendError as exc:
+            raise _mapped(exc) from None
+
     # ----- reading -----------------------------------------------------------------------
 
     def read(self, after: bytes, count: int = 512, block_ms: int = 500) -> list[Record]:

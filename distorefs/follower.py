@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -105,12 +105,16 @@ class ApplyInsert(Change):
 
 
 class Follower:
-    def __init__(self, shared: SharedLog, committer: Committer, position: bytes,
+    def __init__(self, shared: SharedLog, committer: Committer, position: bytes, origin: str,
                  namespace: Callable[[str, str], Any], catalog: Callable[[Record], list[Change]]) -> None:
-        """`position`: the id of the last record this store applied; `namespace(kind, name)`
-        the local namespace or None; `catalog(record)` the local changes for a namespace's
-        create, drop or configure record."""
+        """`position`: the id of the last record this store applied; `origin`: this node's
+        id (its own weights/ records it applied already); `namespace(kind, name)` the local
+        namespace or None; `catalog(record)` the local changes for a namespace's create,
+        drop or configure record."""
         self.log = shared
+        self.origin = origin
+        # Applies another node's weights/ record (distorefs/weightslog.py), set by the store.
+        self.apply_tree: Callable[[Record], Awaitable[None]] | None = None
         self.committer = committer
         self.applied = position
         self._namespace = namespace
@@ -222,6 +226,9 @@ class Follower:
             return
         changes: list[Change] = []
         for rec in batch:
+            if rec.kind == "weights":  # alone in its batch (see _touches)
+                await self._apply_tree(rec)
+                continue
             try:
                 changes.extend(self._changes(rec))
             except DistorefsError as exc:
@@ -236,6 +243,14 @@ class Follower:
         self.counters["apply_batches"] += 1
         self._advanced.set()
         self._advanced = trio.Event()
+
+    async def _apply_tree(self, rec: Record) -> None:
+        if rec.fields.get(b"origin", b"").decode() == self.origin or self.apply_tree is None:
+            return  # this node's own change: applied before it was logged
+        try:
+            await self.apply_tree(rec)
+        except DistorefsError as exc:
+            self._failed(rec, exc)
 
     def _failed(self, rec: Record | None, exc: BaseException, change: Change | None = None) -> None:
         what = f"record {rec.id.decode()} ({rec.op} {rec.kind}/{rec.name})" if rec else type(change).__name__

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -53,6 +54,7 @@ from .services import Services
 from .tiering import TierMover
 from .values import ValueLayer
 from .weights import DB_WNODES, WeightsTree
+from .weightslog import WeightsLog
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,10 @@ class Store:
         self._synced_groups = 0
         stored = self.env.read(lambda txn: _copy(txn.get(b"weights", db=DB_META)))
         self.weights = WeightsTree(self.services, WeightsConfig.from_json(stored) if stored else WeightsConfig())
+        if self.follower is not None:  # weights/ is shared: changes announced, others' applied
+            shared_tree = WeightsLog(self.weights, self.shared_log, self.committer, self.follower.origin)
+            self.weights.announce = shared_tree.announce
+            self.follower.apply_tree = shared_tree.apply
         self.checkpoints = Checkpoints(self.services)
         self.checkpoints.after_crash = self.recovery.ran  # steps cut short go back to their restore points
         self.env.read(self._load_namespaces)
@@ -199,13 +205,15 @@ class Store:
                 if local:
                     raise InvalidConfig(f"this store holds node-local {', '.join(local[:3])}: a node joins a "
                                         f"shared store with an empty STORE directory (or one that followed it)")
-                txn.put(b"cluster", json.dumps({"store": spec.store, "id": identity, "url": spec.url}).encode(),
-                        db=DB_META)
+                txn.put(b"cluster", json.dumps({"store": spec.store, "id": identity, "url": spec.url,
+                                                "node": uuid.uuid4().hex}).encode(), db=DB_META)
             return _copy(txn.get(POSITION_KEY, db=DB_META)) or b"0-0"
 
         position = self.env.write(check)
+        node = self.env.read(lambda txn: json.loads(bytes(txn.get(b"cluster", db=DB_META))))["node"]
         self.engine = engine
-        return Follower(shared, self.committer, position, self._shared_namespace, self._catalog_changes)
+        self.shared_log = shared
+        return Follower(shared, self.committer, position, node, self._shared_namespace, self._catalog_changes)
 
     def _shared_namespace(self, kind: str, name: str) -> Namespace | None:
         return self.namespaces[kind].get(name) if kind in SHARED_KINDS else None

@@ -144,8 +144,11 @@ class ValueLayer:
         loc = self.tiers[tier].put(txn, vkey, stored, stream=stream)
         return StoredValue(enc.size, len(stored), enc.checksum, enc.codec, tier, loc)
 
-    def put_raw(self, txn: Txn, vkey: bytes, raw, compression: str, level: int = 1) -> StoredValue:
-        return self.put(txn, vkey, codec.encode(raw, compression, level))
+    def put_raw(self, txn: Txn, vkey: bytes, raw, compression: str, level: int = 1, *,
+                shared: bool = False) -> StoredValue:
+        """`shared`: in the cluster (a shared store's value every node reads), not this node's tiers."""
+        enc = codec.encode(raw, compression, level)
+        return self.put_shared(enc) if shared else self.put(txn, vkey, enc)
 
     def relocate(self, txn: Txn, vkey: bytes, value: StoredValue, stored: bytes, stream: int) -> StoredValue:
         """Move a value's stored bytes (read beforehand) to the NVMe tier, in `stream`; the
@@ -154,8 +157,13 @@ class ValueLayer:
         self.tiers[value.tier].delete(txn, value.loc)
         return StoredValue(value.size, value.stored_size, value.checksum, value.codec, TIER_NVME, loc)
 
-    def delete(self, txn: Txn, value: StoredValue) -> None:
-        """Free a value's location (each location exactly once)."""
+    def delete(self, txn: Txn, value: StoredValue, *, grace: float = 0.0) -> None:
+        """Free a value's location (each location exactly once). `grace`: a value in the
+        cluster goes only after that many seconds, for readers on other nodes that may still
+        be reading it (a node-local value has none but this node's, which the caller knows)."""
+        if grace and value.tier == TIER_CLUSTER:
+            self.tiers[value.tier].delete_later(value.loc, grace)  # type: ignore[attr-defined]
+            return
         self.tiers[value.tier].delete(txn, value.loc)
 
     def delete_all(self, txn: Txn, values: Sequence[StoredValue]) -> None:

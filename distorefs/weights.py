@@ -34,6 +34,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass, field, replace
+from typing import Awaitable, Callable
 
 import trio
 
@@ -55,6 +56,9 @@ DB_WNODES = b"wnodes"
 ROOT_ID = 1
 _ID = struct.Struct(">Q")
 DIR, FILE, LINK = "dir", "file", "link"
+# A shared store: chunks of a version collected here stay in the cluster this long, for
+# readers on other nodes that still read that version (past it they get EIO).
+SHARED_GRACE_S = 60.0
 
 
 @dataclass(eq=False)
@@ -252,6 +256,10 @@ class WeightsTree:
         self.counters = {"publishes": 0, "versions_collected": 0, "bytes_published": 0, "renames": 0}
         self._published = trio.Event()
         self.detached_at_load: list[WNode] = []  # unlinked while read when the daemon last stopped
+        # A shared store: tells the other nodes of a change this node made (published,
+        # made a directory, removed, renamed: distorefs/weightslog.py), and chunks are
+        # stored in the cluster. None on a node-local store.
+        self.announce: Callable[..., Awaitable[None]] | None = None
 
     # ----- loading -------------------------------------------------------------------
 
@@ -500,9 +508,12 @@ class WeightsTree:
                 return
             change = Publish(self, node, draft)
             await self.committer.submit(change)
+            if self.announce is not None:  # durable in the cluster before close() returns
+                await self.announce("wpublish", self.path_of(node), mode=node.mode, uid=node.uid, gid=node.gid,
+                                    version=json.dumps(change.version.to_dict()))
         self.counters["publishes"] += 1
         self.counters["bytes_published"] += change.version.size
-        self._wake()
+        self.wake()
 
     async def write_file(self, parent_id: int, name: bytes, data: bytes, owner: Owner) -> WNode:
         """Create (or rewrite) a file with `data` and publish it, as open/write/close does."""
@@ -534,6 +545,9 @@ class WeightsTree:
         check_create(name, self.child_or_none(parent_id, name), True)
         change = MakeNode(self, parent_id, name, DIR, owner, b"")
         await self.committer.submit(change)
+        if self.announce is not None:
+            node = change.node
+            await self.announce("wmkdir", self.path_of(node), mode=node.mode, uid=node.uid, gid=node.gid)
         return change.node
 
     async def symlink(self, parent_id: int, name: bytes, target: bytes, owner: Owner) -> WNode:
@@ -545,8 +559,11 @@ class WeightsTree:
         return change.node
 
     async def remove(self, parent_id: int, name: bytes, want_dir: bool) -> WNode:
+        path = self.path_of(self.child(parent_id, name)) if self.announce is not None else ""
         change = Remove(self, parent_id, name, want_dir)
         await self.committer.submit(change)
+        if self.announce is not None:
+            await self.announce("wremove", path)
         return change.node
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
@@ -554,10 +571,13 @@ class WeightsTree:
         node = self.child(old_parent, old_name)
         if node.kind == FILE:
             await self.publish(node)  # a file still being written moves with what it holds
+        old_path = self.path_of(node)
         change = Rename(self, old_parent, old_name, new_parent, new_name, noreplace, exchange)
         await self.committer.submit(change)
+        if self.announce is not None:
+            await self.announce("wrename", old_path, to=self.path_of(change.node), exchange=int(exchange))
         self.counters["renames"] += 1
-        self._wake()
+        self.wake()
         return change.node, change.replaced
 
     async def setattr(self, node: WNode, change: AttrChange, handle: WriteHandle | None = None) -> None:
@@ -602,7 +622,7 @@ class WeightsTree:
 
     # ----- waiting for a newer version -----------------------------------------------
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         self._published.set()
         self._published = trio.Event()
 
@@ -641,7 +661,7 @@ def free_versions(tree: WeightsTree, txn, victims: list[Version], kept: list[Ver
         for c in version.chunks:
             if c is not None and (c.tier, c.loc) not in keep and (c.tier, c.loc) not in seen:
                 seen.add((c.tier, c.loc))
-                tree.values.delete(txn, c)
+                tree.values.delete(txn, c, grace=SHARED_GRACE_S)
 
 
 class _TreeChange(Change):
@@ -689,7 +709,8 @@ class Publish(_TreeChange):
                     continue
                 # every version's chunks have their own keys: a reader may still hold the old ones
                 vkey = b"w" + _key(self.node.id) + struct.pack(">QI", self.number, i)
-                chunks.append(tree.values.put_raw(txn, vkey, raw, tree.config.compression))
+                chunks.append(tree.values.put_raw(txn, vkey, raw, tree.config.compression,
+                                                  shared=tree.announce is not None))
             else:
                 chunks.append(part)
         while chunks and chunks[-1] is None:

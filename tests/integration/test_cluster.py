@@ -13,6 +13,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -230,3 +231,79 @@ def test_acknowledged_inserts_survive_the_loss_of_a_redis_master(tmp_path, nodes
         assert np.load(a.mnt / "buffers/fo/entries/y05").tolist() == [5] * 4
         for node in (a, b):
             node.umount()
+
+
+def _blob(version: int, size: int) -> bytes:
+    """Every 4 KiB page says which version it belongs to: a torn read mixes two numbers."""
+    page = version.to_bytes(8, "little") * 512
+    return (page * (size // len(page) + 1))[:size]
+
+
+def _versions_in(data: bytes) -> set[int]:
+    return {int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 4096)}
+
+
+def test_weights_published_on_one_node_read_whole_on_others(nodes):
+    trainer, *collectors = nodes(), nodes(), nodes()
+    (trainer.mnt / "weights" / "policy").mkdir()
+    path = "weights/policy/model.bin"
+    size = 3 << 20
+    (trainer.mnt / path).write_bytes(_blob(1, size))
+    for c in collectors:
+        assert wait_for(lambda: (c.mnt / path).exists() and (c.mnt / path).stat().st_size == size)
+    stop = threading.Event()
+    torn: list = []
+    reads = collections.Counter()
+
+    def collector(node: Mount) -> None:
+        while not stop.is_set():
+            data = (node.mnt / path).read_bytes()
+            seen = _versions_in(data)
+            if len(data) != size or len(seen) != 1:
+                torn.append((len(data), seen))
+            reads[max(seen)] += 1
+
+    threads = [threading.Thread(target=collector, args=(c,)) for c in collectors]
+    for t in threads:
+        t.start()
+    try:
+        for v in range(2, 12):  # republished while the collectors read, torch.save-style and tmp+rename
+            if v % 2:
+                (trainer.mnt / "weights/policy/tmp").write_bytes(_blob(v, size))
+                os.rename(trainer.mnt / "weights/policy/tmp", trainer.mnt / path)
+            else:
+                (trainer.mnt / path).write_bytes(_blob(v, size))
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert torn == []
+    assert len(reads) > 2, reads  # the collectors saw several versions go by
+    for c in collectors:
+        assert wait_for(lambda: _versions_in((c.mnt / path).read_bytes()) == {11}), _versions_in((c.mnt / path).read_bytes())
+
+
+def test_wait_on_one_node_for_a_version_published_on_another(nodes):
+    trainer, collector = nodes(), nodes()
+    (trainer.mnt / "weights" / "w").mkdir()
+    (trainer.mnt / "weights/w/p.bin").write_bytes(_blob(1, 4096))
+    assert wait_for(lambda: (collector.mnt / "weights/w/p.bin").exists())
+    got = []
+
+    def waiter() -> None:
+        with open(collector.mnt / ".distorefs" / "wait", "r+b", buffering=0) as f:
+            f.write(b"w/p.bin 1\n")
+            got.append(f.read())
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.5)
+    assert not got
+    (trainer.mnt / "weights/w/p.bin").write_bytes(_blob(2, 4096))
+    t.join(timeout=10)
+    assert got == [b"2\n"]
+    assert _versions_in((collector.mnt / "weights/w/p.bin").read_bytes()) == {2}
+    # a removal on one node is one on the other
+    os.unlink(trainer.mnt / "weights/w/p.bin")
+    assert wait_for(lambda: not (collector.mnt / "weights/w/p.bin").exists())
