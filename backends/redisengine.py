@@ -162,6 +162,16 @@ class ClusterEngine:
         self.counters["bytes_out"] += len(data)
         self.on_master(key, lambda p: p.set(key, bytes(data)), durable=durable)
 
+    def set_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> None:
+        """SET each, one pipeline (and one WAIT) per master holding some of them."""
+        groups: dict[str, list[tuple[bytes, bytes | memoryview]]] = {}
+        for key, data in items:
+            node = self._retry(lambda: self.rc.get_node_from_key(key))
+            groups.setdefault(node.name if node is not None else "", []).append((key, data))
+            self.counters["bytes_out"] += len(data)
+        for group in groups.values():
+            self.on_master(group[0][0], lambda p, g=group: [p.set(k, bytes(d)) for k, d in g])
+
     def get(self, key: bytes) -> bytes | None:
         data = self._retry(lambda: self.rc.get(key))
         self.counters["round_trips"] += 1
@@ -231,6 +241,12 @@ class ClusterValues(ValueBackend):
         loc = self.prefix + b":v:" + uuid.uuid4().hex.encode()
         self.engine.set(loc, data)
         return loc
+
+    def put_many(self, datas: Sequence[bytes | memoryview]) -> list[bytes]:
+        """`put` of each, a round trip per master rather than per value."""
+        locs = [self.prefix + b":v:" + uuid.uuid4().hex.encode() for _ in datas]
+        self.engine.set_many(list(zip(locs, datas)))
+        return locs
 
     def get(self, loc: bytes) -> bytes:
         data = self.engine.get(loc)

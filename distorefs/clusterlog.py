@@ -107,24 +107,30 @@ return redis.call('XADD', KEYS[1], '*', 'op', 'configure', 'ns', ARGV[1], 'confi
 
 _INSERT = _EVICT + r"""
 if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ENOENT no ' .. ARGV[1]) end
-local key = ARGV[2]
-local size = tonumber(ARGV[3])
-local cur = redis.call('HGET', KEYS[3], key)
-local seq
-if cur then
-  local sp = string.find(cur, ' ', 1, true)
-  seq = string.sub(cur, 1, sp - 1)
-  redis.call('HINCRBY', KEYS[2], 'bytes', size - tonumber(string.sub(cur, sp + 1)))
-else
-  seq = tostring(redis.call('HINCRBY', KEYS[2], 'seq', 1))
-  redis.call('HINCRBY', KEYS[2], 'count', 1)
-  redis.call('HINCRBY', KEYS[2], 'bytes', size)
-  redis.call('RPUSH', KEYS[4], seq .. '\0' .. key)
+local ids = {}
+for i = 0, tonumber(ARGV[2]) - 1 do
+  local a = 3 + i * 6
+  local key = ARGV[a]
+  local size = tonumber(ARGV[a + 1])
+  local cur = redis.call('HGET', KEYS[3], key)
+  local seq
+  if cur then
+    local sp = string.find(cur, ' ', 1, true)
+    seq = string.sub(cur, 1, sp - 1)
+    redis.call('HINCRBY', KEYS[2], 'bytes', size - tonumber(string.sub(cur, sp + 1)))
+  else
+    seq = tostring(redis.call('HINCRBY', KEYS[2], 'seq', 1))
+    redis.call('HINCRBY', KEYS[2], 'count', 1)
+    redis.call('HINCRBY', KEYS[2], 'bytes', size)
+    redis.call('RPUSH', KEYS[4], seq .. '\0' .. key)
+  end
+  redis.call('HSET', KEYS[3], key, seq .. ' ' .. size)
+  local evicted = evict(KEYS[2], KEYS[3], KEYS[4], seq)
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'op', 'insert', 'ns', ARGV[1], 'key', key, 'seq', seq,
+                             'value', ARGV[a + 2], 'places', ARGV[a + 3], 'owner', ARGV[a + 4], 'prio', ARGV[a + 5],
+                             'evicted', evicted)
 end
-redis.call('HSET', KEYS[3], key, seq .. ' ' .. size)
-local evicted = evict(KEYS[2], KEYS[3], KEYS[4], seq)
-return redis.call('XADD', KEYS[1], '*', 'op', 'insert', 'ns', ARGV[1], 'key', key, 'seq', seq, 'value', ARGV[4],
-                  'places', ARGV[5], 'owner', ARGV[6], 'prio', ARGV[7], 'evicted', evicted)
+return ids
 """
 
 _DELETE = r"""
@@ -144,6 +150,20 @@ return redis.call('XADD', KEYS[1], '*', 'op', ARGV[2], 'ns', ARGV[1], 'data', AR
 
 _OWNER = struct.Struct("<IIIq")  # mode, uid, gid, mtime_ns
 _PAIR = struct.Struct("<d")
+
+
+@dataclass(frozen=True, slots=True)
+class Insert:
+    """One entry for `SharedLog.insert`: its value is in the cluster already (`value`: the
+    packed StoredValue)."""
+
+    key: bytes
+    size: int
+    value: bytes
+    places: bytes
+    owner: Owner
+    mtime_ns: int
+    priority: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,11 +243,15 @@ class SharedLog:
     def configure(self, kind: str, name: str, config: dict) -> bytes:
         return self._eval(_CONFIGURE, kind, name, json.dumps(config), config["capacity"], config["max_bytes"])
 
-    def insert(self, kind: str, name: str, key: bytes, size: int, value: bytes, places: bytes, owner: Owner,
-               mtime_ns: int, priority: float | None) -> bytes:
-        return self._eval(_INSERT, kind, name, key, size, value, places,
-                          _OWNER.pack(owner.mode, owner.uid, owner.gid, mtime_ns),
-                          b"" if priority is None else repr(priority).encode())
+    def insert(self, kind: str, name: str, items: Sequence["Insert"]) -> list[bytes]:
+        """Inserts (or rewrites) in order, each a record (ids in order); one script, one
+        round trip for them all."""
+        args: list = [len(items)]
+        for it in items:
+            args += [it.key, it.size, it.value, it.places,
+                     _OWNER.pack(it.owner.mode, it.owner.uid, it.owner.gid, it.mtime_ns),
+                     b"" if it.priority is None else repr(it.priority).encode()]
+        return self._eval(_INSERT, kind, name, *args)
 
     def delete(self, kind: str, name: str, key: bytes) -> bytes:
         return self._eval(_DELETE, kind, name, key)

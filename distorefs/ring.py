@@ -23,6 +23,7 @@ import trio
 from sortedcontainers import SortedDict
 
 from . import codec
+from .clusterlog import Insert
 from .catalog import DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, ns_prefix, pack_f64
 from .committer import Change, Overlay, Replan
 from .config import RingConfig
@@ -34,6 +35,7 @@ from .owner import Owner
 from .placement import TIER_LMDB, TIER_NAMES
 from .removers import Candidates, Remover, ring_remover
 from .services import Services
+from .waiting import Outcome
 
 if TYPE_CHECKING:
     from .prefetcher import Prefetcher
@@ -94,6 +96,8 @@ class Ring:
         # cluster's log and is applied here (as on every node) by its follower, which alone
         # evicts, in the log's global FIFO order.
         self.shared = services.follower
+        self._shared_queue: list[_SharedInsert] = []
+        self._shared_busy = False
 
     # ----- queries -------------------------------------------------------------------
 
@@ -252,27 +256,74 @@ class Ring:
 
     async def _insert_shared(self, key: bytes, data: bytes, owner: Owner, priority: float | None) -> EntryMeta:
         """The value to the cluster, then the insert to its log (both durable), then the
-        entry as this node's follower applied it."""
+        entry as this node's follower applied it. Inserts waiting meanwhile go together:
+        their values in a round trip per master, their records in one script."""
+        item = self._queue_shared(key, data, owner, priority)
+        await self._drive_shared()
+        return await self._shared_done(item)
+
+    def _queue_shared(self, key: bytes, data: bytes, owner: Owner, priority: float | None) -> "_SharedInsert":
+        regions = self.place(key, data) if self.place is not None else None  # refused here, not in the log
+        item = _SharedInsert(key, data, regions, owner, priority)
+        self._shared_queue.append(item)
+        return item
+
+    async def _drive_shared(self) -> None:
+        """Publish what is queued, unless a task does already (then it publishes ours too)."""
+        if self._shared_busy:
+            return
+        self._shared_busy = True
+        try:
+            with trio.CancelScope(shield=True):  # others' inserts ride on this task
+                while self._shared_queue:
+                    batch = self._shared_queue[:SHARED_BATCH]
+                    del self._shared_queue[:SHARED_BATCH]
+                    await self._publish_inserts(batch)
+        finally:
+            self._shared_busy = False
+
+    async def _shared_done(self, item: "_SharedInsert") -> EntryMeta:
+        await item.outcome.wait()
+        meta = self.by_key.get(item.key)
+        if meta is None:  # evicted (or deleted) again by the records that followed it
+            raise NotFound(f"{self.kind}/{self.name}: {item.key!r} was inserted and removed again at once")
+        self.values.cache.put(self._cache_key(meta), bytes(item.data))
+        return meta
+
+    async def _publish_inserts(self, batch: list["_SharedInsert"]) -> None:
         shared = self.shared
         assert shared is not None
-        regions = self.place(key, data) if self.place is not None else None  # refused here, not in the log
         config = self.config
 
-        def append() -> bytes:
-            crc, places = None, b""
-            if regions:
-                crc, crcs = codec.checksums(data, regions)
-                places = pack_places([off for off, _ in regions], crcs)
-            value = self.values.put_shared(codec.encode(data, config.compression, config.compression_level, crc=crc))
-            return shared.log.insert(self.kind, self.name, key, len(data), value.pack(), places, owner,
-                                     time.time_ns(), priority)
+        def append() -> list[bytes]:
+            encs, places = [], []
+            for it in batch:
+                crc, packed = None, b""
+                if it.regions:
+                    crc, crcs = codec.checksums(it.data, it.regions)
+                    packed = pack_places([off for off, _ in it.regions], crcs)
+                encs.append(codec.encode(it.data, config.compression, config.compression_level, crc=crc))
+                places.append(packed)
+            values = self.values.put_shared_many(encs)
+            now = time.time_ns()
+            return shared.log.insert(self.kind, self.name, [
+                Insert(it.key, len(it.data), v.pack(), p, it.owner, now, it.priority)
+                for it, v, p in zip(batch, values, places)])
 
-        await shared.publish(append)
-        meta = self.by_key.get(key)
-        if meta is None:  # evicted (or deleted) again by the records that followed it
-            raise NotFound(f"{self.kind}/{self.name}: {key!r} was inserted and removed again at once")
-        self.values.cache.put(self._cache_key(meta), bytes(data))
-        return meta
+        try:
+            ids = await trio.to_thread.run_sync(append)
+            await shared.until(ids[-1])
+        except BaseException as exc:
+            for it in batch:
+                it.outcome.error = exc if isinstance(exc, DistorefsError) else DistorefsError(f"insert failed: {exc}")
+                it.outcome.done.set()
+            if not isinstance(exc, Exception):
+                raise
+            if not isinstance(exc, DistorefsError):
+                log.exception("%s/%s: shared inserts failed", self.kind, self.name)
+            return
+        for it in batch:
+            it.outcome.done.set()
 
     async def insert_many(self, items: list[tuple[bytes, bytes]], owner: Owner,
                           priority: float | None = None) -> list["EntryMeta | BaseException"]:
@@ -280,10 +331,18 @@ class Ring:
         result is the entry committed or the error of its insert. One refused for lack of
         room is retried alone, as `insert` does (the oldest entries may make room)."""
         out: list[EntryMeta | BaseException] = []
-        if self.shared is not None:
+        if self.shared is not None:  # all queued first: they are published together
+            queued: list[_SharedInsert | DistorefsError] = []
             for key, data in items:
                 try:
-                    out.append(await self.insert(key, data, owner, priority))
+                    self.check_insert(key, len(data))
+                    queued.append(self._queue_shared(key, data, owner, priority))
+                except DistorefsError as exc:
+                    queued.append(exc)
+            await self._drive_shared()
+            for item in queued:
+                try:
+                    out.append(item if isinstance(item, DistorefsError) else await self._shared_done(item))
                 except DistorefsError as exc:
                     out.append(exc)
             return out
@@ -524,6 +583,17 @@ class Ring:
             self.apply_add(meta, prio.get(meta.seq), sampled.get(meta.seq, 0), indexed=True)
         if self.observer is not None:
             self.observer.entries_loaded()
+
+
+SHARED_BATCH = 64  # inserts of a shared ring published together at most
+
+
+class _SharedInsert:
+    __slots__ = ("key", "data", "regions", "owner", "priority", "outcome")
+
+    def __init__(self, key: bytes, data: bytes, regions, owner: Owner, priority: float | None) -> None:
+        self.key, self.data, self.regions, self.owner, self.priority = key, data, regions, owner, priority
+        self.outcome = Outcome()
 
 
 class RingNamespace:

@@ -31,6 +31,8 @@ class SharedLogFollower(Protocol):
 
     def publish_soon(self, append: Callable[..., bytes], *args: Any) -> Any: ...
 
+    async def until(self, rid: bytes) -> None: ...
+
 
 def _nothing(*_args: Any) -> None:
     pass

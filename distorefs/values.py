@@ -134,6 +134,15 @@ class ValueLayer:
             raise from_backend(exc) from None
         return StoredValue(enc.size, len(enc.stored), enc.checksum, enc.codec, TIER_CLUSTER, loc)
 
+    def put_shared_many(self, encs: Sequence[codec.Encoded]) -> list[StoredValue]:
+        """`put_shared` of several values at once (a round trip per master holding some)."""
+        try:
+            locs = self.tiers[TIER_CLUSTER].put_many([e.stored for e in encs])  # type: ignore[attr-defined]
+        except BackendError as exc:
+            raise from_backend(exc) from None
+        return [StoredValue(e.size, len(e.stored), e.checksum, e.codec, TIER_CLUSTER, loc)
+                for e, loc in zip(encs, locs)]
+
     # ----- writes: inside a commit's transaction -------------------------------------
 
     def put(self, txn: Txn, vkey: bytes, enc: codec.Encoded, *, stream: int = 0, cold: bool = False) -> StoredValue:
@@ -172,11 +181,15 @@ class ValueLayer:
 
     # ----- reads ------------------------------------------------------------------------
 
-    def read(self, value: StoredValue, what: str) -> bytes:
+    def read(self, value: StoredValue, what: str, stored: bytes | None = None) -> bytes:
         """The decoded, verified content of `value` (worker thread). NotFound when nothing
-        is at its location, CorruptValue when its bytes do not verify; both name `what`."""
+        is at its location, CorruptValue when its bytes do not verify; both name `what`.
+        `stored`: its stored bytes, fetched already (with others: see `_Reads`)."""
         try:
-            stored, tier_crc = self.tiers[value.tier].get_checked(value.loc)
+            if stored is None:
+                stored, tier_crc = self.tiers[value.tier].get_checked(value.loc)
+            else:
+                tier_crc = None
             if len(stored) != value.stored_size:
                 raise CorruptValue(f"stored size {len(stored)}, expected {value.stored_size}")
             data = codec.decode(stored, value.codec, value.size, value.checksum, what, stored_crc=tier_crc)
@@ -393,13 +406,27 @@ class _Reads:
 
     def _read_blocking(self, batch: list[_Req]) -> list:
         read = self.layer.read
+        prefetched = self._from_cluster(batch)
         out: list = []
-        for req in batch:
+        for i, req in enumerate(batch):
             try:
-                out.append(read(req.value, req.what))
+                out.append(read(req.value, req.what, prefetched.get(i)))
             except DistorefsError as exc:
                 out.append(exc)
             except Exception as exc:  # a bug must fail this read, never the daemon
                 log.exception("reading %s", req.what)
                 out.append(DistorefsError(f"{req.what}: read failed: {exc}"))
         return out
+
+    def _from_cluster(self, batch: list[_Req]) -> dict[int, bytes]:
+        """The stored bytes of the batch's values in the cluster, in one pipeline (a round
+        trip per master, not per value); what it misses is read alone (and fails alone)."""
+        wanted = [i for i, req in enumerate(batch) if req.value.tier == TIER_CLUSTER]
+        if len(wanted) < 2:
+            return {}
+        try:
+            found = self.layer.tiers[TIER_CLUSTER].get_many(  # type: ignore[attr-defined]
+                [batch[i].value.loc for i in wanted])
+        except BackendError:
+            return {}
+        return {i: data for i, data in zip(wanted, found) if data is not None}

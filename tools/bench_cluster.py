@@ -113,6 +113,51 @@ def _learner(buf: Path, seconds: float) -> float:
     return round(count / (time.perf_counter() - t0), 1)
 
 
+WEIGHTS = 16 << 20  # bytes of the weights file republished
+
+
+def _weights_latency(nodes: list[DistorefsMount], p: dict) -> dict:
+    """Node 0 republishes weights/bench/model.bin; a waiter on each other node blocks in
+    .distorefs/wait for the next version. Milliseconds from close() returning on node 0
+    to the wait returning elsewhere (median and max over the rounds), and the publish itself."""
+    d = nodes[0].mnt / "weights" / "bench"
+    d.mkdir(exist_ok=True)
+    path = d / "model.bin"
+    data = np.random.default_rng(0).integers(0, 256, WEIGHTS, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    version = 1
+    lags: list[float] = []
+    publish_ms: list[float] = []
+    for _ in range(5 if p["seconds"] < 5 else 12):
+        seen: dict[int, float] = {}
+
+        def waiter(i: int, node: DistorefsMount, after: int) -> None:
+            with open(node.mnt / ".distorefs" / "wait", "r+b", buffering=0) as f:
+                f.write(f"bench/model.bin {after}\n".encode())
+                f.read()
+            seen[i] = time.perf_counter()
+
+        deadline = time.monotonic() + 30
+        while not all((n.mnt / "weights/bench/model.bin").exists() for n in nodes[1:]):
+            if time.monotonic() > deadline:
+                raise TimeoutError("weights never reached the other nodes")
+            time.sleep(0.01)
+        threads = [threading.Thread(target=waiter, args=(i, n, version), daemon=True) for i, n in enumerate(nodes[1:])]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)  # the waiters are blocked in the mount
+        t0 = time.perf_counter()
+        path.write_bytes(data)
+        closed = time.perf_counter()
+        version += 1
+        for t in threads:
+            t.join(30)
+        publish_ms.append((closed - t0) * 1e3)
+        lags += [(seen[i] - closed) * 1e3 for i in seen]
+    return {"median": round(float(np.median(lags)), 2), "max": round(max(lags), 2),
+            "publish_ms": round(float(np.median(publish_ms)), 1), "bytes": WEIGHTS}
+
+
 def _nodes_run(cluster: LoopbackCluster, root: Path, n: int, p: dict) -> dict:
     store = f"bench{n}"
     nodes = [DistorefsMount(root / f"n{n}-{i}" / "store", root / f"n{n}-{i}" / "mnt") for i in range(n)]
@@ -163,6 +208,10 @@ def _nodes_run(cluster: LoopbackCluster, root: Path, n: int, p: dict) -> dict:
                 res["others_inserts"] = others.count
         print(f"  {n} node(s): learner alone {res['learner_alone']} entries/s, while others insert "
               f"{res.get('learner_while_others_insert', '-')}", flush=True)
+        if n > 1:
+            res["weights_visible_ms"] = _weights_latency(nodes, p)
+            print(f"  {n} node(s): weights visible on the other nodes after close() returned: "
+                  f"{res['weights_visible_ms']}", flush=True)
         apply_s = [_stats(node) for node in nodes]
         res["applied_records"] = [s.get("records_applied") for s in apply_s]
         return res
@@ -195,7 +244,7 @@ def _model(rows: list[dict]) -> list[str]:
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'nodes':>5s} {'inserts/s':>10s} {'vs 1 node':>9s} {'learner alone':>14s} {'learner, others insert':>23s} "
-             f"{'ratio':>6s} {'B to Redis/insert':>18s} {'round trips':>11s}"]
+             f"{'ratio':>6s} {'B to Redis/insert':>18s} {'round trips':>11s} {'weights ms':>13s}"]
     base = next((r["inserts_per_s"] for r in rows if r["nodes"] == 1), None)
     single = next((r["learner_alone"] for r in rows if r["nodes"] == 1), None)
     for r in rows:
@@ -204,7 +253,8 @@ def format_table(rows: list[dict]) -> str:
                      f"{(r['inserts_per_s'] / base if base else 0):>8.2f}x {r['learner_alone']:>14,.1f} "
                      f"{'-' if busy is None else f'{busy:,.1f}':>23s} "
                      f"{'-' if busy is None or not single else f'{busy / single:.2f}x':>6s} "
-                     f"{r['per_insert']['bytes_to_redis']:>18,d} {r['per_insert']['round_trips']:>11.2f}")
+                     f"{r['per_insert']['bytes_to_redis']:>18,d} {r['per_insert']['round_trips']:>11.2f} "
+                     f"{(r.get('weights_visible_ms') or {}).get('median', '-')!s:>13s}")
     return "\n".join(lines)
 
 
@@ -230,7 +280,9 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
         remove_workdir(root, errors)
     notes.append("nodes, the 6 Redis servers and the actors share this machine's cores: the aggregate rate cannot "
                  "grow with nodes here; the model below says what does on real hardware")
-    notes.append("weights/, datasets/ and checkpoints/ are not shared yet: no cross-node weights latency is measured")
+    notes.append("weights: a 16 MB file republished on node 0; 'visible' is from its close() returning there to "
+                 ".distorefs/wait returning on another node (it can return first: the other node applies the "
+                 "record as soon as it is in the cluster, which close() waits for too)")
     table = format_table(rows)
     base = next((x for x in rows if x["nodes"] == 1), None)
     three = next((x for x in rows if x["nodes"] == 3), None)
