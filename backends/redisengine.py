@@ -204,8 +204,10 @@ class ClusterEngine:
         self._retry(lambda: self.rc.pexpire(key, max(1, int(seconds * 1000))))
 
     def read_stream(self, stream: bytes, after: bytes, count: int, block_ms: int) -> list[tuple[bytes, dict]]:
-        """Up to `count` records of `stream` after id `after`, waiting up to `block_ms` for one."""
-        out = self._retry(lambda: self.rc.xread({stream: after}, count=count, block=block_ms))
+        """Up to `count` records of `stream` after id `after`, waiting up to `block_ms` for one
+        (0: not at all)."""
+        block = block_ms if block_ms > 0 else None  # (BLOCK 0 would wait for ever)
+        out = self._retry(lambda: self.rc.xread({stream: after}, count=count, block=block))
         self.counters["round_trips"] += 1
         if not out:
             return []

@@ -1,0 +1,89 @@
+"""The shared store's log on a real Redis Cluster, without FUSE: the scripts that decide
+global FIFO eviction (distorefs/clusterlog.py), record by record."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from distorefs.backends.redisengine import ClusterEngine
+from distorefs.clusterlog import Insert, SharedLog, id_tuple
+from distorefs.errors import AlreadyExists, NotEmpty, NotFound
+from distorefs.owner import Owner
+from distorefs.tools.rediscluster import LoopbackCluster
+
+OWNER = Owner(0o100644, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    if not shutil.which("redis-server"):
+        pytest.fail("redis-server is missing: scripts/system-deps.sh installs it")
+    with LoopbackCluster(tmp_path_factory.mktemp("redis"), masters=3) as c:
+        engine = ClusterEngine(c.url)
+        yield SharedLog(engine, "unit")
+        engine.close()
+
+
+def _insert(log: SharedLog, name: str, *keys: bytes, size: int = 10) -> list[bytes]:
+    return log.insert("buffers", name, [Insert(k, size, b"v" + k, b"", OWNER, 1, None) for k in keys])
+
+
+def _records(log: SharedLog, after: bytes = b"0-0"):
+    out = []
+    while True:
+        got = log.read(after, 100, 0) if after != b"$" else []
+        if not got:
+            return out
+        out += got
+        after = got[-1].id
+
+
+def test_fifo_capacity_rewrite_and_delete(shared):
+    config = {"capacity": 3, "max_bytes": 0}
+    start = shared.head()
+    shared.create("buffers", "fifo", config, OWNER, 1)
+    with pytest.raises(AlreadyExists):
+        shared.create("buffers", "fifo", config, OWNER, 1)
+    _insert(shared, "fifo", b"a", b"b", b"c")
+    _insert(shared, "fifo", b"b")  # a rewrite: keeps its seq and its place in the FIFO
+    shared.delete("buffers", "fifo", b"c")  # leaves a leftover in the FIFO, skipped later
+    with pytest.raises(NotFound):
+        shared.delete("buffers", "fifo", b"c")
+    ids = _insert(shared, "fifo", b"d", b"e", b"f")
+    assert [id_tuple(i) for i in ids] == sorted(id_tuple(i) for i in ids)
+    recs = [r for r in _records(shared, start) if r.name == "fifo"]
+    inserts = [r for r in recs if r.op == "insert"]
+    seqs = {bytes(r.fields[b"key"]): int(r.fields[b"seq"]) for r in inserts}
+    assert seqs == {b"a": 1, b"b": 2, b"c": 3, b"d": 4, b"e": 5, b"f": 6}
+    evicted = [e for r in inserts for e in r.evicted()]
+    # a, b, c, d, e, f with c deleted and capacity 3: after f the live ones are d, e, f
+    assert evicted == [(1, b"a"), (2, b"b")], evicted
+    with pytest.raises(NotEmpty):
+        shared.drop("buffers", "fifo")
+    # a lower capacity evicts the oldest at once, in the configure record
+    rid = shared.configure("buffers", "fifo", {"capacity": 1, "max_bytes": 0})
+    rec = [r for r in _records(shared, start) if r.id == rid][0]
+    assert rec.evicted() == [(4, b"d"), (5, b"e")]
+
+
+def test_max_bytes_evicts_down_to_it(shared):
+    shared.create("buffers", "bytes", {"capacity": 100, "max_bytes": 25}, OWNER, 1)
+    start = shared.head()
+    _insert(shared, "bytes", b"x", b"y", size=10)
+    _insert(shared, "bytes", b"z", size=10)  # 30 > 25: x goes
+    recs = [r for r in _records(shared, start) if r.op == "insert"]
+    assert [e for r in recs for e in r.evicted()] == [(1, b"x")]
+
+
+def test_priorities_and_layout_records(shared):
+    shared.create("buffers", "prio", {"capacity": 10, "max_bytes": 0}, OWNER, 1)
+    start = shared.head()
+    shared.priorities("buffers", "prio", [(b"k1", 2.5), (b"k \xff", 0.0)])
+    shared.set_layout("buffers", "prio", None)
+    recs = _records(shared, start)
+    assert recs[0].op == "priorities" and recs[0].priorities() == [(b"k1", 2.5), (b"k \xff", 0.0)]
+    assert recs[1].op == "layout"
+    with pytest.raises(NotFound):
+        shared.priorities("buffers", "nothere", [(b"k", 1.0)])
