@@ -22,6 +22,14 @@ from pathlib import Path
 NODE_TIMEOUT_MS = 2000
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies, even by kill -9 (a
+    timed-out test run), so no server outlives its cluster's owner."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -91,7 +99,8 @@ class LoopbackCluster:
                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--appendonly", "yes",
                 "--appendfsync", "always", "--save", "", "--daemonize", "no", "--logfile", "redis.log"]
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)  # a Ctrl-C of a test run is ours to pass on
+                                start_new_session=True,  # a Ctrl-C of a test run is ours to pass on
+                                preexec_fn=_die_with_parent)
         return Node(port, proc, d)
 
     def _check_alive(self, node: Node, deadline: float) -> None:
