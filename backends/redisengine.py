@@ -158,10 +158,6 @@ class ClusterEngine:
         self.counters["bytes_out"] += sum(len(a) for a in args if isinstance(a, (bytes, str)))
         return self.on_master(keys[0], lambda p: p.eval(script, len(keys), *keys, *args), durable=durable)[0]
 
-    def set(self, key: bytes, data: bytes | memoryview, *, durable: bool = True) -> None:
-        self.counters["bytes_out"] += len(data)
-        self.on_master(key, lambda p: p.set(key, bytes(data)), durable=durable)
-
     def set_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> None:
         """SET each, one pipeline (and one WAIT) per master holding some of them."""
         groups: dict[str, list[tuple[bytes, bytes | memoryview]]] = {}
@@ -240,9 +236,7 @@ class ClusterValues(ValueBackend):
         self.prefix = prefix.encode()
 
     def put(self, txn: Txn | None, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
-        loc = self.prefix + b":v:" + uuid.uuid4().hex.encode()
-        self.engine.set(loc, data)
-        return loc
+        return self.put_many([data])[0]
 
     def put_many(self, datas: Sequence[bytes | memoryview]) -> list[bytes]:
         """`put` of each, a round trip per master rather than per value."""

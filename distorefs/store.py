@@ -191,7 +191,7 @@ class Store:
             raise from_backend(exc) from None
         self.values.attach_cluster(ClusterValues(engine, f"distorefs:{spec.store}"))
 
-        def check(txn) -> bytes:
+        def check(txn) -> tuple[bytes, str]:
             stored = _copy(txn.get(b"cluster", db=DB_META))
             if stored is not None:
                 joined = json.loads(stored)
@@ -207,10 +207,10 @@ class Store:
                                         f"shared store with an empty STORE directory (or one that followed it)")
                 txn.put(b"cluster", json.dumps({"store": spec.store, "id": identity, "url": spec.url,
                                                 "node": uuid.uuid4().hex}).encode(), db=DB_META)
-            return _copy(txn.get(POSITION_KEY, db=DB_META)) or b"0-0"
+            node = json.loads(bytes(txn.get(b"cluster", db=DB_META)))["node"]
+            return _copy(txn.get(POSITION_KEY, db=DB_META)) or b"0-0", node
 
-        position = self.env.write(check)
-        node = self.env.read(lambda txn: json.loads(bytes(txn.get(b"cluster", db=DB_META))))["node"]
+        position, node = self.env.write(check)
         self.engine = engine
         self.shared_log = shared
         return Follower(shared, self.committer, position, node, self._shared_namespace, self._catalog_changes)

@@ -128,11 +128,7 @@ class ValueLayer:
     def put_shared(self, enc: codec.Encoded) -> StoredValue:
         """Store one encoded value in the cluster (worker thread; durable when it returns).
         No transaction: the log record that refers to it is the commit."""
-        try:
-            loc = self.tiers[TIER_CLUSTER].put(None, b"", enc.stored)  # type: ignore[arg-type]
-        except BackendError as exc:
-            raise from_backend(exc) from None
-        return StoredValue(enc.size, len(enc.stored), enc.checksum, enc.codec, TIER_CLUSTER, loc)
+        return self.put_shared_many([enc])[0]
 
     def put_shared_many(self, encs: Sequence[codec.Encoded]) -> list[StoredValue]:
         """`put_shared` of several values at once (a round trip per master holding some)."""
