@@ -45,8 +45,7 @@ POSITION_KEY = b"cluster_pos"
 class SavePosition(Change):
     """The id of the last record a batch applied, committed with it."""
 
-    def __init__(self, follower: "Follower", rid: bytes) -> None:
-        self.follower = follower
+    def __init__(self, rid: bytes) -> None:
         self.rid = rid
 
     def txn(self, txn) -> None:
@@ -233,7 +232,7 @@ class Follower:
                 changes.extend(self._changes(rec))
             except DistorefsError as exc:
                 self._failed(rec, exc)
-        changes.append(SavePosition(self, batch[-1].id))
+        changes.append(SavePosition(batch[-1].id))
         errors = await self.committer.submit_all(changes)
         for change, error in zip(changes, errors):
             if error is not None:

@@ -296,14 +296,7 @@ class Ring:
         config = self.config
 
         def append() -> list[bytes]:
-            encs, places = [], []
-            for it in batch:
-                crc, packed = None, b""
-                if it.regions:
-                    crc, crcs = codec.checksums(it.data, it.regions)
-                    packed = pack_places([off for off, _ in it.regions], crcs)
-                encs.append(codec.encode(it.data, config.compression, config.compression_level, crc=crc))
-                places.append(packed)
+            encs, places = zip(*(encode_entry(it.data, it.regions, config) for it in batch))
             values = self.values.put_shared_many(encs)
             now = time.time_ns()
             return shared.log.insert(self.kind, self.name, [
@@ -588,6 +581,17 @@ class Ring:
 SHARED_BATCH = 64  # inserts of a shared ring published together at most
 
 
+def encode_entry(raw: bytes, regions: list[tuple[int, int]] | None,
+                 config: RingConfig) -> tuple[codec.Encoded, bytes]:
+    """An entry's stored form and its packed places (the arrays' offsets and CRCs, b"" for
+    none): the arrays' CRCs and the whole's in one pass."""
+    crc, places = None, b""
+    if regions:
+        crc, crcs = codec.checksums(raw, regions)
+        places = pack_places([off for off, _ in regions], crcs)
+    return codec.encode(raw, config.compression, config.compression_level, crc=crc), places
+
+
 class _SharedInsert:
     __slots__ = ("key", "data", "regions", "owner", "priority", "outcome")
 
@@ -697,12 +701,7 @@ class InsertEntry(Change):
 
     def prepare(self) -> None:
         if self.enc is None:  # kept across a rerun of the transaction
-            config = self.ring.config
-            crc = None
-            if self.regions:  # the arrays' CRCs and the whole's, in one pass
-                crc, crcs = codec.checksums(self.raw, self.regions)
-                self.places = pack_places([off for off, _ in self.regions], crcs)
-            self.enc = codec.encode(self.raw, config.compression, config.compression_level, crc=crc)
+            self.enc, self.places = encode_entry(self.raw, self.regions, self.ring.config)
 
     def txn(self, txn) -> None:
         ring, values = self.ring, self.ring.values
