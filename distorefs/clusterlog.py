@@ -266,11 +266,11 @@ class SharedLog:
         return self._eval(_APPEND, kind, name, b"priorities", data)
 
     def tree_change(self, origin: str, op: str, path: str, **fields: bytes | str | int) -> bytes:
-        """A change of weights/ done at node `origin` (which applied it already): `op` is
-        wpublish (fields: version, JSON), wmkdir, wremove or wrename (fields: to); `path`
-        below weights/. Other nodes apply it by path (distorefs/weights.py)."""
+        """A change of a file tree (weights/, datasets/, checkpoints/) done at node `origin`,
+        which applied it already; `path` starts with the tree's name. Other nodes apply it
+        by path: `op` and its fields are the tree's (distorefs/weightslog.py, ...)."""
         key = self.key
-        body = {"op": op, "ns": f"weights/{path}", "origin": origin, **fields}
+        body = {"op": op, "ns": path, "origin": origin, **fields}
         try:
             return self.engine.on_master(key, lambda p: p.xadd(key, body))[0]
         except BackendError as exc:

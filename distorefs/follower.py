@@ -107,13 +107,14 @@ class Follower:
     def __init__(self, shared: SharedLog, committer: Committer, position: bytes, origin: str,
                  namespace: Callable[[str, str], Any], catalog: Callable[[Record], list[Change]]) -> None:
         """`position`: the id of the last record this store applied; `origin`: this node's
-        id (its own weights/ records it applied already); `namespace(kind, name)` the local
+        id (its own records of file trees it applied already); `namespace(kind, name)` the local
         namespace or None; `catalog(record)` the local changes for a namespace's create,
         drop or configure record."""
         self.log = shared
         self.origin = origin
-        # Applies another node's weights/ record (distorefs/weightslog.py), set by the store.
-        self.apply_tree: Callable[[Record], Awaitable[None]] | None = None
+        # Apply another node's record of a file tree, by the tree's name (weights/:
+        # distorefs/weightslog.py, ...); set by the store.
+        self.trees: dict[str, Callable[[Record], Awaitable[None]]] = {}
         self.committer = committer
         self.applied = position
         self._namespace = namespace
@@ -225,7 +226,7 @@ class Follower:
             return
         changes: list[Change] = []
         for rec in batch:
-            if rec.kind == "weights":  # alone in its batch (see _touches)
+            if rec.kind in self.trees:  # alone in its batch (see _touches)
                 await self._apply_tree(rec)
                 continue
             try:
@@ -244,10 +245,10 @@ class Follower:
         self._advanced = trio.Event()
 
     async def _apply_tree(self, rec: Record) -> None:
-        if rec.fields.get(b"origin", b"").decode() == self.origin or self.apply_tree is None:
+        if rec.fields.get(b"origin", b"").decode() == self.origin:
             return  # this node's own change: applied before it was logged
         try:
-            await self.apply_tree(rec)
+            await self.trees[rec.kind](rec)
         except DistorefsError as exc:
             self._failed(rec, exc)
 

@@ -139,6 +139,35 @@ class ValueLayer:
         return [StoredValue(e.size, len(e.stored), e.checksum, e.codec, TIER_CLUSTER, loc)
                 for e, loc in zip(encs, locs)]
 
+    def copy_to_cluster(self, values: Sequence[StoredValue], group_bytes: int = 32 << 20) -> list[StoredValue]:
+        """Copies in the cluster of this node's `values` (stored bytes as they are: no
+        decoding), for a tree another node reads once it is shared (worker thread; durable
+        when it returns). A value in the cluster already is its own copy. At most
+        `group_bytes` are held at once."""
+        out: list[StoredValue] = list(values)
+        group: list[int] = []
+        held = 0
+
+        def flush() -> None:
+            nonlocal held
+            encs = [codec.Encoded(self.read_stored(out[i]), out[i].codec, out[i].size, out[i].checksum)
+                    for i in group]
+            for i, copy in zip(group, self.put_shared_many(encs)):
+                out[i] = copy
+            group.clear()
+            held = 0
+
+        for i, value in enumerate(values):
+            if value.tier == TIER_CLUSTER:
+                continue
+            group.append(i)
+            held += value.stored_size
+            if held >= group_bytes:
+                flush()
+        if group:
+            flush()
+        return out
+
     # ----- writes: inside a commit's transaction -------------------------------------
 
     def put(self, txn: Txn, vkey: bytes, enc: codec.Encoded, *, stream: int = 0, cold: bool = False) -> StoredValue:

@@ -67,8 +67,7 @@ class WeightsLog:
 
     async def announce(self, op: str, path: str, **fields) -> None:
         """Tell the other nodes of a change this node made (durable when it returns)."""
-        rel = path.removeprefix("weights/")
-        await trio.to_thread.run_sync(lambda: self.log.tree_change(self.origin, op, rel, **fields))
+        await trio.to_thread.run_sync(lambda: self.log.tree_change(self.origin, op, path, **fields))
 
     # ----- another node's records ------------------------------------------------------------
 
