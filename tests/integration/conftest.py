@@ -5,10 +5,14 @@ Every mount made here is unmounted in teardown whatever happened.
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
+import shutil
 
 import pytest
 
+from distorefs.tools.rediscluster import LoopbackCluster
 from distorefs_it import Mount, have_fuse, is_mounted
 
 
@@ -110,3 +114,39 @@ def shared_mount(tmp_path_factory):
         for m in made:
             assert not is_mounted(m.mnt)
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ----- several nodes on one Redis Cluster (test_cluster*.py) ----------------------------
+
+_names = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if not shutil.which("redis-server"):
+        pytest.fail("redis-server is missing: scripts/system-deps.sh installs it")
+    c = LoopbackCluster(tmp_path_factory.mktemp("redis"), masters=3, replicas=1).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def nodes(tmp_path, cluster):
+    """A factory of nodes (mounts) joining one shared store of `cluster` made for the test."""
+    made: list[Mount] = []
+    store = f"t{next(_names)}-{os.getpid()}"
+
+    def make(c: LoopbackCluster = cluster) -> Mount:
+        m = Mount(tmp_path / f"node{len(made)}")
+        m.cluster_flags = ("--cluster", c.url, "--cluster-store", store)  # type: ignore[attr-defined]
+        m.mount(flags=m.cluster_flags)  # type: ignore[attr-defined]
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.cleanup()
+    for m in made:
+        assert not is_mounted(m.mnt)

@@ -1,5 +1,6 @@
 """Several nodes, one store: daemons with their own mounts and store directories that join
-one shared store on a real Redis Cluster on loopback (tools/rediscluster.py).
+one shared store on a real Redis Cluster on loopback (tools/rediscluster.py; the `cluster`
+and `nodes` fixtures are conftest's).
 
 Each test uses its own shared store name in the module's cluster, so tests do not see
 each other's namespaces; the failover test has a cluster of its own (it kills a master).
@@ -9,9 +10,7 @@ from __future__ import annotations
 
 import collections
 import io
-import itertools
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -21,43 +20,9 @@ import numpy as np
 import pytest
 
 from distorefs.tools.rediscluster import LoopbackCluster
-from distorefs_it import Mount, have_fuse, is_mounted
+from distorefs_it import Mount, have_fuse
 
 pytestmark = pytest.mark.skipif(not have_fuse(), reason="needs /dev/fuse and fusermount3")
-
-_names = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    if not shutil.which("redis-server"):
-        pytest.fail("redis-server is missing: scripts/system-deps.sh installs it")
-    c = LoopbackCluster(tmp_path_factory.mktemp("redis"), masters=3, replicas=1).start()
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
-@pytest.fixture
-def nodes(tmp_path, cluster):
-    """A factory of nodes (mounts) joining one shared store of `cluster` made for the test."""
-    made: list[Mount] = []
-    store = f"t{next(_names)}-{os.getpid()}"
-
-    def make(c: LoopbackCluster = cluster) -> Mount:
-        m = Mount(tmp_path / f"node{len(made)}")
-        m.cluster_flags = ("--cluster", c.url, "--cluster-store", store)  # type: ignore[attr-defined]
-        m.mount(flags=m.cluster_flags)  # type: ignore[attr-defined]
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.cleanup()
-    for m in made:
-        assert not is_mounted(m.mnt)
-
 
 def npy(value: int, shape=(4,)) -> bytes:
     out = io.BytesIO()
