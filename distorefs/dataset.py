@@ -212,6 +212,9 @@ class Dataset:
         self.index_chunks = [StoredValue.from_json(c) for c in record.get("index", [])]
         self.index_size: int = record.get("index_size", 0)
         self.fields: list = record.get("fields", [])
+        # on a shared store, once sealed: {"export": id, "origin": node} (distorefs/datasetslog.py)
+        self.shared: dict | None = record.get("shared")
+        self._share = services.share_sealed
         self.counters = Counters()
         self.file_ids_taken = 0  # ids handed to files created through the mount, not committed yet, are below it
         self.generation = 0  # bumped by every change of the tree: a record read at this generation is current
@@ -242,7 +245,8 @@ class Dataset:
     def record(self) -> dict:
         return {"sealed_ns": self.sealed_ns, "index_size": self.index_size, "fields": self.fields,
                 "index_mode": self.index_mode,
-                "index": [c.to_json() for c in self.index_chunks]}
+                "index": [c.to_json() for c in self.index_chunks],
+                **({"shared": self.shared} if self.shared is not None else {})}
 
     def drop_txn(self, txn) -> None:
         """Remove the dataset's records (it is empty: only counters and the root remain)."""
@@ -396,11 +400,6 @@ class Dataset:
         return await self.values.warm([(self._cache_key(item, i), c, self._what(item, i))
                                        for i, c in enumerate(item.chunks)])
 
-    def load_blocking(self, item: Item) -> bytes:
-        """The whole content of `item`, verified (worker thread)."""
-        parts = [self.values.read_or_fail(c, self._what(item, i)) for i, c in enumerate(item.chunks)]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
     def whole_in_memory(self, item: Item) -> bool:
         return item.size <= self.config.chunk_bytes
 
@@ -441,16 +440,20 @@ class Dataset:
     def _fetch_blocking(self, ids: list[int]) -> list[bytes | None]:
         """The prefetcher's loader: whole items (worker thread); big ones are left to the reader."""
         limit = max(self.config.chunk_bytes, self.prefetch_budget.capacity // 8)
-        items = self.sealed_items(ids)
+        items = [item if item is not None and item.size <= limit else None for item in self.sealed_items(ids)]
+        # every chunk in one read: a shared dataset's in one pipeline to the cluster
+        results = iter(self.values.read_all([(c, self._what(item, i)) for item in items if item is not None
+                                             for i, c in enumerate(item.chunks)]))
         out: list[bytes | None] = []
         for item in items:
-            if item is None or item.size > limit:
+            if item is None:
                 out.append(None)
                 continue
-            try:
-                out.append(self.load_blocking(item))
-            except DistorefsError:
+            parts = [next(results) for _ in item.chunks]
+            if any(isinstance(p, DistorefsError) for p in parts):
                 out.append(None)  # the read reports it
+            else:
+                out.append(parts[0] if len(parts) == 1 else b"".join(parts))
         return out
 
     # ----- the declared order ---------------------------------------------------------
@@ -651,6 +654,8 @@ class Dataset:
         if self.sealed:
             return
         await self.committer.submit(Seal(self))
+        if self._share is not None:
+            await self._share(self)
 
     # ----- staging from a source tree ---------------------------------------------------
 

@@ -68,3 +68,6 @@ class Services:
     # A store shared on a Redis Cluster: rings publish their changes through its log and
     # see them once applied (distorefs/follower.py). None for a node-local store.
     follower: SharedLogFollower | None = None
+    # A shared store: shares a dataset just sealed with every node (distorefs/datasetslog.py)
+    # before its seal returns. None for a node-local store.
+    share_sealed: Callable[[Any], Awaitable[None]] | None = None

@@ -39,8 +39,9 @@ from .clusterlog import SHARED_KINDS, ClusterSpec, Record, SharedLog
 from .committer import Change, Committer, Overlay
 from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
 from .dataset import DB_DSNODES, Dataset
+from .datasetslog import DatasetsLog
 from .follower import POSITION_KEY, Follower
-from .errors import AlreadyExists, InvalidConfig, NoSpace, NotEmpty, NotFound, ReadOnly, from_backend
+from .errors import AlreadyExists, DistorefsError, InvalidConfig, NoSpace, NotEmpty, NotFound, ReadOnly, from_backend
 from .lockfile import take_lock
 from .memory import MemoryPlan
 from .migrate import migrate, stored_format
@@ -150,19 +151,25 @@ class Store:
         self.prefetch_budget = PrefetchBudget(0)
         self.committer = Committer(self.env.write)
         self.follower = self._join(self.cluster) if self.cluster is not None else None
+        self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
+        self.datasets: dict[str, Dataset] = self.namespaces["datasets"]  # type: ignore[assignment]
+        self.datasets_log: DatasetsLog | None = None
+        if self.follower is not None:  # a dataset is shared once sealed (distorefs/datasetslog.py)
+            self.datasets_log = DatasetsLog(self.shared_log, self.committer, self.values, self.follower.origin,
+                                            self.datasets, self._make_dataset)
+            self.follower.trees["datasets"] = self.datasets_log.apply
         self.services = Services(values=self.values, committer=self.committer, env=self.env, config=self.config,
                                  prefetch_budget=self.prefetch_budget, spool_dir=self.path / "spool",
                                  spawn=self.spawn, sync=self.sync, collect=self.collect,
                                  entry_changed=self._entry_changed, hot_value_added=self._hot_value_added,
                                  memory_changed=self.apply_memory_plan, read_only=self.read_only,
-                                 follower=self.follower)
+                                 follower=self.follower,
+                                 share_sealed=self.datasets_log.export if self.datasets_log is not None else None)
         if not self.read_only:
             self._clear_spool()
         self.mover = TierMover(self.values, self.committer, self.rings, lambda: self.memory.transfer)
-        self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
         self.buffers: dict[str, Buffer] = self.namespaces["buffers"]  # type: ignore[assignment]
         self.banks: dict[str, Bank] = self.namespaces["banks"]  # type: ignore[assignment]
-        self.datasets: dict[str, Dataset] = self.namespaces["datasets"]  # type: ignore[assignment]
         self.listeners: list[EntryListener] = []
         self.counters = {"syncs": 0, "stale_readers_cleared": 0}
         self.started = time.time()
@@ -214,6 +221,9 @@ class Store:
         self.engine = engine
         self.shared_log = shared
         return Follower(shared, self.committer, position, node, self._shared_namespace, self._catalog_changes)
+
+    def _make_dataset(self, ds_id: int, name: str, config, owner: Owner, ctime_ns: int, record: dict) -> Dataset:
+        return Dataset(self.services, ds_id, name, config, owner, ctime_ns, record=record)
 
     def _shared_namespace(self, kind: str, name: str) -> Namespace | None:
         return self.namespaces[kind].get(name) if kind in SHARED_KINDS else None
@@ -332,6 +342,9 @@ class Store:
                 if not await self.follower.catch_up(CATCH_UP_S):
                     log.warning("the cluster's log is not applied up to its head after %.0f s: serving, and "
                                 "catching up meanwhile", CATCH_UP_S)
+                if self.datasets_log is not None:
+                    for ds in self.datasets_log.unshared():
+                        nursery.start_soon(self._share_dataset, ds)
             nursery.start_soon(self._sync_loop)
             await nursery.start(self.checkpoints.run)
             await nursery.start(self.mover.run)
@@ -420,6 +433,15 @@ class Store:
             self._lock.keep_unclean(f"pid {os.getpid()}: close failed")
             raise
         self._lock.release()
+
+    async def _share_dataset(self, ds: Dataset) -> None:
+        """Export a sealed dataset the cluster has not had yet (in the background)."""
+        assert self.datasets_log is not None
+        try:
+            await self.datasets_log.export(ds)
+        except DistorefsError as exc:
+            log.error("datasets/%s is not shared with the other nodes: %s (tried again at the next start)",
+                      ds.name, exc)
 
     # ----- namespaces ----------------------------------------------------------------
 
@@ -551,7 +573,8 @@ class Store:
             "recovery": self.recovery.as_dict(),
             **({"cluster": {"store": self.cluster.store, "url": self.cluster.url,
                             "applied": self.follower.applied.decode(), **self.follower.counters,
-                            **self.engine.counters, "wait_replicas": self.engine.wait_replicas}}
+                            **self.engine.counters, "wait_replicas": self.engine.wait_replicas,
+                            "datasets": self.datasets_log.counters if self.datasets_log is not None else {}}}
                if self.follower is not None and self.cluster is not None else {}),
             "prefetch": {"budget_bytes": self.prefetch_budget.capacity, "held_bytes": self.prefetch_budget.used,
                          **_sum_prefetch([ns.prefetcher for kind in self.namespaces.values()

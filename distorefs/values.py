@@ -228,6 +228,11 @@ class ValueLayer:
         self.counters["disk_read_bytes"] += value.stored_size
         return data
 
+    def read_all(self, wanted: Sequence[tuple[StoredValue, str]]) -> list:
+        """`read` of each (value, what), in a worker thread already: values in the cluster
+        in one pipeline. Each result is the bytes or the DistorefsError of that read."""
+        return self._reads._read_blocking([_Req(value, what) for value, what in wanted])
+
     def read_or_fail(self, value: StoredValue, what: str) -> bytes:
         """`read` for a value that must be there (its record is current): any failure is
         damage, logged and counted, and raised as CorruptValue (EIO)."""

@@ -755,6 +755,7 @@ class _WeightsNames:
 def check_datasets(check: Check) -> str:
     """Dataset records belong to a dataset; items and index chunks parse and count up."""
     from .dataset import SEALED, STAGING, Counters, Item
+    from .datasetslog import PENDING
 
     datasets = {i: n for i, (k, n, _) in check.ns_by_id.items() if k == "datasets"}
     for ds_id, name in datasets.items():
@@ -780,6 +781,8 @@ def check_datasets(check: Check) -> str:
             continue
         ds_id = struct.unpack(">I", key[:4])[0]
         tag = key[4:5]
+        if key[:4] == PENDING:  # a shared dataset's records, arriving (distorefs/datasetslog.py)
+            continue
         if ds_id not in datasets:
             dangling.setdefault(ds_id, []).append(key)
             if check.repair:
