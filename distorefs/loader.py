@@ -62,6 +62,19 @@ class MountedDataset:
                 _warn_once(str(self.root), exc)
         return self._reader
 
+    def close(self) -> None:
+        """Close this process's reader of the store's files (it holds the dataset's client
+        file open: a mount is busy while it is)."""
+        if self._reader is not None and self._reader_pid == os.getpid():
+            self._reader.close()
+        self._reader, self._reader_pid = None, -1
+
+    def __enter__(self) -> "MountedDataset":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __len__(self) -> int:
         return len(self.index)
 

@@ -26,7 +26,7 @@ from .. import codec
 from ..backends.errors import Damaged, Missing
 from ..backends.segments import LOCATION, read_record
 from ..errors import CorruptValue
-from ..placement import TIER_LMDB
+from ..placement import TIER_LMDB, TIER_NVME
 
 DB_VALUES = b"values"  # backends/lmdbvalues.py
 MAX_OPEN_SEGMENTS = 128
@@ -151,6 +151,8 @@ class StoreReader:
             txn.abort()
 
     def _read_segment(self, w: Wanted) -> bytes:
+        if w.tier != TIER_NVME:  # a shared store's value in the cluster: the mount reads it
+            raise Missing(f"{w.what}: in the cluster of a shared store, not in this node's files")
         seg, off, size = LOCATION.unpack(w.loc)
         fd = self._fd(seg, w.what)
         try:

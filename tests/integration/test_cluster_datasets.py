@@ -140,3 +140,31 @@ def test_a_node_keeps_its_own_dataset_of_the_same_name(nodes, tmp_path):
     assert os.listdir(b.mnt / "datasets" / "same" / "items") == ["mine.txt"]
     assert len(files) == 20
 
+
+def test_the_python_client_reads_a_shared_dataset_and_buffer(nodes, tmp_path):
+    """Values in the cluster are not in this node's files: the client reads them through
+    the mount, with the same results."""
+    from distorefs.client import open_buffer
+    from distorefs.loader import MountedDataset
+    a, b = nodes(), nodes()
+    src = tmp_path / "src"
+    files = make_tree(src, 30, seed=4)
+    stage(src, a.mnt / "datasets" / "cds")
+    assert wait_for(lambda: sealed_on(b, "cds"), 10.0)
+    paths = [p.decode() for p in np.load(b.mnt / "datasets" / "cds" / "index.npy")["path"]]
+    with MountedDataset(b.mnt / "datasets" / "cds") as data:
+        assert [data[i] for i in range(len(paths))] == [files[p] for p in paths]
+        assert data._reader is not None and data._reader.counters["through_mount"] == len(paths)
+    (a.mnt / "buffers" / "rb").mkdir()
+    for i in range(8):
+        with open(a.mnt / "buffers" / "rb" / "entries" / f"k{i}", "wb") as f:
+            np.save(f, np.full(3, i, dtype=np.int64))
+    assert wait_for(lambda: len(os.listdir(b.mnt / "buffers" / "rb" / "entries")) == 8, 10.0)
+    with open_buffer(b.mnt / "buffers" / "rb") as buf:
+        batch = buf.sample(16)
+        assert len(batch["keys"]) == 16
+        values = [v for k, v in batch.items() if k not in ("keys", "seqs", "probabilities", "weights")]
+        assert len(values) == 1, list(batch)
+        for key, row in zip(batch["keys"], values[0]):
+            assert row.tolist() == [int(str(key)[1:])] * 3
+        assert buf.counters["read_through_mount"] > 0  # type: ignore[union-attr]
