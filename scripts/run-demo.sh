@@ -11,3 +11,5 @@ fi
 $bin mount "$store" "$mnt"
 trap '$bin umount "$mnt"' EXIT
 $bin demo "$mnt" --actors 4 --seconds 5
+# then two nodes on one shared store, on a Redis Cluster started (and stopped) for it
+$bin demo-cluster

@@ -263,6 +263,31 @@ def demo(mountpoint, actors, seconds) -> None:
     run_dataset_epoch(Path(mountpoint))
 
 
+@main.command("demo-cluster")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False),
+              help="Where the Redis servers' files and the two nodes' stores go (default: the temp directory).")
+def demo_cluster(workdir) -> None:
+    """Two nodes on one shared store on a Redis Cluster started for the demo (what `make run`
+    shows next): inserts on one node sampled on the other, weights and a dataset shared."""
+    import signal
+    from . import bench_buffers
+    from .cluster_demo import run_cluster_demo
+
+    def interrupted(signum, frame):
+        raise SystemExit(128 + signum)  # unwinds through the demo's own cleanup
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupted)
+    try:
+        run_cluster_demo(Path(workdir) if workdir else None)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        raise click.ClickException(str(exc))
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+        bench_buffers.unmount_all()
+
+
 @main.command("stage")
 @click.argument("src", type=click.Path(exists=True))
 @click.argument("dest", type=click.Path())

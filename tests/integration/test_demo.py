@@ -35,3 +35,15 @@ def test_demo_dataset_epoch_is_prefetched(fs):
     assert r["epoch"]["prefetch_hits"] >= 0.95 * 300
     again = run_dataset_epoch(fs.mnt, items=300, item_bytes=4096, quiet=True, name="demo-test")  # staged already: reused
     assert "stage" not in again and again["epoch"]["prefetch_hits"] + again["epoch"]["prefetch_misses"] <= 300
+
+
+def test_cluster_demo_runs_and_leaves_nothing_behind(tmp_path):
+    """`make run`'s second half: two nodes on a Redis Cluster it starts and stops itself."""
+    out = subprocess.run([sys.executable, "-m", "distorefs.tools.cli", "demo-cluster", "--workdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "read on node 1: 300 items, 0 differing" in out.stdout, out.stdout
+    assert "priority total" in out.stdout and "read whole on node 1" in out.stdout, out.stdout
+    assert list(tmp_path.iterdir()) == []  # its mounts, stores and Redis files are gone
+    with open("/proc/mounts") as f:
+        assert str(tmp_path) not in f.read()
