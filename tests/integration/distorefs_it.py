@@ -170,6 +170,16 @@ class Mount:
         return path
 
 
+def wait_for(cond, timeout: float = 15.0):
+    """Poll `cond` until it gives something true or `timeout` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
 def set_config(buf: Path, config: dict) -> None:
     with open(buf / "config.json", "w") as f:
         f.write(json.dumps(config))

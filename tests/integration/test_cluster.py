@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from distorefs.tools.rediscluster import LoopbackCluster
-from distorefs_it import Mount, have_fuse
+from distorefs_it import Mount, have_fuse, wait_for
 
 pytestmark = pytest.mark.skipif(not have_fuse(), reason="needs /dev/fuse and fusermount3")
 
@@ -34,14 +34,6 @@ def put(buf: Path, key: str, data: bytes) -> None:
     with open(buf / "entries" / key, "wb") as f:
         f.write(data)
 
-
-def wait_for(cond, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def entries(buf: Path) -> list[str]:

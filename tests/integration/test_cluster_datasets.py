@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distorefs_it import CLI, assert_errno, have_fuse, xattr
+from distorefs_it import CLI, assert_errno, have_fuse, wait_for, xattr
 
 pytestmark = pytest.mark.skipif(not have_fuse(), reason="needs /dev/fuse and fusermount3")
 
@@ -41,14 +41,6 @@ def stage(src: Path, dest: Path) -> None:
 def stats(ds: Path) -> dict:
     return json.loads((ds / "stats.json").read_bytes())
 
-
-def wait_for(cond, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def exported(node) -> int:
