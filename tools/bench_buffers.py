@@ -178,7 +178,7 @@ def _drop_caches(notes: list[str]) -> bool:
 
 # ----- mounts ------------------------------------------------------------------------------
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "distorefs.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
@@ -200,7 +200,7 @@ class DistorefsMount:
         self.mnt.mkdir(parents=True, exist_ok=True)
         LIVE_MOUNTS.add(self)
         self.starting = True
-        r = _cli("mount", *flags, *[a for o in options for a in ("-o", o)], str(self.store), str(self.mnt))
+        r = run_cli("mount", *flags, *[a for o in options for a in ("-o", o)], str(self.store), str(self.mnt))
         self.starting = False
         if r.returncode != 0:
             raise RuntimeError(f"distorefs mount failed: {r.stderr.strip() or r.stdout.strip()}")
@@ -230,7 +230,7 @@ class DistorefsMount:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
         else:
-            r = _cli("umount", str(self.mnt))
+            r = run_cli("umount", str(self.mnt))
             if r.returncode != 0:
                 subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
                 if pid and Path(f"/proc/{pid}").exists():

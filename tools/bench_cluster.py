@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, print_report, remove_workdir, start_run
+from .bench_buffers import DistorefsMount, print_report, remove_workdir, run_cli, start_run
 from .rediscluster import LoopbackCluster
 
 ENTRY = 110_000  # bytes of uint8 per entry (Atari-like frames stacked: the issue's 110 KB)
@@ -212,12 +212,60 @@ def _nodes_run(cluster: LoopbackCluster, root: Path, n: int, p: dict) -> dict:
             res["weights_visible_ms"] = _weights_latency(nodes, p)
             print(f"  {n} node(s): weights visible on the other nodes after close() returned: "
                   f"{res['weights_visible_ms']}", flush=True)
+        if n == 2:
+            res["dataset"] = _shared_dataset(nodes, root / f"n{n}-ds", p)
+            print(f"  {n} node(s): shared dataset {res['dataset']}", flush=True)
         apply_s = [_stats(node) for node in nodes]
         res["applied_records"] = [s.get("records_applied") for s in apply_s]
         return res
     finally:
         for node in nodes:
             node.umount()
+
+
+DS_ITEMS, DS_BYTES = 5000, 10 << 10  # the shared dataset: items and bytes per item
+
+
+def _epoch(ds: Path, paths: list[str]) -> float:
+    """One epoch of `paths` in a shuffled order declared first (the node reads ahead): items/s."""
+    order = np.random.default_rng(len(paths)).permutation(len(paths))
+    with open(ds / "order", "wb") as f:
+        np.save(f, order)
+    t0 = time.perf_counter()
+    for i in order:
+        with open(ds / "items" / paths[i], "rb") as f:
+            f.read()
+    return round(len(paths) / (time.perf_counter() - t0), 1)
+
+
+def _shared_dataset(nodes: list[DistorefsMount], root: Path, p: dict) -> dict:
+    """A dataset staged and sealed on node 0 (sealing shares it), then one epoch on node 1,
+    whose items come from the cluster, and one on node 0, whose items are its own."""
+    n = DS_ITEMS if p["seconds"] >= 5 else DS_ITEMS // 5
+    src = root / "ds-src"
+    rng = np.random.default_rng(1)
+    for i in range(n):
+        (src / f"d{i // 1000}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i // 1000}" / f"{i:06d}.bin").write_bytes(rng.integers(0, 256, DS_BYTES, dtype=np.uint8).tobytes())
+    before = _sum(nodes[:1], "bytes_out")
+    t0 = time.perf_counter()
+    r = run_cli("stage", "-q", str(src), str(nodes[0].mnt / "datasets" / "shared"), timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"distorefs stage: {r.stderr.strip()}")
+    staged = time.perf_counter() - t0
+    shared = nodes[1].mnt / "datasets" / "shared"
+    deadline = time.monotonic() + 60
+    while not shared.is_dir():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the dataset never reached node 1")
+        time.sleep(0.01)
+    visible = time.perf_counter() - t0
+    paths = [x.decode() for x in np.load(shared / "index.npy")["path"]]
+    return {"items": n, "item_bytes": DS_BYTES, "stage_and_share_s": round(staged, 2),
+            "visible_on_node1_s": round(visible, 2),
+            "bytes_to_redis_per_item": round((_sum(nodes[:1], "bytes_out") - before) / n),
+            "epoch_node1_items_per_s": _epoch(shared, paths),
+            "epoch_node0_items_per_s": _epoch(nodes[0].mnt / "datasets" / "shared", paths)}
 
 
 def _model(rows: list[dict]) -> list[str]:

@@ -435,7 +435,8 @@ BENCHMARKS = {
               "the store and cpprb's memory-mapped file"),
     "cluster": ("Several nodes on one store on a Redis Cluster on loopback (3 masters with replicas): aggregate "
                 "110 KB inserts with 1, 2 and 3 nodes, a learner's batch/64.npz alone and while the other nodes "
-                "insert, bytes and CPU per insert (the model for real hardware).", "3 s phases (a smoke run).",
+                "insert, bytes and CPU per insert (the model for real hardware), a dataset staged on one node read "
+                "on another.", "3 s phases (a smoke run).",
                 "the Redis servers' files and the nodes' stores"),
 }
 
