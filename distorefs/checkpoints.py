@@ -11,9 +11,11 @@ persister has freed enough (backpressure): memory never grows past the budget.
 
 Tree (LMDB db `cknodes`, keys big-endian):
   n + id                node record (JSON): kind root/run/step/dir/file, parent, name, owner,
-                        mtime; steps: complete, pinned; files: size, chunk_bytes
+                        mtime; steps: complete, pinned (origin, sid, nonce: written on another
+                        node of a shared store); files: size, chunk_bytes
   c + file id + index   one stored chunk of a file (a `StoredValue`, CRC-32 of its content)
   g                     counter making every stored chunk's value key unique
+  x, y                  a shared store's export records (distorefs/checkpointslog.py)
   meta/b"checkpoints"   the configuration (CheckpointsConfig)
 
 A step's life: **writing** (files being written) -> **persisting** once the writer has
@@ -31,6 +33,12 @@ Durability: a chunk or a file commit is one LMDB transaction (the chunk's value 
 to its tier in the same transaction); `Store.sync` makes it durable, segments before the
 catalog. A file is durable once its last commit is covered by a sync; a step becomes
 complete in a transaction after the sync that made its files durable.
+
+Shared store (`sharing`, distorefs/checkpointslog.py): a step that completes here is copied
+to the cluster and announced in the background; another node's complete step appears here
+complete, with its origin. Such a step is read-only (ReadOnly names its origin); removing
+it here removes this node's records only: the tree never frees a value in the cluster
+(`drop_value`), the node that wrote the step owns those.
 
 Crash model (kill -9 or power loss at any point): the catalog holds whole transactions
 only. A step is complete in the catalog only if all its files were durable before that
@@ -60,7 +68,7 @@ import time
 import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import trio
 
@@ -76,7 +84,7 @@ from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, tim
 from .names import check_name
 from .owner import Owner
 from .treerules import check_rename
-from .placement import TIER_NAMES
+from .placement import TIER_CLUSTER, TIER_NAMES
 from .restorepoints import Pins, RestorePoint
 from .services import Services
 from .values import StoredValue
@@ -336,7 +344,13 @@ class CStep(CDir):
     complete: bool = False
     pinned: bool = False
     reopened: bool = False  # complete once, written again since: a crash restores it (restorepoints.py)
+    # A shared store: the step was written on node `origin` (its id there `sid`, its export
+    # `nonce`) and applied here (distorefs/checkpointslog.py): read-only. "" for this node's.
+    origin: str = ""
+    sid: int = 0
+    nonce: str = ""
     # memory only:
+    epoch: int = 0  # bumped each time it is written again: an export of an older epoch is stale
     interrupted: bool = False  # found incomplete at open (a crash): read-only, never complete
     sealed: bool = False  # closed by its writer: completes once everything in it is durable
     writers: int = 0  # handles open for writing below it
@@ -345,7 +359,8 @@ class CStep(CDir):
 
     def record(self) -> dict:
         return {**super().record(), "complete": self.complete, "pinned": self.pinned,
-                **({"reopened": True} if self.reopened else {})}
+                **({"reopened": True} if self.reopened else {}),
+                **({"origin": self.origin, "sid": self.sid, "nonce": self.nonce} if self.origin else {})}
 
 
 @dataclass(eq=False)
@@ -384,7 +399,8 @@ def _from_record(node_id: int, data: bytes) -> CNode:
     args = (node_id, d["kind"], d["parent"], bytes.fromhex(d["name"]), d["mode"], d["uid"], d["gid"], mtime)
     times = {"atime_ns": atime, "ctime_ns": ctime}
     if d["kind"] == STEP:
-        return CStep(*args, complete=d["complete"], pinned=d["pinned"], reopened=d.get("reopened", False), **times)
+        return CStep(*args, complete=d["complete"], pinned=d["pinned"], reopened=d.get("reopened", False),
+                     origin=d.get("origin", ""), sid=d.get("sid", 0), nonce=d.get("nonce", ""), **times)
     if d["kind"] == FILE:
         return CFile(*args, size=d["size"], chunk_bytes=d["chunk_bytes"], unlinked=d.get("unlinked", False), **times)
     if d["kind"] == LINK:
@@ -406,6 +422,23 @@ _CHILD_KIND = {ROOT: RUN, RUN: STEP, STEP: DIR, DIR: DIR}
 
 def _may_hold(parent_kind: str, kind: str) -> bool:
     return kind == _CHILD_KIND.get(parent_kind) or (kind in (FILE, LINK) and parent_kind in (STEP, DIR))
+
+
+class StepSharing(Protocol):
+    """A shared store's side of the tree (distorefs/checkpointslog.py): a step that completes
+    here is exported to the other nodes, and an exported step removed here is removed there."""
+
+    def started(self) -> None:
+        """The tree runs: finish what a stop cut short, export complete steps not yet shared."""
+
+    def completed(self, step: "CStep") -> None:
+        """`step` completed here (its completion is durable): export it in the background."""
+
+    def removing(self, txn, steps: list["CStep"]) -> None:
+        """In the transaction that removes `steps`: record what their exports leave to undo."""
+
+    def removed(self, steps: list["CStep"]) -> None:
+        """`steps` are removed (applied): tell the other nodes, free the copies (background)."""
 
 
 class Checkpoints:
@@ -431,6 +464,9 @@ class Checkpoints:
         self.budget = WritebackBudget(0)  # sized by the store's memory plan
         self.pool = BufferPool(self.budget)
         self.listeners: list[Callable[[CNode], None]] = []  # told of nodes the tree removes by itself
+        # A shared store: steps complete here are shared with the other nodes, and theirs
+        # applied here (set by the store). None on a node-local store.
+        self.sharing: StepSharing | None = None
         self._queue: deque[tuple[str, CFile, int]] = deque()
         self._wake = trio.Event()
         self._durable_event = trio.Event()
@@ -446,7 +482,8 @@ class Checkpoints:
         self._removing: set[int] = set()
         self.counters = {"bytes_written": 0, "bytes_persisted": 0, "chunks_persisted": 0, "file_commits": 0,
                          "syncs": 0, "steps_completed": 0, "steps_removed": 0, "steps_reopened": 0,
-                         "chunk_reloads": 0, "evictions": 0, "persist_failures": 0}
+                         "chunk_reloads": 0, "evictions": 0, "persist_failures": 0, "steps_exported": 0,
+                         "exports_abandoned": 0, "steps_applied": 0, "applied_steps_removed": 0}
 
     # ----- loading -------------------------------------------------------------------
 
@@ -512,6 +549,8 @@ class Checkpoints:
             for f in self.unlinked_at_load:  # removed while open: its last close was the stop
                 self.committer.submit_nowait(RemoveTree(self, f, background=False))
             self.unlinked_at_load = []
+            if self.sharing is not None:
+                self.sharing.started()
             task_status.started()
 
     async def drain(self, patience: float = 600.0) -> None:
@@ -838,6 +877,7 @@ class Checkpoints:
         """About to change something below `step`: it is being written again."""
         if step is None:
             return
+        self._check_not_applied(step)
         if step.interrupted:
             raise ReadOnly(f"{self.path_of(step)} was interrupted by a crash and is read-only (remove it)")
         step.active = time.monotonic()
@@ -850,6 +890,20 @@ class Checkpoints:
             self.counters["steps_reopened"] += 1
             log.info("%s is written again: no longer complete", self.path_of(step))
 
+    def _check_not_applied(self, step: CStep | None) -> None:
+        """A step another node wrote is that node's: here it is read, or removed whole."""
+        if step is not None and step.origin:
+            raise ReadOnly(f"{self.path_of(step)} was written on node {step.origin} and is read-only here "
+                           f"(rm -r it to drop this node's copy)")
+
+    async def mark_incomplete(self, step: CStep) -> None:
+        """A step another node wrote is no longer whole here (something below it is removed
+        here, or its writer removed it while it is open here): it stops being complete, so
+        `latest` moves off it and retention takes it once nothing has it open."""
+        if step.complete:
+            await self.committer.submit(SetStepFlags(self, step, complete=False))
+        step.interrupted = step.sealed = True
+
     async def remove(self, parent_id: int, name: bytes, want_dir: bool) -> CNode:
         node = self.child(parent_id, name)
         if want_dir and not isinstance(node, CDir):
@@ -857,7 +911,9 @@ class Checkpoints:
         if not want_dir and isinstance(node, CDir):
             raise IsADirectory(f"{self.path_of(node)} is a directory")
         step = self.step_of(self.node(parent_id))
-        if step is not None and not step.interrupted:
+        if step is not None and step.origin:
+            await self.mark_incomplete(step)
+        elif step is not None and not step.interrupted:
             await self._reopen(step)
         await self.committer.submit(RemoveTree(self, node, background=False))
         return node
@@ -866,6 +922,8 @@ class Checkpoints:
         node = self.child(old_parent, old)
         src, dst = self.dir(old_parent), self.dir(new_parent)
         check_name(new)
+        for d in (src, dst):  # a step another node wrote: nothing moves into or out of it here
+            self._check_not_applied(self.step_of(d) if d.kind not in (ROOT, RUN) else None)
         if src.kind in (ROOT, RUN):
             if dst is not src:
                 raise CrossDevice(f"{node.kind}s are renamed within their {src.kind}")
@@ -883,6 +941,7 @@ class Checkpoints:
         """chmod, chown, utimes (a size in `change` is the caller's to apply: `truncate`)."""
         if node.id == ROOT_ID or change.empty():
             return
+        self._check_not_applied(self.step_of(node))
         await self.committer.submit(SetAttrs(self, node, change))
 
     async def set_pinned(self, step: CStep, pinned: bool) -> None:
@@ -1084,6 +1143,13 @@ class Checkpoints:
     def free(self, txn, value: StoredValue) -> None:
         """Free a chunk value the live tree no longer names, unless a restore point pins it."""
         if value not in self.pins:
+            self.drop_value(txn, value)
+
+    def drop_value(self, txn, value: StoredValue) -> None:
+        """Free a chunk value of this tree. A value in the cluster is a chunk of a step another
+        node wrote: that node's copy, which it frees when it removes the step (a removal here
+        drops this node's records only)."""
+        if value.tier != TIER_CLUSTER:
             self.values.delete(txn, value)
 
     def restore_point(self, f: CFile, step: CStep) -> RestorePoint:
@@ -1105,7 +1171,7 @@ class Checkpoints:
         """An fsync returned: a crash gives these files back as they are now (restorepoints.py),
         unless their step completes first (it is then itself what a crash keeps)."""
         files = [f for f in files if f.attached and not f.unlinked and self._synced(f)
-                 and (step := self.step_of(f)) is not None and not step.complete]
+                 and (step := self.step_of(f)) is not None and not step.complete and not step.origin]
         if files:
             await self.committer.submit(Acknowledge(self, files))
             await self._store_sync()
@@ -1256,6 +1322,8 @@ class Checkpoints:
         for step in completed:
             self.counters["steps_completed"] += 1
             self._collect(self.nodes.get(step.parent))
+            if self.sharing is not None and step.attached and step.complete:
+                self.sharing.completed(step)  # copied to the cluster in the background, then announced
         self._durable_event.set()
         self._durable_event = trio.Event()
 
@@ -1270,6 +1338,10 @@ class Checkpoints:
         acknowledged = {rp.step_id for rp in self.restore.values()}
         return [s for s in steps if not s.pinned and s.handles == 0 and not (removing and s.id in self._removing)
                 and ((s.complete and s not in kept) or (s.interrupted and s.id < newest and s.id not in acknowledged))]
+
+    def retention(self, run: CNode | None) -> None:
+        """Apply retention to `run` now (a step of it completed, or was applied)."""
+        self._collect(run)
 
     def _collect(self, run: CNode | None) -> None:
         """Remove, in the background, steps no longer kept (see the module docstring)."""
@@ -1616,7 +1688,7 @@ def _drop_restore_txn(change: _CkptChange, txn, rps: list[RestorePoint], live: s
             if key in freed or key in live or tree.pins.count.get(key, 0) - gone[key] > 0:
                 continue
             freed.add(key)
-            tree.values.delete(txn, chunk)
+            tree.drop_value(txn, chunk)
 
 
 def _remove_txn(change: _CkptChange, txn, nodes: list[CNode]) -> None:
@@ -1635,9 +1707,12 @@ def _remove_txn(change: _CkptChange, txn, nodes: list[CNode]) -> None:
                 if tree.pins.count.get(key, 0) - gone[key] > 0 or key in freed:
                     continue  # a restore point still names it
                 freed.add(key)
-                tree.values.delete(txn, chunk)
+                tree.drop_value(txn, chunk)
     _drop_restore_txn(change, txn, dropped, set(), freed)
     change.dropped = dropped  # type: ignore[attr-defined]
+    steps = [n for n in nodes if isinstance(n, CStep)]
+    if steps and tree.sharing is not None:
+        tree.sharing.removing(txn, steps)
 
 
 def _forget_restore(tree: "Checkpoints", rps: list[RestorePoint]) -> None:
@@ -1663,14 +1738,18 @@ def _remove_apply(tree: Checkpoints, nodes: list[CNode], dropped: list[RestorePo
         elif isinstance(n, CFile):
             for index in [i for i, b in n.mem.items() if b.busy is None]:
                 tree._drop(n, index)  # busy ones are dropped by the persister when it is done
+    steps = [n for n in nodes if isinstance(n, CStep)]
+    if steps and tree.sharing is not None:
+        tree.sharing.removed(steps)
 
 
 class RemoveTree(_CkptChange):
-    """rm / rmdir (background=False), or retention removing a whole step (background=True)."""
+    """rm / rmdir (background=False), or retention removing a whole step (background=True);
+    `whole`: a step with what it holds, at the word of the node that wrote it (checkpointslog.py)."""
 
-    def __init__(self, tree, node: CNode, background: bool) -> None:
+    def __init__(self, tree, node: CNode, background: bool, whole: bool = False) -> None:
         super().__init__(tree)
-        self.node, self.background = node, background
+        self.node, self.background, self.whole = node, background, whole
 
     def plan(self, overlay: Overlay) -> None:
         node, tree = self.node, self.tree
@@ -1681,7 +1760,7 @@ class RemoveTree(_CkptChange):
             if not isinstance(node, CStep) or not isinstance(parent, CDir) or node not in tree._victims(parent, removing=False):
                 tree._removing.discard(node.id)
                 raise NotFound(f"{tree.path_of(node)} is kept after all")
-        elif isinstance(node, CDir) and node.children:
+        elif isinstance(node, CDir) and node.children and not self.whole:
             raise NotEmpty(f"{tree.path_of(node)} is not empty")
         # a file still open loses its name now and its data at its last close
         self.keep_open = isinstance(node, CFile) and node.handles > 0 and not node.unlinked
@@ -1704,8 +1783,8 @@ class RemoveTree(_CkptChange):
             changed(self.node, self.now)
             return
         _remove_apply(self.tree, self.nodes, self.dropped)
-        if self.background:
-            self.tree.counters["steps_removed"] += 1
+        if self.background or self.whole:
+            self.tree.counters["steps_removed" if self.background else "applied_steps_removed"] += 1
             for listener in self.tree.listeners:
                 try:
                     listener(self.node)
@@ -1789,6 +1868,7 @@ class Reopen(_CkptChange):
 
     def apply(self) -> None:
         self.step.complete, self.step.reopened = False, True
+        self.step.epoch += 1
         for rp in self.points:
             self.tree.restore[rp.file_id] = rp
             self.tree.pins.add(rp)
@@ -1838,7 +1918,7 @@ class Acknowledge(_CkptChange):
                 for chunk in old.chunks.values():
                     key = (chunk.tier, chunk.loc)
                     if key not in keep and self.tree.pins.count.get(key, 0) <= 1:
-                        self.tree.values.delete(txn, chunk)
+                        self.tree.drop_value(txn, chunk)
 
     def apply(self) -> None:
         for old, new in self.points:
@@ -1878,7 +1958,7 @@ class Restore(_CkptChange):
             for index, chunk in list(f.stored.items()) + f.garbage:
                 txn.delete(_ckey(f.id, index), db=self.db)
                 if (chunk.tier, chunk.loc) not in pinned:
-                    tree.values.delete(txn, chunk)
+                    tree.drop_value(txn, chunk)
         for rp in self.points:
             f = tree.nodes.get(rp.file_id)
             if isinstance(f, CFile):
@@ -1886,7 +1966,7 @@ class Restore(_CkptChange):
                     if rp.chunks.get(index) is not chunk:
                         txn.delete(_ckey(f.id, index), db=self.db)
                         if (chunk.tier, chunk.loc) not in pinned and f.id not in extra_ids:
-                            tree.values.delete(txn, chunk)
+                            tree.drop_value(txn, chunk)
             record = {"kind": FILE, "parent": self.places[rp.file_id], "name": rp.name.hex(), "mode": rp.mode,
                       "uid": rp.uid, "gid": rp.gid, "mtime_ns": rp.mtime_ns, "atime_ns": rp.atime_ns,
                       "ctime_ns": rp.ctime_ns, "size": rp.size, "chunk_bytes": rp.chunk_bytes}

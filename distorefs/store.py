@@ -33,6 +33,7 @@ from .bank import Bank
 from .buffer import Buffer
 from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VERSION, EntryMeta, pack_u32, unpack_u32
 from .checkpoints import DB_CKPT, Checkpoints
+from .checkpointslog import CheckpointsLog
 from .backends.redisengine import ClusterEngine, ClusterValues
 from .clientsession import ClientSession, DatasetSession
 from .clusterlog import SHARED_KINDS, ClusterSpec, Record, SharedLog
@@ -80,8 +81,9 @@ class Store:
         in the background), and leave its lock as it was found.
 
         `cluster`: join the shared store it names on a Redis Cluster: buffers/ and banks/ are
-        the cluster's, followed through its log (distorefs/follower.py); the rest stays on
-        this node."""
+        the cluster's, followed through its log (distorefs/follower.py); weights/,
+        sealed datasets and complete checkpoint steps are shared through it as file trees
+        (distorefs/weightslog.py, datasetslog.py, checkpointslog.py); the rest stays on this node."""
         self.path = Path(path).resolve()
         if cluster is not None and read_only:
             raise InvalidConfig("a read-only mount cannot follow a cluster's log: mount it read-write")
@@ -184,6 +186,12 @@ class Store:
         self.checkpoints = Checkpoints(self.services)
         self.checkpoints.after_crash = self.recovery.ran  # steps cut short go back to their restore points
         self.env.read(self._load_namespaces)
+        if self.follower is not None:  # checkpoints/ is shared: complete steps exported, others' applied
+            shared_steps = CheckpointsLog(self.checkpoints, self.shared_log, self.committer, self.values,
+                                          self.follower.origin, self.spawn)
+            self.env.read(shared_steps.load)
+            self.checkpoints.sharing = shared_steps
+            self.follower.trees["checkpoints"] = shared_steps.apply
         self.apply_memory_plan()
 
     def _join(self, spec: ClusterSpec) -> Follower:

@@ -223,6 +223,7 @@ class CheckpointsDir(Node):
             b"files": b"%d" % len(files),
             b"size": b"%d" % sum(f.size for f in files),
             b"stored_size": b"%d" % sum(self.tree.stored_size(f) for f in files),
+            **({b"origin": n.origin.encode()} if n.origin else {}),  # written on that node (read-only here)
         }
 
     async def setxattr(self, name: bytes, value: bytes, ctx=None) -> None:
