@@ -17,20 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distorefs_it import Mount, fsync_dir, have_fuse, xattr
+from distorefs_it import Mount, fsync_dir, have_fuse, wait_for, xattr
 
 pytestmark = pytest.mark.skipif(not have_fuse(), reason="needs /dev/fuse and fusermount3")
 
 MiB = 1 << 20
-
-
-def wait_for(cond, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def configure(node: Mount, **config) -> None:
@@ -77,7 +68,7 @@ def test_a_complete_step_is_read_whole_on_another_node_and_is_read_only_there(no
     a, b = nodes(), nodes()
     files = save_step(a, "run", "step-0001", seed=1)
     run_b = b.mnt / "checkpoints" / "run"
-    assert wait_for(lambda: has_step(b, "run", "step-0001", files)), b.log_tail()
+    assert wait_for(lambda: has_step(b, "run", "step-0001", files), 20.0), b.log_tail()
     assert os.readlink(run_b / "latest") == "step-0001"
     step_b = run_b / "step-0001"
     for name, data in files.items():  # byte for byte, from the cluster
@@ -103,7 +94,7 @@ def test_a_complete_step_is_read_whole_on_another_node_and_is_read_only_there(no
     assert (run_b / "step-0002" / "meta.json").read_bytes() == mine["meta.json"]
     assert os.readlink(run_b / "latest") == "step-0002"
     # ... and shared the other way
-    assert wait_for(lambda: has_step(a, "run", "step-0002", mine))
+    assert wait_for(lambda: has_step(a, "run", "step-0002", mine), 20.0)
     assert (a.mnt / "checkpoints/run/step-0002/model.npy").read_bytes() == mine["model.npy"]
     # rm -r of another node's step here removes this node's copy only
     shutil.rmtree(step_b)
@@ -115,10 +106,10 @@ def test_retention_on_the_writer_removes_the_step_on_every_node(nodes):
     a, b = nodes(), nodes()
     configure(a, keep_last=1)
     first = save_step(a, "r", "s1", seed=10, big=MiB)
-    assert wait_for(lambda: has_step(b, "r", "s1", first))
+    assert wait_for(lambda: has_step(b, "r", "s1", first), 20.0)
     second = save_step(a, "r", "s2", seed=11, big=MiB)
-    assert wait_for(lambda: sorted(os.listdir(a.mnt / "checkpoints/r")) == ["latest", "s2"])
-    assert wait_for(lambda: sorted(os.listdir(b.mnt / "checkpoints/r")) == ["latest", "s2"]), \
+    assert wait_for(lambda: sorted(os.listdir(a.mnt / "checkpoints/r")) == ["latest", "s2"], 20.0)
+    assert wait_for(lambda: sorted(os.listdir(b.mnt / "checkpoints/r")) == ["latest", "s2"], 20.0), \
         os.listdir(b.mnt / "checkpoints/r")
     assert os.readlink(b.mnt / "checkpoints/r/latest") == "s2"
     assert (b.mnt / "checkpoints/r/s2/model.npy").read_bytes() == second["model.npy"]
@@ -131,7 +122,7 @@ def test_a_node_that_joins_late_has_the_complete_steps(nodes):
     steps = {f"s{i}": save_step(a, "late", f"s{i}", seed=20 + i, big=MiB) for i in (1, 2)}
     (a.mnt / "checkpoints/late/s3").mkdir()  # a step the writer has not completed: its own
     (a.mnt / "checkpoints/late/s3/model.npy").write_bytes(b"not done")
-    assert wait_for(lambda: exported(a, 2))
+    assert wait_for(lambda: exported(a, 2), 20.0)
     late = nodes()  # ready once it applied the log up to its head
     run = late.mnt / "checkpoints" / "late"
     assert sorted(os.listdir(run)) == ["latest", "s1", "s2"]
@@ -144,11 +135,11 @@ def test_a_node_that_joins_late_has_the_complete_steps(nodes):
 def test_a_complete_step_survives_kill9_of_the_node_that_wrote_it(nodes):
     a, b = nodes(), nodes()
     files = save_step(a, "crash", "s1", seed=30, big=4 * MiB)
-    assert wait_for(lambda: exported(a, 1))
+    assert wait_for(lambda: exported(a, 1), 20.0)
     a.kill9()
     a.lazy_umount()
     step_b = b.mnt / "checkpoints/crash/s1"
-    assert wait_for(lambda: has_step(b, "crash", "s1", files))
+    assert wait_for(lambda: has_step(b, "crash", "s1", files), 20.0)
     for name, data in files.items():
         assert (step_b / name).read_bytes() == data, name
     assert os.readlink(b.mnt / "checkpoints/crash/latest") == "s1"
@@ -165,11 +156,11 @@ def test_a_step_completed_again_by_its_writer_replaces_the_copy_on_other_nodes(n
     a, b = nodes(), nodes()
     files = save_step(a, "again", "s1", seed=40, big=MiB)
     step_a, step_b = a.mnt / "checkpoints/again/s1", b.mnt / "checkpoints/again/s1"
-    assert wait_for(lambda: has_step(b, "again", "s1", files))
+    assert wait_for(lambda: has_step(b, "again", "s1", files), 20.0)
     (step_a / "meta.json").write_text('{"rewritten": true}')  # the writer's step is written again
     fsync_dir(step_a)
     assert xattr(step_a, "state") == "durable"
-    assert wait_for(lambda: (step_b / "meta.json").read_bytes() == b'{"rewritten": true}'), b.log_tail()
+    assert wait_for(lambda: (step_b / "meta.json").read_bytes() == b'{"rewritten": true}', 20.0), b.log_tail()
     assert (step_b / "model.npy").read_bytes() == files["model.npy"]
     assert os.readlink(b.mnt / "checkpoints/again/latest") == "s1"
-    assert wait_for(lambda: stats(a)["steps_exported"] == 2)
+    assert wait_for(lambda: stats(a)["steps_exported"] == 2, 20.0)
