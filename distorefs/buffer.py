@@ -237,30 +237,76 @@ class Buffer(RingNamespace):
         of a batch not handed out after all)."""
         self.check_batch_size(n)
         sequences = self.sequences
-        while (self.sampler.drawable_count() < self.config.min_size_to_sample
-               or (sequences.on and not sequences.count())):
-            if nonblocking:
-                raise WouldBlock(f"buffers/{self.name}: {self.sampler.drawable_count()} drawable entries "
-                                 f"({sequences.count()} sequences), min_size_to_sample is "
-                                 f"{self.config.min_size_to_sample}")
-            self._waiting += 1
+        while True:
+            while (self.sampler.drawable_count() < self.config.min_size_to_sample
+                   or (sequences.on and not sequences.count())):
+                if nonblocking:
+                    raise WouldBlock(f"buffers/{self.name}: {self.sampler.drawable_count()} drawable entries "
+                                     f"({sequences.count()} sequences), min_size_to_sample is "
+                                     f"{self.config.min_size_to_sample}")
+                self._waiting += 1
+                try:
+                    await wait_event(self._changed, abandoned, f"buffers/{self.name}: sampling")
+                finally:
+                    self._waiting -= 1
+            want = n
+            if self.config.sampler in ("fifo", "lifo"):  # they hand out at most the entries there are
+                want = min(n, self.sampler.drawable_count())
+            elif sequences.on:  # each real step handed out counts: at most n x sequence_length
+                want = n * self.config.sequence_length
+            claim = await self.limiter.admit_sample(want, nonblocking, abandoned)
             try:
-                await wait_event(self._changed, abandoned, f"buffers/{self.name}: sampling")
-            finally:
-                self._waiting -= 1
-        want = n
-        if self.config.sampler in ("fifo", "lifo"):  # they hand out at most the entries there are
-            want = min(n, self.sampler.drawable_count())
-        elif sequences.on:  # each real step handed out counts: at most n x sequence_length
-            want = n * self.config.sequence_length
-        claim = await self.limiter.admit_sample(want, nonblocking, abandoned)
+                batch = self._draw(n, presample)
+                counted = await self._count_globally(batch)
+            except BaseException:
+                claim.give_back()
+                raise
+            if counted:
+                claim.give_back(want - len(batch.metas))  # fewer after all (entries spent meanwhile)
+                return batch, claim
+            claim.give_back()  # drawn again, from fewer drawable entries: counted again
+
+    async def _count_globally(self, batch: Batch) -> bool:
+        """A shared buffer with max_times_sampled counts every node's draws together (the
+        local counts see this node's only): the batch's draws are counted in the cluster
+        (SharedLog.claim_draws) and the local counts become the global ones, the entries the
+        batch takes to the limit its spent ones. False: some entry was drawn to the limit on
+        other nodes (or is gone): nothing is counted, those entries are not drawn here any
+        more, and the caller draws again."""
+        shared = self.ring.shared
+        limit = self.config.max_times_sampled
+        if shared is None or not limit or self.read_only or not batch.metas:
+            return True
+        metas = batch.metas
         try:
-            batch = self._draw(n, presample)
+            ok, answer = await trio.to_thread.run_sync(shared.log.claim_draws, self.kind, self.name, limit,
+                                                       [(m.seq, m.key) for m in metas])
         except BaseException:
-            claim.give_back()
+            self._count_locally(metas, {}, limit)  # undone: this batch is not handed out
             raise
-        claim.give_back(want - len(batch.metas))  # fewer after all (entries spent meanwhile)
-        return batch, claim
+        if ok:
+            counts = {m.seq: c for m, c in zip(metas, answer)}  # the last of an entry's is its count
+            self._count_locally(metas, counts, limit)
+            spent = {m.seq: m for m in metas if counts[m.seq] >= limit and self.ring.by_seq.get(m.seq) is m}
+            batch.spent = list(spent.values())
+            return True
+        self._count_locally(metas, dict.fromkeys(answer, limit), limit)
+        return False
+
+    def _count_locally(self, metas: list[EntryMeta], counts: dict[int, int], limit: int) -> None:
+        """Set the times-sampled count of the drawn entries still here: `counts` by seq, or
+        the count before this batch drew them (what `Sampler.select` added taken back)."""
+        ring, sampler = self.ring, self.sampler
+        drawn: dict[int, int] = {}
+        for m in metas:
+            if ring.slot_meta[m.slot] is m:
+                drawn[m.slot] = drawn.get(m.slot, 0) + 1
+        if not drawn:
+            return
+        slots = np.fromiter(drawn, dtype=np.int64, count=len(drawn))
+        times = np.array([counts.get(ring.slot_meta[s].seq, int(sampler.times[s]) - k)  # type: ignore[union-attr]
+                          for s, k in drawn.items()], dtype=np.int64)
+        sampler.set_times(slots, np.minimum(times, limit))
 
     def _draw(self, n: int, presample: bool) -> Batch:
         hint = None
@@ -363,7 +409,7 @@ class Buffer(RingNamespace):
         for meta in metas:
             self.counters["exhausted"] += 1
             if shared is not None:  # through the log: spent on every node
-                shared.publish_soon(shared.log.delete, self.kind, self.name, meta.key)
+                shared.publish_soon(shared.log.delete, self.kind, self.name, meta.key, meta.seq)
             else:
                 self.committer.submit_nowait(RemoveEntry(self.ring, meta.key, meta.seq, "exhausted"))
 
@@ -572,7 +618,7 @@ class SetTimesSampled(Change):
         ring = self.buffer.ring
         m = ring.slot_meta[self.meta.slot]
         if self.keep and m is not None and m.seq == self.meta.seq:
-            self.buffer.sampler.set_times(self.meta.slot, self.times)
+            self.buffer.sampler.set_times(np.array([self.meta.slot]), np.array([self.times]))
 
 
 class SetPriorities(Change):

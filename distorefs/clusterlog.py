@@ -49,9 +49,10 @@ class ClusterSpec:
 
 # Evict the oldest live entries while the namespace is over its bounds, never the entry
 # just inserted (`keep`). FIFO items are "seq\0key"; an item whose key now maps to another
-# seq (rewritten) or to none (deleted) is a leftover and is dropped on the way.
+# seq (rewritten) or to none (deleted) is a leftover and is dropped on the way. An evicted
+# entry's global times-sampled count (`times`, by seq) goes with it.
 _EVICT = r"""
-local function evict(st, idx, fifo, keep)
+local function evict(st, idx, fifo, times, keep)
   local count = tonumber(redis.call('HGET', st, 'count'))
   local bytes = tonumber(redis.call('HGET', st, 'bytes'))
   local cap = tonumber(redis.call('HGET', st, 'capacity'))
@@ -72,6 +73,7 @@ local function evict(st, idx, fifo, keep)
       local sp = string.find(cur, ' ', 1, true)
       if string.sub(cur, 1, sp - 1) == seq then
         redis.call('HDEL', idx, key)
+        redis.call('HDEL', times, seq)
         count = count - 1
         bytes = bytes - tonumber(string.sub(cur, sp + 1))
         out[#out + 1] = item
@@ -94,14 +96,14 @@ _DROP = r"""
 if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ENOENT no ' .. ARGV[1]) end
 local count = tonumber(redis.call('HGET', KEYS[2], 'count'))
 if count > 0 then return redis.error_reply('ENOTEMPTY ' .. ARGV[1] .. ' still has ' .. count .. ' entries') end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 return redis.call('XADD', KEYS[1], '*', 'op', 'drop', 'ns', ARGV[1])
 """
 
 _CONFIGURE = _EVICT + r"""
 if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ENOENT no ' .. ARGV[1]) end
 redis.call('HSET', KEYS[2], 'capacity', ARGV[3], 'max_bytes', ARGV[4])
-local evicted = evict(KEYS[2], KEYS[3], KEYS[4], '')
+local evicted = evict(KEYS[2], KEYS[3], KEYS[4], KEYS[5], '')
 return redis.call('XADD', KEYS[1], '*', 'op', 'configure', 'ns', ARGV[1], 'config', ARGV[2], 'evicted', evicted)
 """
 
@@ -125,7 +127,7 @@ for i = 0, tonumber(ARGV[2]) - 1 do
     redis.call('RPUSH', KEYS[4], seq .. '\0' .. key)
   end
   redis.call('HSET', KEYS[3], key, seq .. ' ' .. size)
-  local evicted = evict(KEYS[2], KEYS[3], KEYS[4], seq)
+  local evicted = evict(KEYS[2], KEYS[3], KEYS[4], KEYS[5], seq)
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'op', 'insert', 'ns', ARGV[1], 'key', key, 'seq', seq,
                              'value', ARGV[a + 2], 'places', ARGV[a + 3], 'owner', ARGV[a + 4], 'prio', ARGV[a + 5],
                              'evicted', evicted)
@@ -133,14 +135,54 @@ end
 return ids
 """
 
+# ARGV[3], when not empty, is the seq the caller saw: an entry put under the key since (a
+# spent entry deleted, then a new one inserted under its name) is not the one meant.
 _DELETE = r"""
 local cur = redis.call('HGET', KEYS[3], ARGV[2])
 if not cur then return redis.error_reply('ENOENT no entry ' .. ARGV[2] .. ' in ' .. ARGV[1]) end
 local sp = string.find(cur, ' ', 1, true)
+local seq = string.sub(cur, 1, sp - 1)
+if ARGV[3] ~= '' and ARGV[3] ~= seq then
+  return redis.error_reply('ENOENT entry ' .. ARGV[2] .. ' in ' .. ARGV[1] .. ' is seq ' .. seq .. ', not ' .. ARGV[3])
+end
 redis.call('HDEL', KEYS[3], ARGV[2])
+redis.call('HDEL', KEYS[5], seq)
 redis.call('HINCRBY', KEYS[2], 'count', -1)
 redis.call('HINCRBY', KEYS[2], 'bytes', -tonumber(string.sub(cur, sp + 1)))
-return redis.call('XADD', KEYS[1], '*', 'op', 'delete', 'ns', ARGV[1], 'key', ARGV[2], 'seq', string.sub(cur, 1, sp - 1))
+return redis.call('XADD', KEYS[1], '*', 'op', 'delete', 'ns', ARGV[1], 'key', ARGV[2], 'seq', seq)
+"""
+
+# A node's draw of a buffer with max_times_sampled (ARGV[2]), counted against the global
+# counts: ARGV[3..] are (seq, key) pairs, an entry as often as the batch holds it. All or
+# nothing: if an entry is gone (deleted or evicted in the log, maybe not applied on the
+# drawing node yet) or the batch would take it past the limit (other nodes drew it), nothing
+# is counted and the answer is {0, seq, ...} of those entries; else {1, count, ...}, each
+# pair's count once the batch is counted.
+_CLAIM = r"""
+if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ENOENT no ' .. ARGV[1]) end
+local limit = tonumber(ARGV[2])
+local n = (#ARGV - 2) / 2
+local counts, after, refused, seen = {}, {}, {}, {}
+for i = 0, n - 1 do
+  local seq = ARGV[3 + 2 * i]
+  local cur = redis.call('HGET', KEYS[3], ARGV[4 + 2 * i])
+  local live = false
+  if cur then live = string.sub(cur, 1, string.find(cur, ' ', 1, true) - 1) == seq end
+  if counts[seq] == nil then counts[seq] = tonumber(redis.call('HGET', KEYS[5], seq) or '0') end
+  counts[seq] = counts[seq] + 1
+  after[i + 1] = counts[seq]
+  if (not live or counts[seq] > limit) and not seen[seq] then
+    seen[seq] = true
+    refused[#refused + 1] = seq
+  end
+end
+if #refused > 0 then
+  table.insert(refused, 1, 0)
+  return refused
+end
+for seq, c in pairs(counts) do redis.call('HSET', KEYS[5], seq, c) end
+table.insert(after, 1, 1)
+return after
 """
 
 _APPEND = r"""
@@ -223,7 +265,7 @@ class SharedLog:
 
     def _keys(self, kind: str, name: str) -> list[bytes]:
         ns = f"{kind}/{name}"
-        return [self.key] + [f"{self.tag}:{part}:{ns}".encode() for part in ("ns", "idx", "fifo")]
+        return [self.key] + [f"{self.tag}:{part}:{ns}".encode() for part in ("ns", "idx", "fifo", "times")]
 
     def _eval(self, script: str, kind: str, name: str, *args) -> bytes:
         try:
@@ -253,8 +295,21 @@ class SharedLog:
                      b"" if it.priority is None else repr(it.priority).encode()]
         return self._eval(_INSERT, kind, name, *args)
 
-    def delete(self, kind: str, name: str, key: bytes) -> bytes:
-        return self._eval(_DELETE, kind, name, key)
+    def delete(self, kind: str, name: str, key: bytes, seq: int | None = None) -> bytes:
+        """Delete the entry `key` (only if it is still seq `seq`, when given)."""
+        return self._eval(_DELETE, kind, name, key, b"" if seq is None else str(seq).encode())
+
+    def claim_draws(self, kind: str, name: str, limit: int,
+                    drawn: Sequence[tuple[int, bytes]]) -> tuple[bool, list[int]]:
+        """Count a batch's draws (seq, key; an entry once per time drawn) against the
+        buffer's global times-sampled counts and `limit` (max_times_sampled): (True, each
+        draw's count after the batch), or (False, the seqs that may not be drawn: gone, or
+        drawn `limit` times on the nodes together) with nothing counted."""
+        args: list = [limit]
+        for seq, key in drawn:
+            args += [str(seq).encode(), key]
+        reply = self._eval(_CLAIM, kind, name, *args)
+        return bool(int(reply[0])), [int(x) for x in reply[1:]]
 
     def set_layout(self, kind: str, name: str, layout: dict | None) -> bytes:
         """The layout the first entry of a buffer without a schema fixes (None: raw mode);

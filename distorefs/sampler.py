@@ -77,16 +77,17 @@ class Sampler:
             self.max_priority = max(self.max_priority, float(values.max()))
         self._refresh(slots, drawable_changed=False)
 
-    def set_times(self, slot: int, times: int) -> None:
-        """Set an entry's times-sampled count (a restore: `distorefs import`); the caller
-        keeps it below `max_times_sampled`, so it stays drawable."""
+    def set_times(self, slots: np.ndarray, times: np.ndarray) -> None:
+        """Set entries' times-sampled counts (a restore: `distorefs import`; the global
+        counts of a shared buffer); an entry at `max_times_sampled` is no longer drawable."""
         self._flush()
-        self.times[slot] = times
+        self.times[slots] = times
         limit = self.config.max_times_sampled
-        exhausted = bool(limit and times >= limit)
-        if exhausted != self.exhausted[slot]:
-            self.exhausted[slot] = exhausted
-            self._refresh(np.array([slot]))
+        exhausted = times >= limit if limit else np.zeros(len(slots), dtype=bool)
+        changed = exhausted != self.exhausted[slots]
+        if changed.any():
+            self.exhausted[slots] = exhausted
+            self._refresh(slots[changed])
 
     def reconfigure(self, config: BufferConfig) -> None:
         self._flush()

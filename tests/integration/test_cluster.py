@@ -121,6 +121,42 @@ def test_prioritized_sampling_over_all_nodes(nodes):
     assert chi2 < 24.3, (chi2, counts)
 
 
+def test_max_times_sampled_holds_across_nodes(nodes):
+    """Two learners on two nodes draw the same buffer until nothing is drawable: every entry
+    is handed out exactly max_times_sampled times in all (each node counting its own draws
+    gave up to twice that), and the spent entries leave both nodes."""
+    a, b = nodes(), nodes()
+    buf = make_buffer(a, "lim", '{"max_times_sampled": 3, "seed": 7}')
+    keys = [f"e{i:02d}" for i in range(20)]
+    for key in keys:
+        put(buf, key, npy(int(key[1:])))
+    assert wait_for(lambda: (b.mnt / "buffers/lim").is_dir() and entries(b.mnt / "buffers/lim") == keys)
+    drawn: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+
+    def drain(node: Mount) -> None:
+        for _ in range(1000):
+            try:
+                fd = os.open(node.mnt / "buffers/lim/sample/4", os.O_RDONLY | os.O_NONBLOCK)
+            except BlockingIOError:  # nothing drawable left on this node
+                return
+            try:
+                text = os.read(fd, 1 << 16).decode()
+            finally:
+                os.close(fd)
+            with lock:
+                drawn.update(line.split()[0] for line in text.splitlines())
+
+    threads = [threading.Thread(target=drain, args=(node,)) for node in (a, b, a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert drawn == {key: 3 for key in keys}, drawn
+    assert wait_for(lambda: entries(buf) == [] and entries(b.mnt / "buffers/lim") == []), \
+        (entries(buf), entries(b.mnt / "buffers/lim"))
+
+
 def test_kill9_of_a_daemon_loses_nothing_and_others_go_on(nodes):
     a, b = nodes(), nodes()
     make_buffer(a, "dur")

@@ -87,3 +87,39 @@ def test_priorities_and_layout_records(shared):
     assert recs[1].op == "layout"
     with pytest.raises(NotFound):
         shared.priorities("buffers", "nothere", [(b"k", 1.0)])
+
+
+def test_draws_counted_against_the_global_limit(shared):
+    """max_times_sampled across nodes: a batch is counted whole or not at all, and an entry
+    drawn to the limit (by any node) or gone is refused by name."""
+    shared.create("buffers", "limit", {"capacity": 2, "max_bytes": 0}, OWNER, 1)
+    _insert(shared, "limit", b"a", b"b")
+    a, b = (1, b"a"), (2, b"b")
+    assert shared.claim_draws("buffers", "limit", 3, [a, b, a]) == (True, [1, 1, 2])
+    # node 2 draws a twice more: its count would be 4 > 3; nothing of this batch counts
+    assert shared.claim_draws("buffers", "limit", 3, [b, a, a]) == (False, [1])
+    assert shared.claim_draws("buffers", "limit", 3, [b, a]) == (True, [2, 3])
+    assert shared.claim_draws("buffers", "limit", 3, [a]) == (False, [1])
+    # a key put again under another seq is not the entry drawn
+    shared.delete("buffers", "limit", b"b", 2)
+    _insert(shared, "limit", b"b")
+    assert shared.claim_draws("buffers", "limit", 3, [b]) == (False, [2])
+    assert shared.claim_draws("buffers", "limit", 3, [(3, b"b")]) == (True, [1])
+    # an eviction forgets the count: c evicts a (capacity 2), a's count goes with it
+    _insert(shared, "limit", b"c")
+    assert shared.claim_draws("buffers", "limit", 3, [a]) == (False, [1])
+    times = f"{shared.tag}:times:buffers/limit".encode()
+    assert sorted(shared.engine.on_master(times, lambda p: p.hkeys(times))[0]) == [b"3"]
+
+
+def test_a_delete_names_the_seq_it_means(shared):
+    """A spent entry's delete carries its seq: an entry inserted under the key since stays."""
+    shared.create("buffers", "spent", {"capacity": 10, "max_bytes": 0}, OWNER, 1)
+    _insert(shared, "spent", b"k")
+    shared.delete("buffers", "spent", b"k", 1)
+    _insert(shared, "spent", b"k")  # seq 2
+    with pytest.raises(NotFound):
+        shared.delete("buffers", "spent", b"k", 1)
+    start = shared.head()
+    shared.delete("buffers", "spent", b"k", 2)
+    assert [(r.op, int(r.fields[b"seq"])) for r in _records(shared, start)] == [("delete", 2)]
