@@ -237,14 +237,19 @@ class Committer:
             for pending in planned:
                 pending.change.txn(txn)
 
+        # Only changes that do work before the transaction (compression) are prepared; most
+        # (priorities, removals, a follower's records) have none, and a hop to the pool
+        # each would cost more than the whole change.
+        preparing = [p.change for p in planned if type(p.change).prepare is not Change.prepare]
+
         def work() -> None:
-            # One thread hop per group: prepare (compression) spreads over the pool when
-            # the group has several changes, then the transaction runs here.
-            if len(planned) > 1:
-                for future in [self._pool.submit(p.change.prepare) for p in planned]:
+            # One thread hop per group: prepare spreads over the pool when several changes
+            # have some, then the transaction runs here.
+            if len(preparing) > 1:
+                for future in [self._pool.submit(c.prepare) for c in preparing]:
                     future.result()
-            else:
-                planned[0].change.prepare()
+            elif preparing:
+                preparing[0].prepare()
             self._write_txn(write)
 
         try:
