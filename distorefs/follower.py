@@ -11,6 +11,13 @@ to this node's store, and the changes this node makes published through it.
 - `Follower.publish` runs an append in a worker thread and returns once this node has
   applied it (read your writes), waiting at most `APPLY_WAIT_S`: past that the change is
   durable in the cluster and will be applied, so the caller is not failed (it is logged).
+- After applying a batch, the follower lingers up to `LINGER_S` before reading again
+  unless a caller on this node is waiting for the log (its own publish, a join, a reader
+  in `.distorefs/wait`: `attending`): a read and a commit cost about a millisecond of the
+  daemon's CPU whether they carry one record or hundreds, so a node that only follows (a
+  learner's, say) applies other nodes' records in batches and spends a bounded share of
+  its CPU on them however fast they come, at the price of seeing them up to `LINGER_S`
+  later when nobody here waits for them.
 
 Applying is idempotent: a record already applied (a replay after a crash between two
 batches) finds its entry in place, or its victims gone, and changes nothing.
@@ -20,7 +27,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from contextlib import contextmanager
+from typing import Any, Awaitable, Callable, Iterator
 
 import trio
 
@@ -37,6 +45,7 @@ from .waiting import Outcome
 log = logging.getLogger(__name__)
 
 APPLY_WAIT_S = 10.0
+LINGER_S = 0.05
 READ_COUNT = 512
 READ_BLOCK_MS = 500
 POSITION_KEY = b"cluster_pos"
@@ -120,6 +129,8 @@ class Follower:
         self._namespace = namespace
         self._catalog = catalog
         self._advanced = trio.Event()
+        self._waiters = 0  # callers waiting for a record to be applied: no lingering then
+        self._wanted = trio.Event()  # set when one starts waiting
         self._nursery: trio.Nursery | None = None
         self.counters = {"records_applied": 0, "apply_batches": 0, "apply_errors": 0, "publish_waits_cut": 0,
                          "read_errors": 0}
@@ -152,24 +163,38 @@ class Follower:
         return out
 
     async def until(self, rid: bytes) -> None:
-        want = id_tuple(rid)
-        with trio.move_on_after(APPLY_WAIT_S):
-            while id_tuple(self.applied) < want:
-                await self._advanced.wait()
-            return
-        self.counters["publish_waits_cut"] += 1
-        log.warning("record %s is in the cluster's log but not applied here within %.0f s", rid.decode(),
-                    APPLY_WAIT_S)
+        if not await self._applied(id_tuple(rid), APPLY_WAIT_S):
+            self.counters["publish_waits_cut"] += 1
+            log.warning("record %s is in the cluster's log but not applied here within %.0f s", rid.decode(),
+                        APPLY_WAIT_S)
 
     async def catch_up(self, timeout: float) -> bool:
         """Wait until everything in the log now is applied here (a node joining, or coming
         back); False if `timeout` passed first."""
         head = await trio.to_thread.run_sync(self.log.head)
-        with trio.move_on_after(timeout):
-            while id_tuple(self.applied) < id_tuple(head):
-                await self._advanced.wait()
+        return await self._applied(id_tuple(head), timeout)
+
+    async def _applied(self, want: tuple[int, int], timeout: float) -> bool:
+        """Wait until the record `want` is applied here (True), at most `timeout` seconds."""
+        if id_tuple(self.applied) >= want:
             return True
-        return False
+        with self.attending():
+            with trio.move_on_after(timeout):
+                while id_tuple(self.applied) < want:
+                    await self._advanced.wait()
+                return True
+            return False
+
+    @contextmanager
+    def attending(self) -> Iterator[None]:
+        """While inside, somebody on this node waits for what the log brings: the follower
+        reads at once instead of lingering."""
+        self._waiters += 1
+        self._wanted.set()  # a lingering follower reads now
+        try:
+            yield
+        finally:
+            self._waiters -= 1
 
     # ----- following -----------------------------------------------------------------------
 
@@ -191,6 +216,10 @@ class Follower:
                 continue
             if records:
                 await self._apply(records)
+                if len(records) < READ_COUNT and not self._waiters:
+                    with trio.move_on_after(LINGER_S):  # more records come meanwhile: one batch
+                        await self._wanted.wait()
+                self._wanted = trio.Event()
 
     async def _apply(self, records: list[Record]) -> None:
         batch: list[Record] = []

@@ -182,6 +182,7 @@ class Store:
         if self.follower is not None:  # weights/ is shared: changes announced, others' applied
             shared_tree = WeightsLog(self.weights, self.shared_log, self.committer, self.follower.origin)
             self.weights.announce = shared_tree.announce
+            self.weights.attending = self.follower.attending
             self.follower.trees["weights"] = shared_tree.apply
         self.checkpoints = Checkpoints(self.services)
         self.checkpoints.after_crash = self.recovery.ran  # steps cut short go back to their restore points

@@ -33,8 +33,9 @@ import logging
 import os
 import struct
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, ContextManager
 
 import trio
 
@@ -255,6 +256,9 @@ class WeightsTree:
         self.spool_dir = services.spool_dir
         self.counters = {"publishes": 0, "versions_collected": 0, "bytes_published": 0, "renames": 0}
         self._published = trio.Event()
+        # A shared store: entered while a caller waits for a newer version, so the follower
+        # applies other nodes' publishes without lingering (distorefs/follower.py).
+        self.attending: Callable[[], ContextManager[None]] = nullcontext
         self.detached_at_load: list[WNode] = []  # unlinked while read when the daemon last stopped
         # A shared store: tells the other nodes of a change this node made (published,
         # made a directory, removed, renamed: distorefs/weightslog.py), and chunks are
@@ -641,7 +645,8 @@ class WeightsTree:
                 return current
             if nonblocking:
                 raise WouldBlock(f"weights/{path} is at version {current}")
-            await wait_event(self._published, abandoned, f"weights/{path}: waiting for a version")
+            with self.attending():
+                await wait_event(self._published, abandoned, f"weights/{path}: waiting for a version")
 
 
 def _key(node_id: int) -> bytes:

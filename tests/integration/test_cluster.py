@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import os
 import subprocess
 import threading
@@ -155,6 +156,31 @@ def test_max_times_sampled_holds_across_nodes(nodes):
     assert drawn == {key: 3 for key in keys}, drawn
     assert wait_for(lambda: entries(buf) == [] and entries(b.mnt / "buffers/lim") == []), \
         (entries(buf), entries(b.mnt / "buffers/lim"))
+
+
+def _cluster_stats(node: Mount) -> dict:
+    return json.loads((node.mnt / ".distorefs" / "stats.json").read_bytes())["cluster"]
+
+
+def test_a_node_that_only_follows_applies_in_batches(nodes):
+    """A node where nobody waits for the log lingers between reads (distorefs/follower.py
+    LINGER_S), so other nodes' inserts reach it in batches: never more batches than the
+    inserts took lingers (each record was a batch of its own before), and all of them."""
+    from distorefs.follower import LINGER_S
+    a, b = nodes(), nodes()
+    buf = make_buffer(a, "batched")
+    bb = b.mnt / "buffers/batched"
+    assert wait_for(lambda: bb.is_dir())
+    time.sleep(2 * LINGER_S)
+    before = _cluster_stats(b)["apply_batches"]
+    t0 = time.monotonic()
+    keys = [f"k{i:02d}" for i in range(30)]
+    for key in keys:
+        put(buf, key, npy(1))
+    took = time.monotonic() - t0
+    assert wait_for(lambda: entries(bb) == keys), entries(bb)
+    batches = _cluster_stats(b)["apply_batches"] - before
+    assert batches <= took / LINGER_S + 2, (batches, took)
 
 
 def test_kill9_of_a_daemon_loses_nothing_and_others_go_on(nodes):
