@@ -9,13 +9,20 @@ write waits for its replica). For 1, 2 and 3 nodes:
   the other nodes;
 - bytes and round trips through Redis per insert, and CPU per insert of the daemons and
   of the Redis servers (the log's master apart from the others): the figures of the model
-  that predicts N nodes on real hardware (README, Several nodes).
+  that predicts N nodes on real hardware (README, Several nodes);
+- the learner again with the machine split the way separate machines would split it
+  (`_Split`): node 0's daemon and the learner on CPU 0, everything else (the other
+  daemons, the Redis servers, the actors) on the other CPUs, alone and while the other
+  nodes insert, so that what the learner loses is what its own node spends on the others'
+  inserts (applying their records, fetching their values), not CPU taken by processes a
+  real cluster runs elsewhere.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -50,15 +57,79 @@ def _cpu_s(pid: int | None) -> float:
             parts = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    import os
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class _Actors:
-    """ACTORS threads inserting entries as files into the buffers given, round robin."""
+def _set_cpus(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` on `cpus` (threads it starts later inherit it)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
 
-    def __init__(self, bufs: list[Path], prefix: str) -> None:
-        self.bufs, self.prefix = bufs, prefix
+
+class _Split:
+    """The machine split as separate machines would split it: node 0's daemon and this
+    thread (the learner) on CPU 0, every other process of the run on the other CPUs;
+    undone on exit. `_Actors(..., cpus=split.rest)` keeps the actor threads off CPU 0."""
+
+    def __init__(self, learner_pid: int | None, others: list[int | None]) -> None:
+        self.all = os.sched_getaffinity(0)
+        self.mine = {min(self.all)}
+        self.rest = (self.all - self.mine) or self.all
+        self.learner_pid = learner_pid
+        self.others = [p for p in others if p is not None]
+
+    def __enter__(self) -> "_Split":
+        os.sched_setaffinity(0, self.mine)  # this thread only (Linux: 0 is the caller)
+        if self.learner_pid is not None:
+            _set_cpus(self.learner_pid, self.mine)
+        for pid in self.others:
+            _set_cpus(pid, self.rest)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.sched_setaffinity(0, self.all)
+        for pid in [self.learner_pid, *self.others]:
+            if pid is not None:
+                _set_cpus(pid, self.all)
+
+
+class _Busy:
+    """A node's daemon over a phase: the share of a CPU it used, records applied per
+    second, CPU ms per record applied, bytes fetched from the cluster per second."""
+
+    def __init__(self, node: DistorefsMount) -> None:
+        self.node = node
+        self.result: dict = {}
+
+    def __enter__(self) -> "_Busy":
+        s = _stats(self.node)
+        self.t0, self.cpu0 = time.perf_counter(), _cpu_s(self.node.pid)
+        self.rec0, self.in0 = s.get("records_applied", 0), s.get("bytes_in", 0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        s = _stats(self.node)
+        dt = time.perf_counter() - self.t0
+        cpu = _cpu_s(self.node.pid) - self.cpu0
+        records = s.get("records_applied", 0) - self.rec0
+        self.result = {"cpu": round(cpu / dt, 3), "records_per_s": round(records / dt, 1),
+                       "cpu_ms_per_record": round(cpu * 1e3 / records, 3) if records else None,
+                       "fetched_mb_per_s": round((s.get("bytes_in", 0) - self.in0) / dt / 1e6, 2)}
+
+
+class _Actors:
+    """ACTORS threads inserting entries as files into the buffers given, round robin
+    (on `cpus`, when given)."""
+
+    def __init__(self, bufs: list[Path], prefix: str, cpus: set[int] | None = None) -> None:
+        self.bufs, self.prefix, self.cpus = bufs, prefix, cpus
         self.count = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -66,6 +137,8 @@ class _Actors:
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(ACTORS)]
 
     def _run(self, i: int) -> None:
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)  # this thread only
         rng = np.random.default_rng(i)
         data = [_npy(rng) for _ in range(8)]
         buf = self.bufs[i % len(self.bufs)]
@@ -208,6 +281,30 @@ def _nodes_run(cluster: LoopbackCluster, root: Path, n: int, p: dict) -> dict:
                 res["others_inserts"] = others.count
         print(f"  {n} node(s): learner alone {res['learner_alone']} entries/s, while others insert "
               f"{res.get('learner_while_others_insert', '-')}", flush=True)
+        if len(os.sched_getaffinity(0)) >= 2 and n in (1, 3):
+            # The learner's node on a CPU of its own, the rest of the run on the others.
+            with _Split(nodes[0].pid, [x.pid for x in nodes[1:]] + list(redis_pids.values())) as split:
+                _learner(buf0, 1.0)  # the entries the other nodes inserted so far, fetched from the cluster
+                with _Busy(nodes[0]) as busy:
+                    res["split_learner_alone"] = _learner(buf0, p["seconds"])
+                res["split_learner_alone_daemon"] = busy.result
+                if n > 1:
+                    # Node 0 only follows: its CPU per record applied is the apply cost of
+                    # the model, measured on a CPU nothing else uses.
+                    with _Actors(bufs[1:], "f", cpus=split.rest), _Busy(nodes[0]) as busy:
+                        time.sleep(p["seconds"] / 2)
+                    res["split_follow_only"] = busy.result
+                    with _Actors(bufs[1:], "s", cpus=split.rest) as others, _Busy(nodes[0]) as busy:
+                        t0 = time.perf_counter()
+                        res["split_learner_while_others_insert"] = _learner(buf0, p["seconds"])
+                        inserted = others.count
+                    res["split_others_inserts_per_s"] = round(inserted / (time.perf_counter() - t0), 1)
+                    res["split_learner_busy_daemon"] = busy.result
+            print(f"  {n} node(s), learner's node on a CPU of its own: alone {res['split_learner_alone']} "
+                  f"entries/s (its daemon {res['split_learner_alone_daemon']}), while the others insert "
+                  f"{res.get('split_learner_while_others_insert', '-')} ({res.get('split_others_inserts_per_s', '-')} "
+                  f"inserts/s on the other nodes; its daemon {res.get('split_learner_busy_daemon', '-')}); "
+                  f"following only: {res.get('split_follow_only', '-')}", flush=True)
         if n > 1:
             res["weights_visible_ms"] = _weights_latency(nodes, p)
             print(f"  {n} node(s): weights visible on the other nodes after close() returned: "
@@ -283,25 +380,32 @@ def _model(rows: list[dict]) -> list[str]:
                      f"{2000 / total_ms:,.0f} inserts/s whatever the node count; measured "
                      + ", ".join(f"{r['nodes']} node(s) {r['inserts_per_s']:,}" for r in rows) + ".")
         log_limit = 1000 / pi["redis_log_master_cpu_ms"] if pi["redis_log_master_cpu_ms"] else float("inf")
-        # Every node applies every record of the store (its own too): daemon CPU per insert
-        # D(N) = insert + N x apply, fitted over the measured points.
-        xs = np.array([r["nodes"] for r in rows], dtype=float)
-        ys = np.array([r["per_insert"]["daemon_cpu_ms"] for r in rows], dtype=float)
-        apply_ms = float(np.polyfit(xs, ys, 1)[0]) if len(rows) > 1 else 0.0
-        apply_ms = max(apply_ms, 0.0)
-        insert_ms = max(pi["daemon_cpu_ms"] - apply_ms, 0.05)
-        lines.append(f"model: daemon CPU per insert with N nodes = {insert_ms:.2f} ms on the node that inserts + N x "
-                     f"{apply_ms:.2f} ms (every node applies every record), fitted to "
-                     + ", ".join(f"{r['nodes']}: {r['per_insert']['daemon_cpu_ms']:.2f} ms" for r in rows)
-                     + " (contention on 2 cores inflates the later points).")
-        predicted = {n: min(1000 / (insert_ms / n + apply_ms) if apply_ms else n * 1000 / insert_ms, log_limit)
-                     for n in (1, 2, 3, 8)}
+        # A node's daemon spends D1 (one node's daemon CPU per insert: the insert and its own
+        # record applied) on each of its own inserts and `apply` on each record of another
+        # node: with R inserts/s over N nodes, each at R/N, R/N x D1 + (N-1) R/N x apply <= one
+        # core, so R <= N / (D1 + (N-1) x apply). `apply` is measured on a node that only
+        # follows, on a CPU of its own (the split phase); without it, fitted over the rows.
+        three = next((r for r in rows if r.get("split_follow_only", {}).get("cpu_ms_per_record")), None)
+        if three is not None:
+            follow = three["split_follow_only"]
+            apply_ms = follow["cpu_ms_per_record"]
+            lines.append(f"model: a node that only follows spends {apply_ms:.3f} ms of daemon CPU per record applied "
+                         f"({follow['records_per_s']:,.0f} records/s from the other nodes, {follow['cpu']:.2f} of its "
+                         f"CPU; measured with that node on a CPU of its own): less the faster records come, since "
+                         f"it applies them in batches.")
+        else:
+            xs = np.array([r["nodes"] for r in rows], dtype=float)
+            ys = np.array([r["per_insert"]["daemon_cpu_ms"] for r in rows], dtype=float)
+            apply_ms = max(float(np.polyfit(xs, ys, 1)[0]), 0.0) if len(rows) > 1 else 0.0
+            lines.append(f"model: {apply_ms:.2f} ms per record applied, fitted to the rows' daemon CPU per insert "
+                         "(contention on 2 cores inflates the later points).")
+        d1 = pi["daemon_cpu_ms"]
+        predicted = {n: min(n * 1000 / (d1 + (n - 1) * apply_ms), log_limit) for n in (1, 2, 3, 8)}
         lines.append("model on real hardware (one core per daemon, a machine per node, Redis on machines of its own): "
-                     "N nodes insert at most min(1 / (insert/N + apply), the log's master at "
+                     f"N nodes insert at most min(N / ({d1:.2f} ms + (N-1) x {apply_ms:.3f} ms), the log's master at "
                      f"{log_limit:,.0f} records/s): " + ", ".join(f"{n} nodes {v:,.0f}/s" for n, v in predicted.items())
-                     + f"; the network carries {pi['bytes_to_redis'] * 2 / 1e6:.2f} MB per insert with its replica "
-                     "copy. The apply cost per record falls as records arrive in larger batches (one read of the log "
-                     "takes up to 512).")
+                     + f" ({predicted[3] / predicted[1]:.2f}x one node with 3); the network carries "
+                     f"{pi['bytes_to_redis'] * 2 / 1e6:.2f} MB per insert with its replica copy.")
     return lines
 
 
@@ -358,6 +462,11 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
         if busy:
             goals.append({"goal": "learner on one node, 2 others inserting, >= 0.8x its single-node rate",
                           "value": round(busy / base["learner_alone"], 2), "met": busy >= 0.8 * base["learner_alone"]})
+        busy, alone = three.get("split_learner_while_others_insert"), base.get("split_learner_alone")
+        if busy and alone:
+            goals.append({"goal": "the same, the learner's node on a CPU of its own (as on a machine of its own), "
+                                  ">= 0.8x its single-node rate on that CPU",
+                          "value": round(busy / alone, 2), "met": busy >= 0.8 * alone})
     model = _model(rows)
     doc = {"benchmark": "cluster", "quick": quick, "params": {**p, "entry_bytes": ENTRY, "actors": ACTORS,
                                                               "batch": BATCH, "capacity": CAPACITY},
