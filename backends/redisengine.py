@@ -15,6 +15,7 @@ hash. Nothing here knows the core's records or the log's meaning.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from typing import Any, Callable, Iterator, Sequence
@@ -232,16 +233,27 @@ class ClusterEngine:
         self.rc.close()
 
 
+DELETE_BATCH = 512  # keys a background delete takes at a time (a pipeline per master)
+DELETE_BACKLOG = 100_000  # keys waiting to be deleted past which `delete` deletes at once
+CLOSE_WAIT_S = 30.0  # at most this long for the queued deletes at shutdown
+
+
 class ClusterValues(ValueBackend):
     """Values in the cluster, one key each (`PREFIX:v:<random>`, spread over the shards).
     Writes are durable (WAIT) before `put` returns; `delete` need not be, since the log
-    that drops a value's last reference is (every node deletes it again when applying)."""
+    that drops a value's last reference is (every node deletes it again when applying).
+    So a delete is queued and done by a thread of its own, in batches: not a round trip
+    inside the node's write transaction per value a record evicts."""
 
     name = "cluster"
 
     def __init__(self, engine: ClusterEngine, prefix: str) -> None:
         self.engine = engine
         self.prefix = prefix.encode()
+        self._doomed: list[bytes] = []
+        self._cv = threading.Condition()
+        self._deleter: threading.Thread | None = None
+        self._closing = False
 
     def put(self, txn: Txn | None, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
         return self.put_many([data])[0]
@@ -262,7 +274,33 @@ class ClusterValues(ValueBackend):
         return self.engine.get_many(locs)
 
     def delete(self, txn: Txn | None, loc: bytes) -> None:
-        self.engine.delete([loc])
+        with self._cv:
+            if len(self._doomed) < DELETE_BACKLOG and not self._closing:
+                self._doomed.append(loc)
+                if self._deleter is None:
+                    self._deleter = threading.Thread(target=self._delete_queued, name="cluster-deletes",
+                                                     daemon=True)
+                    self._deleter.start()
+                self._cv.notify()
+                return
+        self.engine.delete([loc])  # the thread is behind (or gone): this one now
+
+    def _delete_queued(self) -> None:
+        while True:
+            with self._cv:
+                while not self._doomed and not self._closing:
+                    self._cv.wait()
+                if not self._doomed:
+                    return
+                batch, self._doomed = self._doomed[:DELETE_BATCH], self._doomed[DELETE_BATCH:]
+            try:
+                self.engine.delete(batch)
+            except BackendError as exc:  # left in the cluster as garbage; the daemon goes on
+                with self._cv:
+                    if self._closing:  # the cluster is not answering: no more tries at shutdown
+                        batch += self._doomed
+                        self._doomed = []
+                log.warning("%d values not deleted from the cluster (left there): %s", len(batch), exc)
 
     def delete_later(self, loc: bytes, seconds: float) -> None:
         """Drop the value in `seconds` (readers elsewhere may still hold it)."""
@@ -278,4 +316,10 @@ class ClusterValues(ValueBackend):
         return iter(())  # verify and gc look at the node's own tiers only
 
     def close(self) -> None:
-        pass
+        """Delete what is queued (bounded by the engine's retries), then stop."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+            deleter = self._deleter
+        if deleter is not None:
+            deleter.join(CLOSE_WAIT_S)

@@ -123,3 +123,22 @@ def test_a_delete_names_the_seq_it_means(shared):
     start = shared.head()
     shared.delete("buffers", "spent", b"k", 2)
     assert [(r.op, int(r.fields[b"seq"])) for r in _records(shared, start)] == [("delete", 2)]
+
+
+def test_cluster_values_deleted_in_the_background(shared):
+    """A value's delete is queued (a record decided it: no round trip inside the node's
+    write transaction) and done by the tier's own thread; close() finishes the queue."""
+    from distorefs.backends.errors import Missing
+    from distorefs.backends.redisengine import ClusterValues
+    tier = ClusterValues(shared.engine, "{unit}:del")
+    locs = tier.put_many([b"a" * 100, b"b" * 100, b"c" * 100])
+    for loc in locs[:2]:
+        tier.delete(None, loc)
+    tier.close()
+    for loc in locs[:2]:
+        with pytest.raises(Missing):
+            tier.get(loc)
+    assert tier.get(locs[2]) == b"c" * 100
+    tier.delete(None, locs[2])  # after close: at once
+    with pytest.raises(Missing):
+        tier.get(locs[2])
