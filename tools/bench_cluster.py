@@ -300,10 +300,15 @@ def _nodes_run(cluster: LoopbackCluster, root: Path, n: int, p: dict) -> dict:
                         inserted = others.count
                     res["split_others_inserts_per_s"] = round(inserted / (time.perf_counter() - t0), 1)
                     res["split_learner_busy_daemon"] = busy.result
+                    # against the learner of this very run with the others idle (the 1-node
+                    # row's varies more between runs than this does within one)
+                    res["split_ratio_same_run"] = round(res["split_learner_while_others_insert"]
+                                                        / res["split_learner_alone"], 2)
             print(f"  {n} node(s), learner's node on a CPU of its own: alone {res['split_learner_alone']} "
                   f"entries/s (its daemon {res['split_learner_alone_daemon']}), while the others insert "
                   f"{res.get('split_learner_while_others_insert', '-')} ({res.get('split_others_inserts_per_s', '-')} "
-                  f"inserts/s on the other nodes; its daemon {res.get('split_learner_busy_daemon', '-')}); "
+                  f"inserts/s on the other nodes; its daemon {res.get('split_learner_busy_daemon', '-')}; "
+                  f"{res.get('split_ratio_same_run', '-')}x of its rate with the others idle); "
                   f"following only: {res.get('split_follow_only', '-')}", flush=True)
         if n > 1:
             res["weights_visible_ms"] = _weights_latency(nodes, p)
