@@ -210,17 +210,19 @@ class Ring:
         return await self.values.warm([(self._cache_key(meta), meta.value, self._what(meta))])
 
     def prefetch_loader(self, keys: list[tuple[int, int]]) -> list[bytes | None]:
-        """The prefetcher's loader (worker thread): values not in the memory tier already."""
-        out: list[bytes | None] = []
-        for seq, gen in keys:
+        """The prefetcher's loader (worker thread): values not in the memory tier already,
+        read together (those in a shared store's cluster in one pipeline, not a round trip
+        each); a value that fails to read is None (the read itself reports it)."""
+        out: list[bytes | None] = [None] * len(keys)
+        wanted: list[tuple[int, EntryMeta]] = []
+        for i, (seq, gen) in enumerate(keys):
             meta = self.by_seq.get(seq)
-            if meta is None or meta.gen != gen or self.values.cache.peek(self._cache_key(meta)) is not None:
-                out.append(None)
-                continue
-            try:
-                out.append(self.values.read(meta.value, self._what(meta)))
-            except DistorefsError:
-                out.append(None)  # the read itself reports it
+            if meta is not None and meta.gen == gen and self.values.cache.peek(self._cache_key(meta)) is None:
+                wanted.append((i, meta))
+        results = self.values.read_all([(meta.value, self._what(meta)) for _, meta in wanted])
+        for (i, _), result in zip(wanted, results):
+            if not isinstance(result, BaseException):
+                out[i] = result
         return out
 
     def _what(self, meta: EntryMeta) -> str:

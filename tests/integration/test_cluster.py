@@ -183,6 +183,28 @@ def test_a_node_that_only_follows_applies_in_batches(nodes):
     assert batches <= took / LINGER_S + 2, (batches, took)
 
 
+def test_a_learner_reads_ahead_from_the_cluster_in_pipelines(nodes):
+    """Entries inserted on another node are in the cluster only: the values a learner's
+    node reads ahead for its pre-sampled batches come in a pipeline per batch of reads, not
+    a round trip each (64 round trips and more before)."""
+    a, b = nodes(), nodes()
+    buf = make_buffer(a, "ahead", '{"presample_batches": 4, "seed": 3}')
+    keys = [f"e{i:03d}" for i in range(200)]
+    for key in keys:
+        put(buf, key, npy(int(key[1:])))
+    bb = b.mnt / "buffers/ahead"
+    assert wait_for(lambda: bb.is_dir() and len(entries(bb)) == 200)
+    before = _cluster_stats(b)["round_trips"]
+    with np.load(bb / "batch" / "32.npz") as z:  # one batch read, four drawn ahead and read ahead
+        assert len(z["keys"]) == 32
+    stats = json.loads((bb / "stats.json").read_bytes())
+    time.sleep(1.0)  # the read-ahead is done (its values are in the memory tier)
+    spent = _cluster_stats(b)["round_trips"] - before
+    # the batch's own reads and each read-ahead batch of up to 32 values: a few pipelines;
+    # plus the follower's reads of the log (one each 0.5 s when nothing comes)
+    assert spent <= 16, (spent, stats)
+
+
 def test_kill9_of_a_daemon_loses_nothing_and_others_go_on(nodes):
     a, b = nodes(), nodes()
     make_buffer(a, "dur")
