@@ -204,16 +204,11 @@ class ClusterEngine:
         """Up to `count` records of `stream` after id `after`, waiting up to `block_ms` for one
         (0: not at all)."""
         block = block_ms if block_ms > 0 else None  # (BLOCK 0 would wait for ever)
-
-        def run() -> Any:
-            # On the connection of the stream's master: through the cluster client, XREAD (a
-            # command whose keys move) costs a COMMAND GETKEYS round trip first, every time.
-            node = self.rc.get_node_from_key(stream)
-            if node is None:
-                raise Unavailable(f"no master serves the slot of {stream!r}")
-            return self.rc.get_redis_connection(node).xread({stream: after}, count=count, block=block)
-        out = self._retry(run)
-        self.counters["round_trips"] += 1
+        # On the stream's master's connection (on_master counts the round trip): through the
+        # cluster client, XREAD (a command whose keys move) costs a COMMAND GETKEYS round
+        # trip first, every time.
+        out = self.on_master(stream, lambda p: p.xread({stream: after}, count=count, block=block),
+                             durable=False)[0]
         if not out:
             return []
         records = out[0][1] if isinstance(out, list) else next(iter(out.values()))[0]
