@@ -36,16 +36,24 @@ SHARED_KINDS = ("buffers", "banks")
 @dataclass(frozen=True)
 class ClusterSpec:
     """Which shared store a node joins: `url` names any node of the Redis Cluster (redis://
-    HOST:PORT), `store` the shared store in it."""
+    HOST:PORT), `store` the shared store in it. `snapshot_every`: records applied between
+    two snapshots of the log at least (distorefs/logsnapshot.py); `node_timeout_s`: how
+    long a node not heard from holds the log back from being trimmed."""
 
     url: str
     store: str = "main"
+    snapshot_every: int = 100_000
+    node_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://")):
             raise InvalidArgument(f"--cluster takes redis://HOST:PORT, got {self.url!r}")
         if not self.store or any(c in self.store for c in "{}/ \0"):
             raise InvalidArgument(f"a shared store's name has no braces, slashes or spaces: {self.store!r}")
+        if self.snapshot_every < 1:
+            raise InvalidArgument(f"--cluster-snapshot-every takes a number of records >= 1, got {self.snapshot_every}")
+        if not self.node_timeout_s > 0:
+            raise InvalidArgument(f"--cluster-node-timeout takes seconds > 0, got {self.node_timeout_s}")
 
 # Evict the oldest live entries while the namespace is over its bounds, never the entry
 # just inserted (`keep`). FIFO items are "seq\0key"; an item whose key now maps to another
@@ -191,6 +199,21 @@ return redis.call('XADD', KEYS[1], '*', 'op', ARGV[2], 'ns', ARGV[1], 'data', AR
 """
 
 _OWNER = struct.Struct("<IIIq")  # mode, uid, gid, mtime_ns
+
+
+def create_fields(kind: str, name: str, config: dict, owner: Owner, ctime_ns: int) -> dict:
+    """The fields of a namespace's `create` record, as _CREATE appends them."""
+    return {b"op": b"create", b"ns": f"{kind}/{name}".encode(), b"config": json.dumps(config).encode(),
+            b"mode": str(owner.mode).encode(), b"uid": str(owner.uid).encode(), b"gid": str(owner.gid).encode(),
+            b"ctime": str(ctime_ns).encode()}
+
+
+def insert_fields(kind: str, name: str, key: bytes, seq: int, value: bytes, places: bytes, owner: Owner,
+                  mtime_ns: int, priority: float | None) -> dict:
+    """The fields of an `insert` record that evicts nothing, as _INSERT appends them."""
+    return {b"op": b"insert", b"ns": f"{kind}/{name}".encode(), b"key": key, b"seq": str(seq).encode(),
+            b"value": value, b"places": places, b"owner": _OWNER.pack(owner.mode, owner.uid, owner.gid, mtime_ns),
+            b"prio": b"" if priority is None else repr(priority).encode(), b"evicted": b""}
 _PAIR = struct.Struct("<d")
 
 
@@ -217,6 +240,11 @@ class Record:
     kind: str
     name: str
     fields: dict
+
+    @classmethod
+    def of(cls, rid: bytes, fields: dict) -> "Record":
+        kind, _, name = fields.get(b"ns", b"/").decode().partition("/")
+        return cls(rid, fields[b"op"].decode(), kind, name, fields)
 
     def evicted(self) -> list[tuple[int, bytes]]:
         """(seq, key) of the entries this record evicted, oldest first."""
@@ -338,11 +366,7 @@ class SharedLog:
             raw = self.engine.read_stream(self.key, after, count, block_ms)
         except BackendError as exc:
             raise _mapped(exc) from None
-        out = []
-        for rid, fields in raw:
-            kind, _, name = fields.get(b"ns", b"/").decode().partition("/")
-            out.append(Record(rid, fields[b"op"].decode(), kind, name, fields))
-        return out
+        return [Record.of(rid, fields) for rid, fields in raw]
 
     def identity(self) -> bytes:
         """The shared store's id, made by the first node that joins it: a node whose local

@@ -21,24 +21,34 @@ to this node's store, and the changes this node makes published through it.
 
 Applying is idempotent: a record already applied (a replay after a crash between two
 batches) finds its entry in place, or its victims gone, and changes nothing.
+
+Snapshots and trimming (distorefs/logsnapshot.py): a node with an empty store loads the
+snapshot it registered at, then follows from the snapshot's `at`; every REPORT_S the
+follower reports how far it has applied (which lets the log be trimmed), and after
+`snapshot_every` records it takes the state of the shared buffers and banks between two
+batches and makes the next snapshot from it in the background.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from contextlib import contextmanager
-from typing import Any, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterable, Iterator
 
+import numpy as np
 import trio
 
 from .buffer import Buffer, FixLayout, SetPriorities
 from .catalog import DB_META, EntryMeta
 from .clusterlog import Record, SharedLog, id_tuple
 from .committer import Change, Committer, Overlay
-from .errors import AlreadyExists, DistorefsError, NotFound
+from .errors import AlreadyExists, DistorefsError, InvalidConfig, NotFound
 from .layout import Layout
-from .ring import RemoveEntry, Ring
+from .logsnapshot import REPORT_S, CapturedNamespace, LogSnapshots, SnapshotInfo, namespace_records, tree_records
+from .ring import RemoveEntry, Ring, RingNamespace
 from .values import StoredValue
 from .waiting import Outcome
 
@@ -49,16 +59,45 @@ LINGER_S = 0.05
 READ_COUNT = 512
 READ_BLOCK_MS = 500
 POSITION_KEY = b"cluster_pos"
+LOADING_KEY = b"cluster_loading"  # set while a snapshot is loaded: a join cut short is refused
 
 
-class SavePosition(Change):
-    """The id of the last record a batch applied, committed with it."""
+@dataclass
+class Snapshotting:
+    """What the follower needs for snapshots: where they are, the shared buffers and banks
+    of this node (kind, namespace), how often to make one, how long a silent node holds the
+    log back, and the snapshot to load first (an empty store joining) or None."""
 
-    def __init__(self, rid: bytes) -> None:
-        self.rid = rid
+    snapshots: LogSnapshots
+    namespaces: Callable[[], Iterable[tuple[str, RingNamespace]]]
+    every: int
+    node_timeout_s: float
+    load: SnapshotInfo | None = None
+
+
+class PutMeta(Change):
+    """A key of the store's metadata set (value) or deleted (None)."""
+
+    def __init__(self, key: bytes, value: bytes | None) -> None:
+        self.key, self.value = key, value
 
     def txn(self, txn) -> None:
-        txn.put(POSITION_KEY, self.rid, db=DB_META)
+        if self.value is None:
+            txn.delete(self.key, db=DB_META)
+        else:
+            txn.put(self.key, self.value, db=DB_META)
+
+
+def capture(kind: str, ns: RingNamespace) -> CapturedNamespace:
+    """A shared buffer or bank as it stands (on the trio thread, between two applied
+    batches: nothing else changes it): what its snapshot records need, copied."""
+    metas = list(ns.ring.oldest())
+    entries = [(m.seq, m.key, m.value, m.places, m.mode, m.uid, m.gid, m.mtime_ns) for m in metas]
+    prios = None
+    if isinstance(ns, Buffer):
+        slots = np.fromiter((m.slot for m in metas), dtype=np.int64, count=len(metas))
+        prios = ns.sampler.priority[slots].copy()
+    return CapturedNamespace(kind, ns.name, ns.config.to_dict(), ns.owner, ns.ctime_ns, entries, prios)
 
 
 class ApplyInsert(Change):
@@ -114,11 +153,20 @@ class ApplyInsert(Change):
 
 class Follower:
     def __init__(self, shared: SharedLog, committer: Committer, position: bytes, origin: str,
-                 namespace: Callable[[str, str], Any], catalog: Callable[[Record], list[Change]]) -> None:
+                 namespace: Callable[[str, str], Any], catalog: Callable[[Record], list[Change]],
+                 snapshotting: Snapshotting | None = None) -> None:
         """`position`: the id of the last record this store applied; `origin`: this node's
         id (its own records of file trees it applied already); `namespace(kind, name)` the local
         namespace or None; `catalog(record)` the local changes for a namespace's create,
-        drop or configure record."""
+        drop or configure record; `snapshotting`: see Snapshotting (None: no snapshots, the
+        log is never trimmed)."""
+        self.snapshotting = snapshotting
+        self._since_snapshot = 0  # records applied since the last snapshot this node knows of
+        self._snapshot_n = 0
+        self._snapshot_records = 0
+        self._snapshot_wanted = False
+        self._making = False
+        self._trimmed_past = False
         self.log = shared
         self.origin = origin
         # Apply another node's record of a file tree, by the tree's name (weights/:
@@ -133,7 +181,8 @@ class Follower:
         self._wanted = trio.Event()  # set when one starts waiting
         self._nursery: trio.Nursery | None = None
         self.counters = {"records_applied": 0, "apply_batches": 0, "apply_errors": 0, "publish_waits_cut": 0,
-                         "read_errors": 0}
+                         "read_errors": 0, "snapshots_made": 0, "snapshot_records_loaded": 0, "report_errors": 0,
+                         "log_length": 0}
 
     # ----- publishing ----------------------------------------------------------------------
 
@@ -201,7 +250,12 @@ class Follower:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            snap = self.snapshotting
+            if snap is not None and snap.load is not None and snap.load.n:
+                await self._load_snapshot(snap.load)
             task_status.started()
+            if snap is not None:
+                nursery.start_soon(self._report_loop, snap)
             await self._follow()
 
     async def _follow(self) -> None:
@@ -220,22 +274,26 @@ class Follower:
                     with trio.move_on_after(LINGER_S):  # more records come meanwhile: one batch
                         await self._wanted.wait()
                 self._wanted = trio.Event()
+            if self._snapshot_wanted and not self._making:  # between two batches: the state is at `applied`
+                await self._start_snapshot()
 
-    async def _apply(self, records: list[Record]) -> None:
+    async def _apply(self, records: list[Record], save: bool = True) -> None:
+        """Apply `records` in order; `save`: they are the log's, and the position moves past
+        them (a snapshot's records are not: the position is set once all are applied)."""
         batch: list[Record] = []
         touched: set = set()
         for rec in records:
             keys = self._touches(rec)
             if keys is None or touched & keys:
-                await self._commit(batch)
+                await self._commit(batch, save)
                 batch, touched = [], set()
             batch.append(rec)
             if keys is None:  # a namespace's create, drop or configure: alone
-                await self._commit(batch)
+                await self._commit(batch, save)
                 batch = []
             else:
                 touched |= keys
-        await self._commit(batch)
+        await self._commit(batch, save)
 
     @staticmethod
     def _touches(rec: Record) -> set | None:
@@ -250,7 +308,7 @@ class Follower:
             return {(ns, None)}
         return None
 
-    async def _commit(self, batch: list[Record]) -> None:
+    async def _commit(self, batch: list[Record], save: bool = True) -> None:
         if not batch:
             return
         changes: list[Change] = []
@@ -262,12 +320,17 @@ class Follower:
                 changes.extend(self._changes(rec))
             except DistorefsError as exc:
                 self._failed(rec, exc)
-        changes.append(SavePosition(batch[-1].id))
-        errors = await self.committer.submit_all(changes)
+        if save:
+            changes.append(PutMeta(POSITION_KEY, batch[-1].id))
+        errors = await self.committer.submit_all(changes) if changes else []
         for change, error in zip(changes, errors):
             if error is not None:
                 self._failed(None, error, change)
+        if not save:
+            self.counters["snapshot_records_loaded"] += len(batch)
+            return
         self.applied = batch[-1].id
+        self._since_snapshot += len(batch)
         self.counters["records_applied"] += len(batch)
         self.counters["apply_batches"] += 1
         self._advanced.set()
@@ -288,6 +351,100 @@ class Follower:
             return
         self.counters["apply_errors"] += 1
         log.warning("cluster log: %s not applied: %s", what, exc)
+
+    # ----- snapshots ------------------------------------------------------------------------
+
+    async def _load_snapshot(self, info: SnapshotInfo) -> None:
+        """An empty store joining: the snapshot's records, then the position at its `at`. A
+        stop in between leaves LOADING_KEY set, and the store is refused at the next start."""
+        snaps = self.snapshotting.snapshots  # type: ignore[union-attr]
+        await self.committer.submit(PutMeta(LOADING_KEY, str(info.n).encode()))
+        records = snaps.read(info.stream)
+        while True:
+            chunk = await trio.to_thread.run_sync(lambda: list(itertools.islice(records, READ_COUNT)))
+            if not chunk:
+                break
+            await self._apply(chunk, save=False)
+        if not await trio.to_thread.run_sync(snaps.exists, info.stream):
+            raise InvalidConfig(f"snapshot {info.n} of the shared store was replaced while this node loaded it: "
+                                f"start again with an empty STORE directory")
+        await self.committer.submit_all([PutMeta(POSITION_KEY, info.at), PutMeta(LOADING_KEY, None)])
+        self.applied = info.at
+        self._snapshot_n = info.n
+        log.info("loaded snapshot %d of the shared store (%d records, up to %s)", info.n,
+                 self.counters["snapshot_records_loaded"], info.at.decode())
+
+    async def _report_loop(self, snap: Snapshotting) -> None:
+        """Every REPORT_S: tell the cluster how far this node has applied (so the log can be
+        trimmed), learn of snapshots other nodes made, and ask for one when due."""
+        every = min(REPORT_S, snap.node_timeout_s / 4)  # never silent for a node timeout while alive
+        while True:
+            await trio.sleep(every)
+            try:
+                rep = await trio.to_thread.run_sync(snap.snapshots.report, self.origin, self.applied,
+                                                    snap.node_timeout_s, abandon_on_cancel=True)
+            except Exception as exc:
+                self.counters["report_errors"] += 1
+                log.warning("reporting this node's position in the cluster's log: %s", exc)
+                continue
+            self.counters["log_length"] = rep.length
+            if rep.n != self._snapshot_n:  # another node made one
+                self._snapshot_n, self._snapshot_records, self._since_snapshot = rep.n, rep.records, 0
+            if id_tuple(rep.trimmed) > id_tuple(self.applied) and not self._trimmed_past:
+                self._trimmed_past = True
+                log.error("the cluster's log was trimmed up to %s, past what this node applied (%s): it "
+                          "was silent longer than the node timeout; remount it with an empty STORE directory",
+                          rep.trimmed.decode(), self.applied.decode())
+            if self._since_snapshot >= max(snap.every, self._snapshot_records):
+                self._snapshot_wanted = True
+                self._wanted.set()  # a lingering follower comes round at once
+
+    async def _start_snapshot(self) -> None:
+        """Take the shared buffers' and banks' state now (between two batches; in a worker
+        thread, since it is proportional to the entries, while this task applies nothing
+        and so nothing changes them) and make the snapshot from it in the background."""
+        snap = self.snapshotting
+        assert snap is not None and self._nursery is not None
+        self._snapshot_wanted = False
+        self._making = True
+        at = self.applied
+        shared = list(snap.namespaces())
+        captured = await trio.to_thread.run_sync(lambda: [capture(kind, ns) for kind, ns in shared])
+        self._since_snapshot = 0
+        self._nursery.start_soon(self._make_snapshot, snap, at, captured)
+
+    async def _make_snapshot(self, snap: Snapshotting, at: bytes, captured: list[CapturedNamespace]) -> None:
+        snaps = snap.snapshots
+
+        def work() -> tuple[int, int] | None:
+            if not snaps.lease(self.origin):
+                return None  # another node is making one
+            try:
+                info = snaps.info()
+                if info.at and id_tuple(info.at) >= id_tuple(at):
+                    return None
+                before = snaps.read(info.stream) if info.stream else iter(())
+                trees = tree_records(itertools.chain(before, snaps.read(snaps.log_key, info.at or b"-", at)))
+                n = info.n + 1
+                count = snaps.write(n, itertools.chain(
+                    (f for ns in captured for f in namespace_records(ns)), trees))
+                return (n, count) if snaps.install(n, at, self.origin, count, snap.node_timeout_s) else None
+            finally:
+                snaps.release(self.origin)
+
+        try:
+            made = await trio.to_thread.run_sync(work)
+        except Exception as exc:  # tried again after as many records again
+            log.warning("making a snapshot of the cluster's log: %s", exc,
+                        exc_info=not isinstance(exc, DistorefsError))
+            made = None
+        finally:
+            self._making = False
+        if made is None:  # another node makes one, or this one failed: tried again after `every` records
+            return
+        self._snapshot_n, self._snapshot_records = made
+        self.counters["snapshots_made"] += 1
+        log.info("snapshot %d of the shared store made: %d records, up to %s", made[0], made[1], at.decode())
 
     def _changes(self, rec: Record) -> list[Change]:
         if rec.op in ("create", "drop", "configure"):

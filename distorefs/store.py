@@ -36,12 +36,13 @@ from .checkpoints import DB_CKPT, Checkpoints
 from .checkpointslog import CheckpointsLog
 from .backends.redisengine import ClusterEngine, ClusterValues
 from .clientsession import ClientSession, DatasetSession
-from .clusterlog import SHARED_KINDS, ClusterSpec, Record, SharedLog
+from .clusterlog import SHARED_KINDS, ClusterSpec, Record, SharedLog, id_tuple
 from .committer import Change, Committer, Overlay
 from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
 from .dataset import DB_DSNODES, Dataset
 from .datasetslog import DatasetsLog
-from .follower import POSITION_KEY, Follower
+from .follower import LOADING_KEY, POSITION_KEY, Follower, Snapshotting
+from .logsnapshot import LogSnapshots
 from .errors import AlreadyExists, DistorefsError, InvalidConfig, NoSpace, NotEmpty, NotFound, ReadOnly, from_backend
 from .lockfile import take_lock
 from .memory import MemoryPlan
@@ -51,7 +52,7 @@ from .namespace import ConfigureNamespace, SetNamespaceOwner, ns_key
 from .owner import Owner
 from .prefetcher import PrefetchBudget, hit_rate
 from .recovery import Recovery, recover
-from .ring import RemoveEntry, Ring
+from .ring import RemoveEntry, Ring, RingNamespace
 from .services import Services
 from .tiering import TierMover
 from .values import ValueLayer
@@ -223,19 +224,39 @@ class Store:
                                         f"shared store with an empty STORE directory (or one that followed it)")
                 txn.put(b"cluster", json.dumps({"store": spec.store, "id": identity, "url": spec.url,
                                                 "node": uuid.uuid4().hex}).encode(), db=DB_META)
+            if txn.get(LOADING_KEY, db=DB_META) is not None:
+                raise InvalidConfig(f"this store stopped while it loaded a snapshot of shared store {spec.store!r}: "
+                                    f"join it again with an empty STORE directory")
             node = json.loads(bytes(txn.get(b"cluster", db=DB_META)))["node"]
             return _copy(txn.get(POSITION_KEY, db=DB_META)) or b"0-0", node
 
         position, node = self.env.write(check)
+        snapshots = LogSnapshots(shared)
+        empty = position == b"0-0" and not self.env.read(
+            lambda txn: any(bytes(k).decode().partition("/")[0] in SHARED_KINDS for k, _ in txn.cursor(DB_NS)))
+        try:  # registered in the cluster before anything is read, so no trim passes this node
+            snapshot, _ = snapshots.register(node, None if empty else position)
+        except BackendError as exc:
+            raise from_backend(exc) from None
+        if not empty and id_tuple(position) < id_tuple(snapshot.trimmed):
+            raise InvalidConfig(f"this store applied shared store {spec.store!r}'s log up to {position.decode()}, "
+                                f"but the log was trimmed up to {snapshot.trimmed.decode()} since (this node was "
+                                f"away longer than the node timeout): join it again with an empty STORE directory")
         self.engine = engine
         self.shared_log = shared
-        return Follower(shared, self.committer, position, node, self._shared_namespace, self._catalog_changes)
+        snapshotting = Snapshotting(snapshots, self._shared_namespaces, spec.snapshot_every, spec.node_timeout_s,
+                                    load=snapshot if empty else None)
+        return Follower(shared, self.committer, position, node, self._shared_namespace, self._catalog_changes,
+                        snapshotting)
 
     def _make_dataset(self, ds_id: int, name: str, config, owner: Owner, ctime_ns: int, record: dict) -> Dataset:
         return Dataset(self.services, ds_id, name, config, owner, ctime_ns, record=record)
 
     def _shared_namespace(self, kind: str, name: str) -> Namespace | None:
         return self.namespaces[kind].get(name) if kind in SHARED_KINDS else None
+
+    def _shared_namespaces(self) -> list[tuple[str, RingNamespace]]:
+        return [(kind, ns) for kind in SHARED_KINDS for ns in self.namespaces[kind].values()]  # type: ignore[misc]
 
     def _catalog_changes(self, rec: Record) -> list[Change]:
         """The local changes of a namespace's create, drop or configure record."""

@@ -81,10 +81,17 @@ def _parse_nvme_dir(text: str) -> dict:
                    "banks/ are the cluster's; STORE is this node's own directory.")
 @click.option("--cluster-store", default="main", show_default=True, metavar="NAME",
               help="Which shared store of the cluster to join.")
+@click.option("--cluster-snapshot-every", default=100_000, show_default=True, metavar="RECORDS",
+              help="Snapshot the shared store's log after this many records (and after at least as many as the "
+                   "last snapshot held); the log is trimmed behind it.")
+@click.option("--cluster-node-timeout", default=3600.0, show_default=True, metavar="SECONDS",
+              help="A node not heard from this long no longer holds the log back from being trimmed (it then "
+                   "rejoins with an empty STORE directory).")
 @click.option("--ready-fd", type=int, hidden=True)
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the mount to be ready.")
 def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, read_only, metrics_addr,
-          metrics_allow_remote, cluster_url, cluster_store, ready_fd, timeout) -> None:
+          metrics_allow_remote, cluster_url, cluster_store, cluster_snapshot_every, cluster_node_timeout, ready_fd,
+          timeout) -> None:
     """Mount STORE (created if missing, unless --read-only) at MOUNTPOINT."""
     mnt = Path(mountpoint)
     if not mnt.is_dir():
@@ -94,7 +101,7 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
         from distorefs.clusterlog import ClusterSpec
         from distorefs.errors import InvalidArgument
         try:
-            cluster = ClusterSpec(cluster_url, cluster_store)
+            cluster = ClusterSpec(cluster_url, cluster_store, cluster_snapshot_every, cluster_node_timeout)
         except InvalidArgument as exc:
             raise click.ClickException(str(exc))
     metrics = None
@@ -146,7 +153,9 @@ def mount(store, mountpoint, foreground, nvme_dirs, allow_other, config, debug, 
     if metrics is not None:
         cmd += ["--metrics-addr", f"[{metrics[0]}]:{metrics[1]}", "--metrics-allow-remote"]
     if cluster is not None:
-        cmd += ["--cluster", cluster.url, "--cluster-store", cluster.store]
+        cmd += ["--cluster", cluster.url, "--cluster-store", cluster.store,
+                "--cluster-snapshot-every", str(cluster.snapshot_every),
+                "--cluster-node-timeout", repr(cluster.node_timeout_s)]
     for item in config:
         cmd += ["--config", item]
     log_path = Path(store) / "daemon.log"

@@ -138,9 +138,10 @@ def nodes(tmp_path, cluster):
     made: list[Mount] = []
     store = f"t{next(_names)}-{os.getpid()}"
 
-    def make(c: LoopbackCluster = cluster) -> Mount:
+    def make(c: LoopbackCluster = cluster, flags: tuple[str, ...] = ()) -> Mount:
         m = Mount(tmp_path / f"node{len(made)}")
-        m.cluster_flags = ("--cluster", c.url, "--cluster-store", store)  # type: ignore[attr-defined]
+        m.cluster_store = store  # type: ignore[attr-defined]
+        m.cluster_flags = ("--cluster", c.url, "--cluster-store", store, *flags)  # type: ignore[attr-defined]
         m.mount(flags=m.cluster_flags)  # type: ignore[attr-defined]
         made.append(m)
         return m
