@@ -11,10 +11,10 @@ gives up to its id `at`:
   (its follower takes it between two batches, and nothing else changes a shared
   namespace): a `create` per namespace with its config now (the layout its first entry
   fixed is in it), and an `insert` per live entry in FIFO order with its priority now;
-- weights/, datasets/ and checkpoints/: their records as the log had them (from the
-  snapshot before and the log since), less each checkpoint step removed since (its
-  `cstep` and its `cremove` both go). These are a few records per publish, dataset part
-  or step, not per insert; compacting them further is left for later.
+- weights/, datasets/ and checkpoints/: from their records (those of the snapshot before
+  and the log's since): weights/ as the tree they leave, a directory and each file's
+  newest version (distorefs/weightsreplay.py); datasets/ as they are (never removed);
+  checkpoints/ less each step removed since (its `cstep` and its `cremove` both go).
 
 One node makes a snapshot at a time (a lease), once its follower applied at least
 `snapshot_every` records, and at least as many as the snapshot before held, since the
@@ -46,6 +46,7 @@ from .backends.errors import BackendError
 from .clusterlog import Record, SharedLog, create_fields, insert_fields
 from .errors import from_backend
 from .owner import Owner
+from .weightsreplay import compact as compact_weights
 
 log = logging.getLogger(__name__)
 
@@ -298,10 +299,13 @@ def namespace_records(ns: CapturedNamespace) -> Iterator[dict]:
 
 
 def tree_records(records: Iterable[Record]) -> list[dict]:
-    """The file trees' records of the snapshot before and of the log since, in order, less
-    the checkpoint steps removed since (a `cstep` and the `cremove` of its export)."""
+    """The file trees' records of the snapshot before and of the log since, as few as give
+    the same trees: weights/ as the tree they leave (distorefs/weightsreplay.py); datasets/
+    as they are (a few parts per dataset, never removed); checkpoints/ less each step
+    removed since (its `cstep` and the `cremove` of its export)."""
     kept = [r for r in records if r.kind in TREE_KINDS]
+    weights = compact_weights((r.op, r.name, r.fields) for r in kept if r.kind == "weights")
     removed = {(r.fields.get(b"origin"), r.fields.get(b"nonce")) for r in kept if r.op == "cremove"}
-    return [r.fields for r in kept
-            if r.op != "cremove" and not (r.op == "cstep" and (r.fields.get(b"origin"), r.fields.get(b"nonce"))
-                                          in removed)]
+    return weights + [r.fields for r in kept
+                      if r.kind != "weights" and r.op != "cremove"
+                      and not (r.op == "cstep" and (r.fields.get(b"origin"), r.fields.get(b"nonce")) in removed)]

@@ -125,6 +125,8 @@ class WeightsLog:
         node = self.tree.child_or_none(parent.id, name)
         if node is None:
             node = await self._make(parent.id, name, FILE, owner)
+        if node.kind != FILE:  # a directory (or a link of this node's) is not given a version
+            raise NotFound(f"weights/{path} is not a file here")
         return node
 
     async def _make(self, parent_id: int, name: bytes, kind: str, owner: Owner) -> WNode:

@@ -124,7 +124,8 @@ def _rec(op: str, ns: str, **fields: bytes) -> Record:
 def test_a_snapshot_keeps_the_trees_records_less_the_removed_steps():
     recs = [
         _rec("insert", "buffers/b", key=b"k"),
-        _rec("wpublish", "weights/m", version=b"{}"),
+        _rec("wpublish", "weights/m", version=b'{"number": 1}'),
+        _rec("wpublish", "weights/m", version=b'{"number": 2}'),
         _rec("cstep", "checkpoints/r/s1", origin=b"n1", nonce=b"x1"),
         _rec("dpart", "datasets/d", export=b"e"),
         _rec("cstep", "checkpoints/r/s2", origin=b"n1", nonce=b"x2"),
