@@ -97,7 +97,8 @@ class Ring:
         # evicts, in the log's global FIFO order.
         self.shared = services.follower
         self._shared_queue: list[_SharedInsert] = []
-        self._shared_busy = False
+        self._shared_busy = False  # a task is publishing the queue
+        self._shared_progress = trio.Event()  # set when a batch is published or that task stops
 
     # ----- queries -------------------------------------------------------------------
 
@@ -261,7 +262,7 @@ class Ring:
         entry as this node's follower applied it. Inserts waiting meanwhile go together:
         their values in a round trip per master, their records in one script."""
         item = self._queue_shared(key, data, owner, priority)
-        await self._drive_shared()
+        await self._publish_queued(item)
         return await self._shared_done(item)
 
     def _queue_shared(self, key: bytes, data: bytes, owner: Owner, priority: float | None) -> "_SharedInsert":
@@ -270,19 +271,31 @@ class Ring:
         self._shared_queue.append(item)
         return item
 
-    async def _drive_shared(self) -> None:
-        """Publish what is queued, unless a task does already (then it publishes ours too)."""
-        if self._shared_busy:
-            return
-        self._shared_busy = True
-        try:
-            with trio.CancelScope(shield=True):  # others' inserts ride on this task
-                while self._shared_queue:
-                    batch = self._shared_queue[:SHARED_BATCH]
-                    del self._shared_queue[:SHARED_BATCH]
-                    await self._publish_inserts(batch)
-        finally:
-            self._shared_busy = False
+    async def _publish_queued(self, mine: "_SharedInsert") -> None:
+        """Return once `mine` (the last of a caller's queued inserts) is published: publish
+        what is queued when no task does, else wait for the task that does. A task publishes
+        only up to its own caller's inserts (and those in the same batch), then hands on: a
+        close() never waits for inserts queued after its own, which with writers that keep
+        coming could be for ever (and its own entry evicted meanwhile)."""
+        while not mine.outcome.done.is_set():
+            if self._shared_busy:
+                await self._shared_progress.wait()
+                continue
+            self._shared_busy = True
+            try:
+                with trio.CancelScope(shield=True):  # others' inserts ride on this task
+                    while self._shared_queue and not mine.outcome.done.is_set():
+                        batch = self._shared_queue[:SHARED_BATCH]
+                        del self._shared_queue[:SHARED_BATCH]
+                        await self._publish_inserts(batch)
+                        self._progressed()
+            finally:
+                self._shared_busy = False
+                self._progressed()  # a waiter takes over what is still queued
+
+    def _progressed(self) -> None:
+        self._shared_progress.set()
+        self._shared_progress = trio.Event()
 
     async def _shared_done(self, item: "_SharedInsert") -> EntryMeta:
         await item.outcome.wait()
@@ -334,7 +347,9 @@ class Ring:
                     queued.append(self._queue_shared(key, data, owner, priority))
                 except DistorefsError as exc:
                     queued.append(exc)
-            await self._drive_shared()
+            last = next((q for q in reversed(queued) if isinstance(q, _SharedInsert)), None)
+            if last is not None:
+                await self._publish_queued(last)
             for item in queued:
                 try:
                     out.append(item if isinstance(item, DistorefsError) else await self._shared_done(item))

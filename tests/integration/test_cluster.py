@@ -348,3 +348,27 @@ def test_wait_on_one_node_for_a_version_published_on_another(nodes):
     # a removal on one node is one on the other
     os.unlink(trainer.mnt / "weights/w/p.bin")
     assert wait_for(lambda: not (collector.mnt / "weights/w/p.bin").exists())
+
+
+def test_concurrent_writers_of_a_small_shared_buffer_all_close_cleanly(nodes):
+    # A writer whose close() published the queued inserts of the others too used to go on
+    # publishing while they kept coming, and returned only when the queue ran dry: by then
+    # its own entry could have been evicted, and its close() failed with ENOENT.
+    a = nodes()
+    buf = make_buffer(a, "small", '{"capacity": 8}')
+    errors: list[str] = []
+
+    def writer(i: int) -> None:
+        for j in range(250):
+            try:
+                put(buf, f"w{i}-{j}", npy(j))
+            except OSError as exc:
+                errors.append(f"w{i}-{j}: {exc}")
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(entries(buf)) == 8
