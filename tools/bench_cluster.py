@@ -10,6 +10,8 @@ write waits for its replica). For 1, 2 and 3 nodes:
 - bytes and round trips through Redis per insert, and CPU per insert of the daemons and
   of the Redis servers (the log's master apart from the others): the figures of the model
   that predicts N nodes on real hardware (README, Several nodes);
+- what the log costs in Redis memory over many inserts, with snapshots (the log trimmed
+  behind them) and with the log kept whole (`_log_memory`);
 - the learner again with the machine split the way separate machines would split it
   (`_Split`): node 0's daemon and the learner on CPU 0, everything else (the other
   daemons, the Redis servers, the actors) on the other CPUs, alone and while the other
@@ -40,7 +42,7 @@ CAPACITY = 2_000  # global: the cluster holds at most this many values (220 MB)
 
 
 def _params(quick: bool) -> dict:
-    return {"seconds": 3.0 if quick else 8.0, "nodes": (1, 2, 3)}
+    return {"seconds": 3.0 if quick else 8.0, "nodes": (1, 2, 3), "log_inserts": 6_000 if quick else 20_000}
 
 
 def _npy(rng: np.random.Generator) -> bytes:
@@ -325,6 +327,74 @@ def _nodes_run(cluster: LoopbackCluster, root: Path, n: int, p: dict) -> dict:
             node.umount()
 
 
+SNAPSHOT_EVERY = 2_000  # --cluster-snapshot-every of the log phase
+LOG_CAPACITY = 500  # entries of the log phase's buffer
+
+
+def _log_memory(cluster: LoopbackCluster, root: Path, p: dict) -> dict:
+    """What the log costs in Redis memory over many inserts: one node inserting small
+    entries into a buffer of LOG_CAPACITY, with snapshots every SNAPSHOT_EVERY records (the
+    log trimmed behind them) and, as the baseline of the same run, with none (the log kept
+    whole, as before snapshots). The log, its snapshots and the buffer's global state
+    (`{...}:idx`, `:fifo`) are measured with MEMORY USAGE."""
+    from redis.cluster import RedisCluster
+    host, port = cluster.url.removeprefix("redis://").split(":")
+    rc = RedisCluster(host=host, port=int(port))
+    total = p["log_inserts"]
+    out: dict[str, Any] = {"inserts": total, "snapshot_every": SNAPSHOT_EVERY, "capacity": LOG_CAPACITY}
+    try:
+        for label, every in (("snapshots", SNAPSHOT_EVERY), ("whole_log", 10 ** 12)):
+            store = f"benchlog-{label}"
+            tag = "{distorefs:%s}" % store
+            node = DistorefsMount(root / f"log-{label}" / "store", root / f"log-{label}" / "mnt")
+            node.mount(flags=("--cluster", cluster.url, "--cluster-store", store,
+                              "--cluster-snapshot-every", str(every)))
+            try:
+                buf = node.mnt / "buffers" / "log"
+                buf.mkdir()
+                (buf / "config.json").write_text(json.dumps({"capacity": LOG_CAPACITY}))
+                data = io.BytesIO()
+                np.save(data, np.arange(64, dtype=np.int32))
+                entry = data.getvalue()
+
+                def memory() -> int:
+                    keys = [f"{tag}:log", f"{tag}:idx:buffers/log", f"{tag}:fifo:buffers/log"]
+                    n = int(rc.hget(f"{tag}:snap", "n") or 0)
+                    keys += [f"{tag}:snap:{i}" for i in (n - 1, n) if i > 0]
+                    return sum(rc.memory_usage(k, samples=0) or 0 for k in keys)
+
+                peak, samples = 0, []
+                done = [0]
+
+                def actor(i: int) -> None:
+                    for j in range(i, total, ACTORS):
+                        with open(buf / "entries" / f"e{j}", "wb") as f:
+                            f.write(entry)
+                        done[0] += 1
+
+                threads = [threading.Thread(target=actor, args=(i,), daemon=True) for i in range(ACTORS)]
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                while any(t.is_alive() for t in threads):
+                    time.sleep(0.5)
+                    m = memory()
+                    peak = max(peak, m)
+                    samples.append((done[0], m))
+                dt = time.perf_counter() - t0
+                time.sleep(6.0 if every < 10 ** 12 else 0.0)  # a report: the last snapshot made, the log trimmed
+                final = memory()
+                out[label] = {"inserts_per_s": round(total / dt, 1), "final_bytes": final, "peak_bytes": max(peak, final),
+                              "log_records": rc.xlen(f"{tag}:log"), "snapshots": _stats(node).get("snapshots_made", 0),
+                              "bytes_per_insert_at_end": round(final / total, 1),
+                              "samples": samples[:: max(1, len(samples) // 20)]}
+            finally:
+                node.umount()
+    finally:
+        rc.close()
+    return out
+
+
 DS_ITEMS, DS_BYTES = 5000, 10 << 10  # the shared dataset: items and bytes per item
 
 
@@ -414,6 +484,17 @@ def _model(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _log_line(m: dict) -> str:
+    snap, whole = m.get("snapshots", {}), m.get("whole_log", {})
+    return (f"after {m['inserts']:,} inserts into a buffer of {m['capacity']}: the log, its snapshots and the "
+            f"buffer's state hold {snap.get('final_bytes', 0) / 1e6:.2f} MB in Redis with a snapshot every "
+            f"{m['snapshot_every']:,} records (peak {snap.get('peak_bytes', 0) / 1e6:.2f} MB, "
+            f"{snap.get('snapshots', 0)} snapshots, {snap.get('log_records', 0):,} records left in the log, "
+            f"{snap.get('inserts_per_s', 0):,} inserts/s), against {whole.get('final_bytes', 0) / 1e6:.2f} MB "
+            f"with the log kept whole ({whole.get('bytes_per_insert_at_end', 0):,} B per insert, "
+            f"{whole.get('inserts_per_s', 0):,} inserts/s)")
+
+
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'nodes':>5s} {'inserts/s':>10s} {'vs 1 node':>9s} {'learner alone':>14s} {'learner, others insert':>23s} "
              f"{'ratio':>6s} {'B to Redis/insert':>18s} {'round trips':>11s} {'weights ms':>13s}"]
@@ -437,6 +518,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     print(f"distorefs bench cluster{' --quick' if quick else ''}: workdir {root}, {machine['cpus']} CPUs", flush=True)
     rows: list[dict] = []
     errors: list[str] = []
+    log_memory: dict = {}
     cluster = LoopbackCluster(root / "redis", masters=3, replicas=1)
     try:
         cluster.start()
@@ -445,6 +527,11 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
                 rows.append(_nodes_run(cluster, root, n, p))
             except Exception as exc:
                 errors.append(f"{n} node(s): {type(exc).__name__}: {exc}")
+        try:
+            log_memory = _log_memory(cluster, root, p)
+            print(f"  log memory: {_log_line(log_memory)}", flush=True)
+        except Exception as exc:
+            errors.append(f"log memory: {type(exc).__name__}: {exc}")
     except Exception as exc:
         errors.append(f"cluster: {type(exc).__name__}: {exc}")
     finally:
@@ -473,7 +560,9 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
                                   ">= 0.8x its single-node rate on that CPU",
                           "value": round(busy / alone, 2), "met": busy >= 0.8 * alone})
     model = _model(rows)
-    doc = {"benchmark": "cluster", "quick": quick, "params": {**p, "entry_bytes": ENTRY, "actors": ACTORS,
+    if log_memory:
+        model.append("log memory: " + _log_line(log_memory))
+    doc = {"benchmark": "cluster", "log_memory": log_memory, "quick": quick, "params": {**p, "entry_bytes": ENTRY, "actors": ACTORS,
                                                               "batch": BATCH, "capacity": CAPACITY},
            "machine": machine, "results": rows, "model": model, "goals": goals, "notes": notes, "errors": errors,
            "table": table}
