@@ -52,8 +52,8 @@ from .owner import Owner
 from .prefetcher import PrefetchStreams
 from .services import Services
 from .values import StoredValue, WarmResult
-from .sources import (Credentials, OpenSource, SourceRefused, acting_as, dir_owners, open_root, open_source,
-                      read_bounded)
+from .sources import (Credentials, NotCached, OpenSource, SourceRefused, acting_as, dir_owners, open_root,
+                      open_source, read_bounded, read_cached)
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,11 @@ class StageResult:
     status: str  # ok | skip | error
     message: str = ""
     size: int = 0
+
+
+# One thread at a time opens and reads what the kernel has cached, for every stage of the
+# daemon: several would spend their time handing the GIL to each other (distorefs/sources.py).
+CACHED_LANE = trio.CapacityLimiter(1)
 
 
 @dataclass
@@ -704,13 +709,19 @@ class Dataset:
             _close_all(sources)
 
     async def _open_sources(self, sources: list[_Source], stager: Owner, cred: Credentials | None) -> None:
+        """Open the sources: those the kernel resolves from its caches in one thread, the
+        rest (waiting for a disk or a server) in parallel threads (distorefs/sources.py)."""
+        await trio.to_thread.run_sync(self._open_blocking, sources, stager, cred, True, limiter=CACHED_LANE)
+        slow = [s for s in sources if s.opened is None and not s.error]
         limiter = trio.CapacityLimiter(8)
         async with trio.open_nursery() as nursery:
-            for i in range(0, len(sources), 64):
-                nursery.start_soon(_open_in_thread, self, sources[i:i + 64], stager, cred, limiter)
+            for i in range(0, len(slow), 64):
+                nursery.start_soon(_open_in_thread, self, slow[i:i + 64], stager, cred, limiter)
 
-    def _open_blocking(self, sources: list[_Source], stager: Owner, cred: Credentials | None) -> None:
-        """Open each source with the caller's rights (worker thread); errors go to s.error."""
+    def _open_blocking(self, sources: list[_Source], stager: Owner, cred: Credentials | None,
+                       cached: bool = False) -> None:
+        """Open each source with the caller's rights (worker thread); errors go to s.error.
+        `cached`: only those the kernel resolves from its caches (the others stay unopened)."""
         keep_owner = cred is not None and cred.is_root
         roots: dict[str, int] = {}
         with acting_as(cred):
@@ -722,7 +733,10 @@ class Dataset:
                             root_fd = roots.get(s.root)
                             if root_fd is None:
                                 root_fd = roots[s.root] = open_root(s.root)
-                        s.opened = o = open_source(root_fd, s.root or "/", s.src, s.follow)
+                        try:
+                            s.opened = o = open_source(root_fd, s.root or "/", s.src, s.follow, cached)
+                        except NotCached:
+                            continue
                         uid, gid = (o.uid, o.gid) if keep_owner else (stager.uid, stager.gid)
                         s.owner = Owner(0o100000 | (o.mode & 0o777), uid, gid)
                         s.size, s.mtime_ns = o.size, o.mtime_ns
@@ -753,12 +767,14 @@ class Dataset:
                 self.stats_counters["skipped"] += 1
             else:
                 todo.append(source)
-        # Read and compress small files in parallel threads; big ones stream inside the commit.
+        # Read and compress small files: what the page cache holds in one thread, the rest in
+        # parallel threads (distorefs/sources.py); big ones stream inside the commit.
         small = [s for s in todo if s.size <= PREPARE_MAX]  # the size fstat gave: the request's is not trusted
+        slow = await trio.to_thread.run_sync(self._read_cached_blocking, small, limiter=CACHED_LANE)
         limiter = trio.CapacityLimiter(8)
         async with trio.open_nursery() as nursery:
-            for i in range(0, len(small), 16):
-                nursery.start_soon(self._read_sources, small[i:i + 16], limiter)
+            for i in range(0, len(slow), 16):
+                nursery.start_soon(self._read_sources, slow[i:i + 16], limiter)
         changes = []
         for s in todo:
             if s.error:
@@ -805,6 +821,20 @@ class Dataset:
     async def _read_sources(self, sources: list[_Source], limiter: trio.CapacityLimiter) -> None:
         await trio.to_thread.run_sync(self._read_sources_blocking, sources, limiter=limiter)
 
+    def _read_cached_blocking(self, sources: list[_Source]) -> list[_Source]:
+        """Read and encode the sources the page cache holds; the others, returned, are read
+        by `_read_sources_blocking`."""
+        slow = []
+        for s in sources:
+            assert s.opened is not None
+            try:
+                raw = read_cached(s.opened) if s.opened.size else b""
+            except (NotCached, OSError):
+                slow.append(s)
+                continue
+            self._encode_source(s, raw)
+        return slow
+
     def _read_sources_blocking(self, sources: list[_Source]) -> None:
         for s in sources:
             assert s.opened is not None
@@ -816,13 +846,16 @@ class Dataset:
             except OSError as exc:
                 s.error = f"cannot read {s.src}: {exc.strerror or exc}"
                 continue
-            s.size = len(raw)
-            s.crc = codec.checksum(raw)
-            step = self.config.chunk_bytes
-            s.encoded = [codec.encode(memoryview(raw)[i:i + step], self.config.compression,
-                                      self.config.compression_level) for i in range(0, max(len(raw), 1), step)]
-            if not raw:
-                s.encoded = []
+            self._encode_source(s, raw)
+
+    def _encode_source(self, s: _Source, raw: bytes) -> None:
+        s.size = len(raw)
+        s.crc = codec.checksum(raw)
+        step = self.config.chunk_bytes
+        s.encoded = [codec.encode(memoryview(raw)[i:i + step], self.config.compression,
+                                  self.config.compression_level) for i in range(0, max(len(raw), 1), step)]
+        if not raw:
+            s.encoded = []
 
     def _verify_all(self, pairs: list) -> list[bool]:
         return [self._verify(item, crc) for item, crc in pairs]

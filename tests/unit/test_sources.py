@@ -1,0 +1,87 @@
+"""Opening and reading stage sources from the kernel's caches only (distorefs/sources.py):
+what is cached is opened and read without waiting, what is not says so (NotCached) and
+is left to the parallel path, and the rules that refuse a source hold on both paths."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from distorefs.sources import NotCached, SourceRefused, open_root, open_source, read_bounded, read_cached
+
+
+def _drop_pages(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages only can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "src"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "a.bin").write_bytes(os.urandom(10_000))
+    (root / "empty").write_bytes(b"")
+    os.symlink("/etc/passwd", root / "out")
+    return root
+
+
+def _open(root, rel, cached, follow=False):
+    fd = open_root(str(root))
+    try:
+        return open_source(fd, str(root), str(root / rel), follow, cached)
+    finally:
+        os.close(fd)
+
+
+def test_a_cached_source_is_opened_and_read_whole(tree):
+    data = (tree / "d" / "a.bin").read_bytes()
+    src = _open(tree, "d/a.bin", cached=True)
+    try:
+        assert src.size == len(data)
+        assert read_cached(src) == data
+    finally:
+        src.close()
+
+
+def test_what_would_wait_for_the_disk_is_not_read_from_the_cache(tree):
+    path = tree / "d" / "a.bin"
+    data = path.read_bytes()
+    _drop_pages(path)
+    src = _open(tree, "d/a.bin", cached=True)
+    try:
+        with pytest.raises(NotCached):
+            read_cached(src)
+        assert b"".join(read_bounded(src, str(path))) == data  # the parallel path reads it
+    finally:
+        src.close()
+
+
+def test_a_source_that_changed_is_left_to_the_checked_read(tree):
+    path = tree / "d" / "a.bin"
+    src = _open(tree, "d/a.bin", cached=True)
+    try:
+        with open(path, "ab") as f:
+            f.write(b"more")
+        with pytest.raises(NotCached):
+            read_cached(src)
+        with pytest.raises(SourceRefused, match="grew"):
+            b"".join(read_bounded(src, str(path)))
+    finally:
+        src.close()
+
+
+def test_the_rules_hold_on_the_cached_path(tree):
+    with pytest.raises(SourceRefused, match="outside the source tree"):
+        _open(tree, "out", cached=True)
+    with pytest.raises(SourceRefused, match="not a regular file"):
+        _open(tree, "d", cached=True)
+    for cached in (True, False):  # not in the lookup cache either way: the parallel path says so
+        with pytest.raises(NotCached if cached else SourceRefused):
+            _open(tree, "d/missing", cached=cached)
+    with pytest.raises(NotCached):  # links followed anywhere: opened by the parallel path only
+        _open(tree, "out", cached=True, follow=True)
