@@ -52,8 +52,8 @@ from .owner import Owner
 from .prefetcher import PrefetchStreams
 from .services import Services
 from .values import StoredValue, WarmResult
-from .sources import (Credentials, NotCached, OpenSource, SourceRefused, acting_as, dir_owners, open_root,
-                      open_source, read_bounded, read_cached)
+from .sources import (CachedFirst, Credentials, NotCached, OpenSource, SourceRefused, acting_as, dir_owners,
+                      open_root, open_source, read_bounded, read_cached)
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +230,8 @@ class Dataset:
         self.prefetcher: PrefetchStreams[int] = PrefetchStreams(services.prefetch_budget, self._fetch_blocking,
                                                                 spawn=services.spawn)
         self._prefix = _DS.pack(ds_id)
+        # staging: sources opened and read from the kernel's caches first (distorefs/sources.py)
+        self._cached_opens, self._cached_reads = CachedFirst(), CachedFirst()
 
     @property
     def ns_id(self) -> int:
@@ -711,8 +713,11 @@ class Dataset:
     async def _open_sources(self, sources: list[_Source], stager: Owner, cred: Credentials | None) -> None:
         """Open the sources: those the kernel resolves from its caches in one thread, the
         rest (waiting for a disk or a server) in parallel threads (distorefs/sources.py)."""
-        await trio.to_thread.run_sync(self._open_blocking, sources, stager, cred, True, limiter=CACHED_LANE)
-        slow = [s for s in sources if s.opened is None and not s.error]
+        slow = sources
+        if self._cached_opens.worth_trying():
+            await trio.to_thread.run_sync(self._open_blocking, sources, stager, cred, True, limiter=CACHED_LANE)
+            slow = [s for s in sources if s.opened is None and not s.error]
+            self._cached_opens.tried(len(sources) - len(slow), len(sources))
         limiter = trio.CapacityLimiter(8)
         async with trio.open_nursery() as nursery:
             for i in range(0, len(slow), 64):
@@ -770,7 +775,10 @@ class Dataset:
         # Read and compress small files: what the page cache holds in one thread, the rest in
         # parallel threads (distorefs/sources.py); big ones stream inside the commit.
         small = [s for s in todo if s.size <= PREPARE_MAX]  # the size fstat gave: the request's is not trusted
-        slow = await trio.to_thread.run_sync(self._read_cached_blocking, small, limiter=CACHED_LANE)
+        slow = small
+        if self._cached_reads.worth_trying():
+            slow = await trio.to_thread.run_sync(self._read_cached_blocking, small, limiter=CACHED_LANE)
+            self._cached_reads.tried(len(small) - len(slow), len(small))
         limiter = trio.CapacityLimiter(8)
         async with trio.open_nursery() as nursery:
             for i in range(0, len(slow), 16):

@@ -287,6 +287,27 @@ def dir_owners(root_fd: int, rel: str) -> list[tuple[int, int, int]]:
     return out
 
 
+class CachedFirst:
+    """Whether trying the kernel's caches first pays off: after a batch where most sources
+    were not cached (a cold tree: every try fails, and costs a syscall), the next
+    RETRY_EVERY batches go straight to the parallel path; then it tries again."""
+
+    RETRY_EVERY = 16
+
+    def __init__(self) -> None:
+        self._skip = 0
+
+    def worth_trying(self) -> bool:
+        if self._skip:
+            self._skip -= 1
+            return False
+        return True
+
+    def tried(self, cached: int, total: int) -> None:
+        if total and cached * 2 < total:
+            self._skip = self.RETRY_EVERY
+
+
 def read_cached(src: OpenSource) -> bytes:
     """The whole content of an opened source if the page cache holds it (a read with
     RWF_NOWAIT, which never waits for the disk); NotCached if it does not, or if the read
@@ -318,5 +339,5 @@ def read_bounded(src: OpenSource, what: str, chunk: int = 8 << 20) -> Iterator[b
         raise SourceRefused(f"{what} grew while it was staged (past {src.size} bytes): stage it again")
 
 
-__all__ = ["Credentials", "OpenSource", "SourceRefused", "NotCached", "read_cached", "acting_as", "run_as",
+__all__ = ["Credentials", "OpenSource", "SourceRefused", "NotCached", "CachedFirst", "read_cached", "acting_as", "run_as",
            "open_root", "open_source", "read_bounded", "dir_owners", "relative_to_root", "check_can_act_for"]

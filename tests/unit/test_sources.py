@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from distorefs.sources import NotCached, SourceRefused, open_root, open_source, read_bounded, read_cached
+from distorefs.sources import (CachedFirst, NotCached, SourceRefused, open_root, open_source, read_bounded,
+                               read_cached)
 
 
 def _drop_pages(path) -> None:
@@ -85,3 +86,13 @@ def test_the_rules_hold_on_the_cached_path(tree):
             _open(tree, "d/missing", cached=cached)
     with pytest.raises(NotCached):  # links followed anywhere: opened by the parallel path only
         _open(tree, "out", cached=True, follow=True)
+
+
+def test_a_cold_tree_is_not_tried_in_the_caches_for_a_while():
+    first = CachedFirst()
+    assert first.worth_trying()
+    first.tried(cached=10, total=16)  # mostly cached: go on trying
+    assert first.worth_trying()
+    first.tried(cached=3, total=16)  # mostly not: the next batches go straight to the threads
+    assert [first.worth_trying() for _ in range(CachedFirst.RETRY_EVERY)] == [False] * CachedFirst.RETRY_EVERY
+    assert first.worth_trying()  # then it looks again
