@@ -836,7 +836,7 @@ class Dataset:
         for s in sources:
             assert s.opened is not None
             try:
-                raw = read_cached(s.opened) if s.opened.size else b""
+                raw = read_cached(s.opened)
             except (NotCached, OSError):
                 slow.append(s)
                 continue

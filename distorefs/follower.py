@@ -89,8 +89,8 @@ class PutMeta(Change):
 
 
 def capture(kind: str, ns: RingNamespace) -> CapturedNamespace:
-    """A shared buffer or bank as it stands (on the trio thread, between two applied
-    batches: nothing else changes it): what its snapshot records need, copied."""
+    """A shared buffer or bank as it stands, while the follower waits between two applied
+    batches (nothing else changes it): what its snapshot records need, copied."""
     metas = list(ns.ring.oldest())
     entries = [(m.seq, m.key, m.value, m.places, m.mode, m.uid, m.gid, m.mtime_ns) for m in metas]
     prios = None

@@ -232,8 +232,7 @@ class Store:
 
         position, node = self.env.write(check)
         snapshots = LogSnapshots(shared)
-        empty = position == b"0-0" and not self.env.read(
-            lambda txn: any(bytes(k).decode().partition("/")[0] in SHARED_KINDS for k, _ in txn.cursor(DB_NS)))
+        empty = position == b"0-0"  # nothing applied (a record applied moves it, in the same commit)
         try:  # registered in the cluster before anything is read, so no trim passes this node
             snapshot, _ = snapshots.register(node, None if empty else position)
         except BackendError as exc:

@@ -96,3 +96,14 @@ def test_a_cold_tree_is_not_tried_in_the_caches_for_a_while():
     first.tried(cached=3, total=16)  # mostly not: the next batches go straight to the threads
     assert [first.worth_trying() for _ in range(CachedFirst.RETRY_EVERY)] == [False] * CachedFirst.RETRY_EVERY
     assert first.worth_trying()  # then it looks again
+
+
+def test_an_empty_source_is_read_from_the_cache_and_one_that_grew_is_not(tree):
+    src = _open(tree, "empty", cached=True)
+    try:
+        assert read_cached(src) == b""
+        (tree / "empty").write_bytes(b"x")
+        with pytest.raises(NotCached):
+            read_cached(src)
+    finally:
+        src.close()
