@@ -174,6 +174,10 @@ class Ring:
                 # A group that removes or rewrites it may have committed without being
                 # applied yet: let the committer catch up before calling it damage.
                 await self.committer.settle()
+            if self.shared is not None and self.by_key.get(meta.key) is meta:
+                # A shared store's value leaves the cluster once any node applied the record
+                # that evicted or deleted its entry, maybe before this node did: catch up.
+                await self.shared.catch_up(SHARED_CATCH_UP_S)
             current = self.by_key.get(meta.key)
             if current is meta:
                 raise self.values.report_corrupt(result) from None
@@ -596,6 +600,7 @@ class Ring:
 
 
 SHARED_BATCH = 64  # inserts of a shared ring published together at most
+SHARED_CATCH_UP_S = 3.0  # a read whose value left the cluster waits this long at most for the log
 
 
 def encode_entry(raw: bytes, regions: list[tuple[int, int]] | None,

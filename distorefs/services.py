@@ -33,6 +33,8 @@ class SharedLogFollower(Protocol):
 
     async def until(self, rid: bytes) -> None: ...
 
+    async def catch_up(self, timeout: float) -> bool: ...
+
 
 def _nothing(*_args: Any) -> None:
     pass

@@ -372,3 +372,39 @@ def test_concurrent_writers_of_a_small_shared_buffer_all_close_cleanly(nodes):
         t.join()
     assert errors == []
     assert len(entries(buf)) == 8
+
+
+def test_a_learner_reading_while_another_node_evicts_gets_no_eio(nodes):
+    # A value leaves the cluster once any node applied the record that evicted its entry;
+    # a node that had not applied it yet read a batch holding that entry and got EIO (the
+    # value was "damaged"). It now catches up with the log and draws the batch again.
+    a, b = nodes(), nodes()
+    buf = make_buffer(a, "churn", '{"capacity": 8}')
+    assert wait_for(lambda: (b.mnt / "buffers/churn").is_dir())
+    for j in range(8):
+        put(buf, f"w{j}", npy(j))
+    assert wait_for(lambda: len(entries(b.mnt / "buffers/churn")) == 8)
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def writer(i: int) -> None:
+        j = 0
+        while not stop.is_set():
+            put(buf, f"x{i}-{j}", npy(j))
+            j += 1
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(300):
+            try:
+                with np.load(b.mnt / "buffers/churn/batch/4.npz") as z:
+                    assert len(z["keys"]) == 4
+            except OSError as exc:
+                errors.append(str(exc))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []
