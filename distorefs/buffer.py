@@ -372,7 +372,11 @@ class Buffer(RingNamespace):
                          abandoned: Abandoned | None = None) -> tuple[Batch, BatchFile]:
         """Draw a batch and describe its npz (no copy: see distorefs/batch.py); a batch that
         lost an entry to eviction or a rewrite while its values were read is drawn again."""
-        for attempt in range(3):
+        # On a shared store an entry drawn here may be evicted by another node before its
+        # value is fetched, and again after this node caught up (a small buffer churned by
+        # fast writers): more tries there than for this node's own evictions.
+        attempts = SHARED_DRAW_ATTEMPTS if self.ring.shared is not None else 3
+        for attempt in range(attempts):
             batch, claim = await self._sample(n, nonblocking, abandoned, True)
             try:
                 size = sum(m.size for m in batch.metas)
@@ -387,7 +391,7 @@ class Buffer(RingNamespace):
             except NotFound:
                 self.release(batch)
                 claim.give_back()  # drawn again: counted again
-                if attempt == 2:
+                if attempt == attempts - 1:
                     raise
                 continue
             except BaseException:
@@ -543,6 +547,7 @@ def _ratio(config: BufferConfig) -> Ratio | None:
 
 
 BUILD_INLINE = 1024  # a batch of more entries is described in a worker thread
+SHARED_DRAW_ATTEMPTS = 10  # draws of a batch/N.npz on a shared store before ENOENT
 SAMPLED_FLUSH_S = 0.5  # times-sampled counts are written this long after a draw...
 SAMPLED_FLUSH_ENTRIES = 8192  # ... or once this many entries wait to be written
 log = logging.getLogger(__name__)
