@@ -3,27 +3,19 @@ global FIFO eviction (distorefs/clusterlog.py), record by record."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
-from distorefs.backends.redisengine import ClusterEngine
 from distorefs.clusterlog import Insert, SharedLog, id_tuple
 from distorefs.errors import AlreadyExists, NotEmpty, NotFound
 from distorefs.owner import Owner
-from distorefs.tools.rediscluster import LoopbackCluster
 
 OWNER = Owner(0o100644, 0, 0)
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    if not shutil.which("redis-server"):
-        pytest.fail("redis-server is missing: scripts/system-deps.sh installs it")
-    with LoopbackCluster(tmp_path_factory.mktemp("redis"), masters=3) as c:
-        engine = ClusterEngine(c.url)
-        yield SharedLog(engine, "unit")
-        engine.close()
+def shared(redis_engine):
+    return SharedLog(redis_engine, "unit")
 
 
 def _insert(log: SharedLog, name: str, *keys: bytes, size: int = 10) -> list[bytes]:

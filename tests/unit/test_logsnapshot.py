@@ -4,34 +4,21 @@ snapshot keeps of the file trees' records."""
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 
-from distorefs.backends.redisengine import ClusterEngine
 from distorefs.clusterlog import Insert, Record, SharedLog, id_tuple
 from distorefs.logsnapshot import LogSnapshots, tree_records
 from distorefs.owner import Owner
-from distorefs.tools.rediscluster import LoopbackCluster
 
 OWNER = Owner(0o100644, 0, 0)
 _stores = iter(range(1000))
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    if not shutil.which("redis-server"):
-        pytest.fail("redis-server is missing: scripts/system-deps.sh installs it")
-    with LoopbackCluster(tmp_path_factory.mktemp("redis"), masters=3) as c:
-        e = ClusterEngine(c.url)
-        yield e
-        e.close()
-
-
 @pytest.fixture
-def shared(engine) -> SharedLog:
-    return SharedLog(engine, f"snap{next(_stores)}")
+def shared(redis_engine) -> SharedLog:
+    return SharedLog(redis_engine, f"snap{next(_stores)}")
 
 
 def _fill(log: SharedLog, n: int) -> list[bytes]:
