@@ -42,7 +42,16 @@ aborted (or never committed) are dead space. Each process start appends to
 fresh segments, so a torn tail from a crash is always at the end of a file and
 a scan stops there cleanly.
 
-Thread rules: ``put``/``delete`` run inside ``LmdbEnv.write()``; ``get`` may
+Spools: a client beside the mount may append records itself, to a segment of its own
+(``open_spool``), in the record format above (``record_header``). Its records become values
+only when the daemon adopts them (``adopt``, in the caller's transaction: the header is
+checked and the record accounted as if ``put`` had written it); a record never adopted is
+dead space like an aborted put's. The tier keeps an fd of every spool, so ``sync()`` makes
+the client's bytes durable before the metadata that points at them. The bytes themselves
+are the client's word: a record it damages or rewrites after adoption fails its CRC when
+read (Damaged), never passes for another value.
+
+Thread rules: ``put``/``delete``/``adopt`` run inside ``LmdbEnv.write()``; ``get`` may
 run from any number of threads at once; ``collect()`` and ``sync()`` run
 outside transactions (``collect`` opens its own write transaction).
 """
@@ -121,6 +130,34 @@ class _Stream:
         self.seg = seg
         self.fd = fd
         self.offset = offset
+
+
+def record_header(vkey: bytes, data: bytes | memoryview, crc: int | None = None) -> bytes:
+    """The header of a record holding `data` named `vkey` (`crc`: zlib.crc32 of `data`,
+    when known already). The daemon's puts and a client's spool both write records so."""
+    view = memoryview(data).cast("B")
+    return HEADER.pack(MAGIC, len(vkey), view.nbytes, zlib.crc32(view) if crc is None else crc)
+
+
+def write_record(fd: int, offset: int, vkey: bytes, data: bytes | memoryview, crc: int | None = None) -> int:
+    """Write the record of `data` named `vkey` at `offset` of `fd` (`crc` as for
+    `record_header`); its length. OSError as the write gave it (the caller decides what a
+    torn record means for its file)."""
+    header = record_header(vkey, data, crc)
+    _pwrite_all(fd, (header, data, vkey), offset)
+    return len(header) + memoryview(data).nbytes + len(vkey)
+
+
+class _Spool:
+    """A segment a client appends to: the daemon's fd of it (for fsync), the stream it
+    belongs to, and the end of the furthest record adopted."""
+
+    __slots__ = ("fd", "stream", "end")
+
+    def __init__(self, fd: int, stream: int) -> None:
+        self.fd = fd
+        self.stream = stream
+        self.end = 0
 
 
 def _pwrite_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
@@ -243,6 +280,7 @@ class SegmentValues(ValueBackend):
         # file. A stream's file is created on its first put.
         self._next_seg = max(set(self._dir_of) | set(rows), default=0) + 1
         self._streams: dict[int, _Stream] = {}
+        self._spools: dict[int, _Spool] = {}  # segment -> a client's spool (see the module docstring)
         self._dirty: set[int] = set()  # segments written since the last sync
         self._retired: dict[int, int] = {}  # rolled-over write fds, closed after their fsync
         self._dirs_dirty: set[int] = set()  # directories with new files since the last sync
@@ -301,7 +339,6 @@ class SegmentValues(ValueBackend):
             raise BadRequest(f"vkey longer than {_MAX_VKEY} bytes")
         view = memoryview(data).cast("B")
         size = view.nbytes
-        header = HEADER.pack(MAGIC, len(vkey), size, zlib.crc32(view))
         record = HEADER.size + size + len(vkey)
         with self._lock:
             if self._closed:
@@ -312,7 +349,7 @@ class SegmentValues(ValueBackend):
                 st = self._roll(stream, record)
             seg, start = st.seg, st.offset
             try:
-                _pwrite_all(st.fd, (header, view, vkey), start)
+                write_record(st.fd, start, vkey, view)
             except OSError as exc:
                 # Drop the torn record so the file stays walkable; the offset
                 # is not advanced, so the next put overwrites whatever remains.
@@ -350,6 +387,73 @@ class SegmentValues(ValueBackend):
         self._dirs_dirty.add(i)
         st = self._streams[stream] = _Stream(seg, fd, os.fstat(fd).st_size)
         return st
+
+    # -- spools --------------------------------------------------------------
+
+    def open_spool(self, stream: int, owner: tuple[int, int] | None = None) -> tuple[int, Path]:
+        """A new segment of `stream` for a client to append records to, in the directory with
+        the most room; `owner`: the (uid, gid) to give the file (a root daemon serving
+        another user). (segment, path)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("SegmentValues is closed")
+            room, i = max((self._room(j), j) for j in range(len(self.dirs)))
+            if room <= HEADER.size:
+                raise Full("NVMe tier full: no directory has room for a spool")
+            seg = self._next_seg
+            self._next_seg += 1
+            path = self.dirs[i].path / _segment_name(seg)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                if owner is not None:
+                    os.fchown(fd, *owner)
+            except OSError:
+                os.close(fd)
+                path.unlink()
+                raise
+            self._dir_of[seg] = i
+            self._dirs_dirty.add(i)
+            self._spools[seg] = _Spool(fd, stream)
+        return seg, path
+
+    def adopt(self, txn: Txn, seg: int, offset: int, size: int, vkey_len: int) -> bytes:
+        """The record of `size` data bytes and a `vkey_len`-byte name that a client wrote at
+        `offset` of its spool `seg`, made a value in the caller's transaction: its location.
+        BadRequest when no such record is there (a spool not open, a header that does not
+        say so); Full past the directory's capacity."""
+        with self._lock:
+            spool = self._spools.get(seg)
+            if spool is None:
+                raise BadRequest(f"segment {seg} is not an open spool")
+            if offset < 0 or size < 0:
+                raise BadRequest(f"spool {seg}: a record at {offset} of {size} bytes")
+            record = HEADER.size + size + vkey_len
+            end = offset + record
+            head = os.pread(spool.fd, HEADER.size, offset)
+            if len(head) != HEADER.size:
+                raise BadRequest(f"spool {seg}: no record at {offset} (the file ends before it)")
+            magic, klen, dlen, _crc = HEADER.unpack(head)
+            if magic != MAGIC or klen != vkey_len or dlen != size:
+                raise BadRequest(f"spool {seg}: the record at {offset} is not one of {size} bytes")
+            if os.fstat(spool.fd).st_size < end:
+                raise BadRequest(f"spool {seg}: the record at {offset} is cut short")
+            if end > spool.end and self._room(self._dir_of[seg]) < end - spool.end:
+                raise Full(f"{self._path(seg).parent}: no space for a {size}-byte value")
+            if end > spool.end:
+                self._dir_used[self._dir_of[seg]] += end - spool.end
+                spool.end = end
+            self._dirty.add(seg)
+            stream = spool.stream
+        self._account(txn, seg, size, 1, grow_total=True, stream=stream)
+        return LOCATION.pack(seg, offset + HEADER.size, size)
+
+    def close_spool(self, seg: int) -> None:
+        """Its client is gone: no more records come; the segment ages as any other (its fd
+        is closed after the sync that makes it durable)."""
+        with self._lock:
+            spool = self._spools.pop(seg, None)
+            if spool is not None and not self._closed:
+                self._retired[seg] = spool.fd
 
     def delete(self, txn: Txn, loc: bytes) -> None:
         try:
@@ -466,6 +570,7 @@ class SegmentValues(ValueBackend):
                 dirty, self._dirty = self._dirty, set()
                 dirs_dirty, self._dirs_dirty = self._dirs_dirty, set()
                 current = {st.seg: st.fd for st in self._streams.values()}
+                current.update((seg, sp.fd) for seg, sp in self._spools.items())
                 fds = [current.get(seg, self._retired.get(seg)) for seg in dirty]
             try:
                 for fd in fds:
@@ -503,7 +608,7 @@ class SegmentValues(ValueBackend):
 
     def current_segments(self) -> set[int]:
         with self._lock:
-            return {st.seg for st in self._streams.values()}
+            return {st.seg for st in self._streams.values()} | set(self._spools)
 
     def collect(self) -> int:
         """Unlink every segment no stream appends to that has no live record; return bytes freed.
@@ -608,9 +713,11 @@ class SegmentValues(ValueBackend):
             if self._closed:
                 return
             self._closed = True
-            fds = list(self._retired.values()) + [st.fd for st in self._streams.values()]
+            fds = (list(self._retired.values()) + [st.fd for st in self._streams.values()]
+                   + [sp.fd for sp in self._spools.values()])
             self._retired.clear()
             self._streams.clear()
+            self._spools.clear()
             for fd in fds:
                 os.close(fd)
         with self._readers_lock:

@@ -41,7 +41,7 @@ from .layout import Layout, NotStackable, SlotPlaces, parse, place
 from .namespace import update_record
 from .names import escape_key
 from .owner import Owner
-from .ring import RemoveEntry, RingNamespace
+from .ring import RemoveEntry, RingNamespace, SpooledEntry
 from .waiting import Abandoned, wait_event
 from .prefetcher import Prefetcher
 from .removers import LowestPriority, Remover, ring_remover
@@ -73,6 +73,7 @@ class Buffer(RingNamespace):
         self.prefetcher = self.ring.prefetcher = Prefetcher(services.prefetch_budget, self.ring.prefetch_loader,
                                                             spawn=services.spawn, lag=4096)
         self.ring.place = self._place
+        self.ring.place_spooled = self._place_spooled
         self._presampled: dict[int, deque] = {}
         # Entries drawn since their times-sampled counts were last written: written behind,
         # SAMPLED_FLUSH_S after the first draw, in one commit (a crash loses at most those).
@@ -149,8 +150,10 @@ class Buffer(RingNamespace):
         """Whether `admit_insert` would wait now."""
         return not self.limiter.insert_allowed()
 
-    async def insert(self, key: bytes, data: bytes, owner: Owner) -> EntryMeta:
+    async def insert(self, key: bytes, data: "bytes | SpooledEntry", owner: Owner) -> EntryMeta:
         """Insert or rewrite an entry; the first entry of a buffer without a schema fixes it."""
+        if isinstance(data, SpooledEntry):
+            return await self.ring.insert(key, data, owner, self.initial_priority())
         if self.layout is None and not self.config.raw:
             self.ring.check_insert(key, len(data))
             self._check_key(key)  # a refused first entry fixes no layout
@@ -167,10 +170,11 @@ class Buffer(RingNamespace):
                 await self.committer.submit(FixLayout(self, layout))
         return await self.ring.insert(key, data, owner, self.initial_priority())
 
-    async def insert_many(self, items: list[tuple[bytes, bytes]], owner: Owner) -> list[EntryMeta | BaseException]:
+    async def insert_many(self, items: "list[tuple[bytes, bytes | SpooledEntry]]",
+                          owner: Owner) -> list[EntryMeta | BaseException]:
         """Insert many entries in order, sharing commit groups (see Ring.insert_many); the
         first of a buffer without a schema fixes it, as with `insert`."""
-        if items and self.layout is None and not self.config.raw:
+        if items and self.layout is None and not self.config.raw and not isinstance(items[0][1], SpooledEntry):
             first = await self._insert_first(*items[0], owner)
             return [first] + await self.ring.insert_many(items[1:], owner, self.initial_priority())
         return await self.ring.insert_many(items, owner, self.initial_priority())
@@ -192,6 +196,31 @@ class Buffer(RingNamespace):
         if layout is None:
             raise InvalidArgument(f"buffers/{self.name}: its layout changed while this entry was written; retry")
         return [(off, f.nbytes) for off, f in zip(place(layout, data), layout.fields)]
+
+    def _place_spooled(self, key: bytes, entry: SpooledEntry) -> list[tuple[int, int]] | None:
+        """`_place` for a value a client stored itself: the arrays where it says they are,
+        checked against the layout (one per field, each of the field's size, inside the value,
+        none overlapping); InvalidArgument otherwise. The bytes are not read: a client that
+        describes them wrongly has stored wrong bytes, which their CRC-32s then catch."""
+        self._check_key(key)
+        if self.config.raw:
+            if entry.offsets:
+                raise InvalidArgument(f"buffers/{self.name} is raw: a spooled entry names no arrays")
+            return None
+        layout = self.layout
+        if layout is None:
+            raise InvalidArgument(f"buffers/{self.name}: no layout is fixed yet; insert the first entry whole")
+        if len(entry.offsets) != len(layout.fields) or len(entry.crcs) != len(layout.fields):
+            raise InvalidArgument(f"buffers/{self.name}: a spooled entry names {len(entry.offsets)} arrays, the "
+                                  f"layout has {len(layout.fields)}")
+        regions = [(off, f.nbytes) for off, f in zip(entry.offsets, layout.fields)]
+        end = 0
+        for off, n in sorted(regions):
+            if off < end or off + n > entry.value.size:
+                raise InvalidArgument(f"buffers/{self.name}: a spooled entry's arrays overlap or lie outside "
+                                      f"its {entry.value.size} bytes")
+            end = off + n
+        return regions
 
     def _check_key(self, key: bytes) -> None:
         if self.sequences.on:

@@ -15,6 +15,12 @@ Invariants:
   commit group; FLUSH returns once every insert sent before it is committed (or failed),
   with the failures. What a session holds of unsent inserts is bounded (MAX_INFLIGHT):
   a write waits for commits past it, a wait bounded by the caller's interest.
+- Spools: a session that may write gets, on asking (SPOOL), a segment of the store of its
+  own, and writes its values there itself (encoded and checksummed in its process, on its
+  cores); a STORED request then names the record, and the insert commits like any other,
+  adopting the value where it is (distorefs/backends/segments.py, `adopt`). Only the
+  session's own spools are adopted from; they stay open until the session is closed and
+  its queued inserts are committed.
 - The rate limiter (distorefs/ratelimit.py) admits an insert of a new key when it arrives,
   before it is queued: the write carrying it waits there (bounded by the caller's interest
   like every wait), and the insert's ticket is released once its commit is done.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -38,12 +45,14 @@ from .errors import DistorefsError, InvalidArgument
 from .owner import Owner
 from .placement import TIER_NVME
 from .ratelimit import InsertTicket
-from .values import StoredValue, ValueLayer
+from .ring import SpooledEntry, value_size
+from .values import Spooled, StoredValue, ValueLayer
 from .waiting import Abandoned, wait_event
 
 log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = 64 << 20  # bytes of sent, uncommitted inserts a session holds
+SPOOLED_BYTES = 1024  # what a queued insert of a spooled value counts against MAX_INFLIGHT
 MAX_PRIORITY_UPDATES = 256  # priority writes of a session not committed yet before a draw waits
 
 
@@ -60,7 +69,7 @@ class ClientSession:
         self.batch: Batch | None = None
         self.told: set[int] = set()  # segments whose path the client was given
         self.priorities: list = []  # queued priority commits (failed or not done yet), waited for by FLUSH
-        self.queue: list[tuple[bytes, bytes]] = []
+        self.queue: list[tuple[bytes, bytes | SpooledEntry]] = []
         self.tickets: list[InsertTicket] = []  # the rate limiter's, of the queued inserts of new keys
         self.inflight = 0  # bytes sent and not yet committed
         self.committing = False
@@ -68,6 +77,7 @@ class ClientSession:
         self.errors: list[list] = []
         self.changed = trio.Event()
         self.closed = False
+        self.spools: list[int] = []  # segments this session's client appends to
 
     # ----- requests --------------------------------------------------------------------------
 
@@ -89,6 +99,15 @@ class ClientSession:
         if op == wire.INSERT:
             key, data = wire.parse_insert(payload)
             await self.insert(key, bytes(data))
+            return None
+        if op == wire.SPOOL:
+            return wire.reply_json(self.spool())
+        if op == wire.STORED:
+            st = wire.parse_stored(payload)
+            if st.segment not in self.spools:
+                raise InvalidArgument(f"buffers/{self.buffer.name}: segment {st.segment} is no spool of this session")
+            value = Spooled(st.segment, st.offset, st.vkey_len, st.size, st.stored_size, st.checksum, st.codec)
+            await self.insert(st.key, SpooledEntry(value, st.offsets, st.crcs))
             return None
         if op == wire.FLUSH:
             return wire.reply_json(await self.flush())
@@ -160,23 +179,48 @@ class ClientSession:
 
     # ----- inserts ---------------------------------------------------------------------------
 
-    async def insert(self, key: bytes, data: bytes) -> None:
+    def spool(self) -> dict:
+        """A new spool for this session's values (the one before stays open until the session
+        ends: inserts queued may still name it), or why not: the client then sends values
+        through the channel."""
+        buffer, config = self.buffer, self.buffer.config
+        why = None
+        if self.read_only:
+            why = "the store is read-only"
+        elif buffer.ring.shared is not None:
+            why = "a shared store's values go to its cluster"
+        elif not config.raw and config.schema is None:
+            why = "the buffer's layout is not fixed yet (its first entry fixes it)"
+        elif os.geteuid() != 0 and self.owner.uid != os.geteuid():
+            why = "the daemon runs as another user"
+        if why is not None:  # `later`: worth asking again once an entry is committed
+            return {"path": None, "why": why, "later": not config.raw and config.schema is None}
+        seg, path = self.values.open_spool(buffer.ring.ns_id,
+                                           (self.owner.uid, self.owner.gid) if os.geteuid() == 0 else None)
+        self.spools.append(seg)
+        return {"path": path, "segment": seg, "ns": buffer.ring.ns_id, "compression": config.compression,
+                "level": config.compression_level, "schema": config.schema, "raw": config.raw,
+                "segment_bytes": self.values.config.segment_bytes}
+
+    async def insert(self, key: bytes, data: bytes | SpooledEntry) -> None:
         """Queue an insert and return (one refused, for a bad name or size, is reported by
         the next flush, never by the write: the inserts sent with it go on); waits while the
-        session holds MAX_INFLIGHT bytes of uncommitted inserts."""
+        session holds MAX_INFLIGHT bytes of uncommitted inserts (a spooled value counts
+        SPOOLED_BYTES: its bytes are in the client's file, not here)."""
+        held = SPOOLED_BYTES if isinstance(data, SpooledEntry) else len(data)
         try:
-            self.buffer.ring.check_insert(key, len(data))
+            self.buffer.ring.check_insert(key, value_size(data))
         except DistorefsError as exc:
             self.errors.append([key.decode("utf-8", "surrogateescape"), exc.errno, str(exc)])
             return
-        while self.inflight and self.inflight + len(data) > MAX_INFLIGHT:
+        while self.inflight and self.inflight + held > MAX_INFLIGHT:
             await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client inserts")
         if key not in self.buffer.ring.by_key:  # a new entry (a rewrite is no insert)
             ticket = await self.buffer.admit_insert(False, self.abandoned)
             if ticket is not None:
                 self.tickets.append(ticket)
         self.queue.append((key, data))
-        self.inflight += len(data)
+        self.inflight += held
         if not self.committing:
             self.committing = True
             self.buffer.spawn(self._commit_queued)
@@ -196,7 +240,7 @@ class ClientSession:
                     for ticket in tickets:  # committed (counted as inserts) or failed
                         ticket.release()
                 for (key, data), result in zip(items, results):
-                    self.inflight -= len(data)
+                    self.inflight -= SPOOLED_BYTES if isinstance(data, SpooledEntry) else len(data)
                     if isinstance(result, BaseException):
                         code = result.errno if isinstance(result, DistorefsError) else errno.EIO
                         self.errors.append([key.decode("utf-8", "surrogateescape"), code, str(result)])
@@ -206,6 +250,8 @@ class ClientSession:
         finally:
             self.committing = False
             self._wake()
+            if self.closed:
+                self._close_spools()
 
     async def flush(self) -> dict:
         """Wait until every insert sent so far is committed (or failed), and the session's
@@ -238,6 +284,13 @@ class ClientSession:
         """The handle was closed: the last batch is released; queued inserts still commit."""
         self.release()
         self.closed = True
+        if not self.committing:
+            self._close_spools()
+
+    def _close_spools(self) -> None:
+        spools, self.spools = self.spools, []
+        for seg in spools:
+            self.values.close_spool(seg)
 
 
 def segment_paths(values: ValueLayer, told: set[int], stored: list[StoredValue]) -> dict[str, str | None]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -37,13 +37,21 @@ FLUSH = 6  # reply: {"committed", "errors": [[key, errno, message], ...]} of the
 STATS = 7  # reply: the buffer's (dataset's) stats.json as JSON
 ITEMS = 8  # datasets: payload int64 item numbers; reply: their chunks' tables (see item_tables)
 GET = 9  # payload: key table; reply: entry tables of the keys present (`present`), and the layout
+SPOOL = 10  # reply: {"path", "segment", "compression", "level", "schema", "raw", "segment_bytes"}, or
+# {"path": null, "why"}: a segment of the store for this session to append its values to
+STORED = 11  # payload: _STORED + key + offsets u64[arrays] + crcs u32[arrays]: an insert whose value the
+# client wrote to its spool (a record of backends/segments.py, named by `spool_vkey`); committed behind
 OPS = {HELLO: "hello", DRAW: "draw", LOCATE: "locate", PRIORITIES: "priorities", INSERT: "insert",
-       FLUSH: "flush", STATS: "stats", ITEMS: "items", GET: "get"}
+       FLUSH: "flush", STATS: "stats", ITEMS: "items", GET: "get", SPOOL: "spool", STORED: "stored"}
 
 FRAME = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
 _DRAW = struct.Struct("<IB")
 _KEYLEN = struct.Struct("<H")
+# segment, record offset, decoded size, stored size, checksum, codec, arrays, key length
+_STORED = struct.Struct("<IQQQIBHH")
+_SPOOL_NS = struct.Struct(">I")
+SPOOL_TAG = b"c"
 
 
 class WireError(ValueError):
@@ -98,6 +106,59 @@ def parse_insert(payload: memoryview) -> tuple[bytes, memoryview]:
     if len(payload) < _KEYLEN.size + klen:
         raise WireError("an insert's key runs past its frame")
     return bytes(payload[_KEYLEN.size:_KEYLEN.size + klen]), payload[_KEYLEN.size + klen:]
+
+
+def spool_vkey(ns_id: int, key: bytes) -> bytes:
+    """The name a client gives the record of an entry's value in its spool: what compaction
+    finds the entry by (the daemon's own records are named by namespace and sequence number,
+    which the client does not know when it writes)."""
+    return SPOOL_TAG + _SPOOL_NS.pack(ns_id) + key
+
+
+def split_spool_vkey(vkey: bytes) -> tuple[int, bytes] | None:
+    """(namespace id, key) of a spooled record's name; None for any other name."""
+    if len(vkey) <= 1 + _SPOOL_NS.size or vkey[:1] != SPOOL_TAG:
+        return None
+    return _SPOOL_NS.unpack_from(vkey, 1)[0], bytes(vkey[1 + _SPOOL_NS.size:])
+
+
+class StoredInsert(NamedTuple):
+    """A STORED request: the entry `key`, whose value is the record at `offset` of spool
+    `segment` (its name `vkey_len` bytes long), and the arrays' offsets and CRC-32s."""
+
+    key: bytes
+    segment: int
+    offset: int
+    vkey_len: int
+    size: int
+    stored_size: int
+    checksum: int
+    codec: int
+    offsets: tuple[int, ...]
+    crcs: tuple[int, ...]
+
+
+def stored_request(key: bytes, segment: int, offset: int, size: int, stored_size: int, checksum: int, codec: int,
+                   offsets: Sequence[int] = (), crcs: Sequence[int] = ()) -> bytes:
+    if len(offsets) != len(crcs):
+        raise ValueError("one CRC per array")
+    body = (_STORED.pack(segment, offset, size, stored_size, checksum, codec, len(offsets), len(key)) + key
+            + np.asarray(offsets, dtype="<u8").tobytes() + np.asarray(crcs, dtype="<u4").tobytes())
+    return frame(STORED, body)
+
+
+def parse_stored(payload: memoryview) -> StoredInsert:
+    if len(payload) < _STORED.size:
+        raise WireError("a stored insert starts with its record's description")
+    seg, off, size, stored, crc, codec, n, klen = _STORED.unpack_from(payload)
+    pos = _STORED.size
+    if len(payload) != pos + klen + 12 * n:
+        raise WireError("a stored insert's key and arrays do not fill its frame")
+    key = bytes(payload[pos:pos + klen])
+    pos += klen
+    offsets = tuple(np.frombuffer(payload[pos:pos + 8 * n], dtype="<u8").tolist())
+    crcs = tuple(np.frombuffer(payload[pos + 8 * n:pos + 12 * n], dtype="<u4").tolist())
+    return StoredInsert(key, seg, off, len(spool_vkey(0, key)), size, stored, crc, codec, offsets, crcs)
 
 
 def priorities_request(keys: Sequence[bytes], priorities: Sequence[float] | np.ndarray) -> bytes:

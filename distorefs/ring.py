@@ -27,7 +27,7 @@ from .clusterlog import Insert
 from .catalog import DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, ns_prefix, pack_f64
 from .committer import Change, Overlay, Replan
 from .config import RingConfig
-from .errors import CorruptValue, CrossDevice, DistorefsError, NoSpace, NotFound, TooLarge
+from .errors import CorruptValue, CrossDevice, DistorefsError, InvalidArgument, NoSpace, NotFound, TooLarge
 from .layout import pack_places
 from .room import plan_room
 from .names import check_name
@@ -35,6 +35,7 @@ from .owner import Owner
 from .placement import TIER_LMDB, TIER_NAMES
 from .removers import Candidates, Remover, ring_remover
 from .services import Services
+from .values import Spooled
 from .waiting import Outcome
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ class Ring:
         self.slot_seq = np.zeros(0, dtype=np.int64)  # seq of each slot's entry, -1 when free (vectorised checks)
         self._free_slots: list[int] = []
         self.counters = {"inserts": 0, "rewrites": 0, "deletes": 0, "evictions": 0,
-                         "reads": 0, "read_bytes": 0, "inserted_bytes": 0}
+                         "reads": 0, "read_bytes": 0, "inserted_bytes": 0,
+                         "spooled_inserts": 0}  # of values a client stored itself (clientsession.py)
         # Entries with a smaller seq were demoted to NVMe (placement.py); a rewrite of one
         # goes to NVMe too.
         self.demote_front = 0
@@ -92,6 +94,8 @@ class Ring:
         # bytes; raises InvalidArgument for an entry the namespace refuses. Called when the
         # insert is planned.
         self.place: Callable[[bytes, bytes], list[tuple[int, int]] | None] | None = None
+        # The same for a value a client stored itself: the regions it names, checked.
+        self.place_spooled: Callable[[bytes, SpooledEntry], list[tuple[int, int]] | None] | None = None
         # A ring of a store shared on a Redis Cluster: every change goes through the
         # cluster's log and is applied here (as on every node) by its follower, which alone
         # evicts, in the log's global FIFO order.
@@ -243,11 +247,15 @@ class Ring:
         if size > limit:
             raise TooLarge(f"{self.kind}/{self.name}: entry of {size} bytes exceeds the limit of {limit}")
 
-    async def insert(self, key: bytes, data: bytes, owner: Owner, priority: float | None = None) -> EntryMeta:
+    async def insert(self, key: bytes, data: "bytes | SpooledEntry", owner: Owner,
+                     priority: float | None = None) -> EntryMeta:
         """Insert or rewrite `key` with `data`; returns once committed. With the disk full,
         the oldest entries make room if the ring allows it (`evict_when_full`)."""
-        self.check_insert(key, len(data))
+        self.check_insert(key, value_size(data))
         if self.shared is not None:
+            if isinstance(data, SpooledEntry):
+                raise InvalidArgument(f"{self.kind}/{self.name}: a shared store's values go to its cluster, "
+                                      "not to a client's spool")
             return await self._insert_shared(key, data, owner, priority)
         for attempt in range(4):
             change = InsertEntry(self, key, data, owner, priority)
@@ -255,7 +263,7 @@ class Ring:
             try:
                 await self.committer.submit(change)
             except NoSpace:
-                if not self.config.evict_when_full or attempt == 3 or not await self._make_room(len(data), epoch):
+                if not self.config.evict_when_full or attempt == 3 or not await self._make_room(value_size(data), epoch):
                     raise
                 continue
             return change.meta  # type: ignore[return-value]
@@ -347,7 +355,10 @@ class Ring:
             queued: list[_SharedInsert | DistorefsError] = []
             for key, data in items:
                 try:
-                    self.check_insert(key, len(data))
+                    self.check_insert(key, value_size(data))
+                    if isinstance(data, SpooledEntry):
+                        raise InvalidArgument(f"{self.kind}/{self.name}: a shared store's values go to its "
+                                              "cluster, not to a client's spool")
                     queued.append(self._queue_shared(key, data, owner, priority))
                 except DistorefsError as exc:
                     queued.append(exc)
@@ -363,7 +374,7 @@ class Ring:
         changes: list[InsertEntry] = []
         for key, data in items:
             try:
-                self.check_insert(key, len(data))
+                self.check_insert(key, value_size(data))
             except DistorefsError as exc:
                 out.append(exc)
                 continue
@@ -377,7 +388,7 @@ class Ring:
             error = next(errors)
             if isinstance(error, NoSpace) and self.config.evict_when_full:
                 try:
-                    out[i] = await self.insert(item.key, item.raw, owner, priority)
+                    out[i] = await self.insert(item.key, item.data, owner, priority)
                 except DistorefsError as exc:
                     out[i] = exc
             else:
@@ -603,6 +614,22 @@ SHARED_BATCH = 64  # inserts of a shared ring published together at most
 SHARED_CATCH_UP_S = 3.0  # a read whose value left the cluster waits this long at most for the log
 
 
+@dataclasses.dataclass(frozen=True)
+class SpooledEntry:
+    """An entry whose value a client beside the mount stored in its spool: the value, and
+    where the client says the arrays of the buffer's layout are in it (offsets into the
+    decoded value, and their CRC-32s, as an entry's places keep them)."""
+
+    value: Spooled
+    offsets: tuple[int, ...] = ()
+    crcs: tuple[int, ...] = ()
+
+
+def value_size(data: "bytes | SpooledEntry") -> int:
+    """The decoded size of an insert's value."""
+    return data.value.size if isinstance(data, SpooledEntry) else len(data)
+
+
 def encode_entry(raw: bytes, regions: list[tuple[int, int]] | None,
                  config: RingConfig) -> tuple[codec.Encoded, bytes]:
     """An entry's stored form and its packed places (the arrays' offsets and CRCs, b"" for
@@ -667,11 +694,17 @@ class InsertEntry(Change):
     group's one thread call (one thread hop per insert instead of two); zstd releases
     the GIL, so the event loop keeps serving requests meanwhile."""
 
-    def __init__(self, ring: Ring, key: bytes, raw: bytes, owner: Owner, priority: float | None) -> None:
+    def __init__(self, ring: Ring, key: bytes, data: "bytes | SpooledEntry", owner: Owner,
+                 priority: float | None) -> None:
+        """`data`: the entry's bytes, or a value a client stored in its spool already (then
+        nothing is encoded or written here: the value is adopted where it is)."""
         self.ring = ring
         self.key = key
         self.enc: codec.Encoded | None = None
-        self.raw = raw
+        self.spooled: SpooledEntry | None = data if isinstance(data, SpooledEntry) else None
+        self.raw: bytes | None = None if isinstance(data, SpooledEntry) else data
+        self.data = data
+        self.size = value_size(data)
         self.owner = owner
         self.priority = priority
         self.conflict_key = (ring.ns_id, key)
@@ -681,7 +714,9 @@ class InsertEntry(Change):
 
     def plan(self, overlay: Overlay) -> None:
         ring = self.ring
-        if ring.place is not None:  # the arrays in it, found from their headers (no data read)
+        if self.spooled is not None:  # where the client says they are, checked against the layout
+            self.regions = ring.place_spooled(self.key, self.spooled) if ring.place_spooled is not None else None
+        elif ring.place is not None and self.raw is not None:  # the arrays in it, from their headers
             self.regions = ring.place(self.key, self.raw)
         ro = overlay.ring(ring.ns_id)
         old = ring.by_key.get(self.key)
@@ -690,12 +725,12 @@ class InsertEntry(Change):
         self.old = old
         if old is not None:
             self.seq = old.seq
-            ro.bytes += len(self.raw) - old.size
+            ro.bytes += self.size - old.size
         else:
             self.seq = ring.next_seq
             ring.next_seq += 1
             ro.count += 1
-            ro.bytes += len(self.raw)
+            ro.bytes += self.size
         self.victims = ring.plan_evictions(ro, protect=self.seq)
         if ro.inserts and ring.over_bounds(ro):
             # Only entries committed before the group can be evicted, and the group's earlier
@@ -713,29 +748,34 @@ class InsertEntry(Change):
             ro.count += 1
             ro.bytes += victim.size
         if self.old is not None:
-            ro.bytes -= len(self.raw) - self.old.size
+            ro.bytes -= self.size - self.old.size
         else:
             ro.count -= 1
-            ro.bytes -= len(self.raw)
+            ro.bytes -= self.size
             if ring.next_seq == self.seq + 1:
                 ring.next_seq = self.seq  # no gap in the sequence numbers
         self.victims = []
 
     def prepare(self) -> None:
-        if self.enc is None:  # kept across a rerun of the transaction
+        if self.spooled is not None:
+            if self.regions:
+                self.places = pack_places([off for off, _ in self.regions], list(self.spooled.crcs))
+        elif self.enc is None and self.raw is not None:  # kept across a rerun of the transaction
             self.enc, self.places = encode_entry(self.raw, self.regions, self.ring.config)
 
     def txn(self, txn) -> None:
         ring, values = self.ring, self.ring.values
         self.prepare()
-        enc = self.enc
-        assert enc is not None
         for victim in self.victims:
             ring.txn_remove(txn, victim)
         if self.old is not None:
             values.delete(txn, self.old.value)
-        k = entry_key(ring.ns_id, self.seq)
-        value = values.put(txn, k, enc, stream=ring.ns_id, cold=self.seq < ring.demote_front)
+        if self.spooled is not None:
+            value = values.adopt(txn, self.spooled.value)
+        else:
+            assert self.enc is not None
+            value = values.put(txn, entry_key(ring.ns_id, self.seq), self.enc, stream=ring.ns_id,
+                               cold=self.seq < ring.demote_front)
         self.meta = EntryMeta(self.seq, self.key, value, self.owner.mode, self.owner.uid, self.owner.gid,
                               self.mtime_ns, self.places)
         ring.txn_put(txn, self.meta, None if self.old is not None else self.priority)
@@ -744,7 +784,10 @@ class InsertEntry(Change):
         ring = self.ring
         assert self.meta is not None
         ring.apply_written(self.victims, self.old, self.meta, self.priority)
-        ring.values.cache.put(ring._cache_key(self.meta), bytes(self.raw))
+        if self.raw is not None:
+            ring.values.cache.put(ring._cache_key(self.meta), bytes(self.raw))
+        else:  # a spooled value: read from its spool when wanted
+            ring.counters["spooled_inserts"] += 1
         if self.meta.tier == TIER_LMDB:
             ring._hot_value_added()
 

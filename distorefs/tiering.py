@@ -32,6 +32,7 @@ from typing import Callable
 import trio
 
 from .catalog import DB_ENTRIES, EntryMeta, entry_key, split_entry_key
+from .clientwire import split_spool_vkey
 from .committer import Change, Committer, Overlay
 from .errors import DistorefsError, NoSpace
 from .placement import DEMOTE_AT, TIER_LMDB, TIER_NVME, compaction_threshold, demotion_target
@@ -175,13 +176,18 @@ class TierMover:
         rings = self._rings_by_id()
         by_ring: dict[int, list[EntryMeta]] = {}
         for vkey, loc in records:
-            if len(vkey) != 12:
+            spooled = split_spool_vkey(vkey)  # a value a client wrote: named by its key
+            if spooled is not None:
+                ring = rings.get(spooled[0])
+                meta = ring.by_key.get(spooled[1]) if ring is not None else None
+            elif len(vkey) == 12:
+                ns_id, seq = split_entry_key(vkey)
+                ring = rings.get(ns_id)
+                meta = ring.by_seq.get(seq) if ring is not None else None
+            else:
                 continue  # not a ring entry's value (ring streams hold nothing else)
-            ns_id, seq = split_entry_key(vkey)
-            ring = rings.get(ns_id)
-            meta = ring.by_seq.get(seq) if ring is not None else None
-            if meta is not None and meta.tier == TIER_NVME and meta.value.loc == loc:
-                by_ring.setdefault(ns_id, []).append(meta)
+            if ring is not None and meta is not None and meta.tier == TIER_NVME and meta.value.loc == loc:
+                by_ring.setdefault(ring.ns_id, []).append(meta)
         for ns_id, metas in by_ring.items():
             ring = self._rings_by_id().get(ns_id)  # still there after the moves before
             start = 0

@@ -36,7 +36,7 @@ from .backends.lmdbvalues import LmdbValues
 from .backends.segments import SegmentDir, SegmentValues
 from .cache import ValueCache
 from .config import StoreConfig
-from .errors import CorruptValue, DistorefsError, NotFound, from_backend
+from .errors import CorruptValue, DistorefsError, InvalidArgument, NotFound, from_backend
 from .placement import TIER_CLUSTER, TIER_LMDB, TIER_NAMES, TIER_NVME, choose_tier
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,20 @@ class StoredValue:
     @classmethod
     def from_json(cls, d: dict) -> "StoredValue":
         return cls(d["size"], d["stored_size"], d["checksum"], d["codec"], d["tier"], bytes.fromhex(d["loc"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Spooled:
+    """A value a client beside the mount stored itself, in its spool (a segment of its own,
+    distorefs/backends/segments.py): where the record is, and what the client says of it."""
+
+    seg: int
+    offset: int  # of the record's header
+    vkey_len: int
+    size: int  # decoded
+    stored_size: int
+    checksum: int  # CRC-32 of the decoded value
+    codec: int
 
 
 Fetched = "bytes | DistorefsError"
@@ -177,6 +191,30 @@ class ValueLayer:
         tier = choose_tier(self.config, self.lmdb.live_bytes_in(txn), len(stored), cold)
         loc = self.tiers[tier].put(txn, vkey, stored, stream=stream)
         return StoredValue(enc.size, len(stored), enc.checksum, enc.codec, tier, loc)
+
+    def adopt(self, txn: Txn, spooled: Spooled) -> StoredValue:
+        """A value a client stored in its spool, made one of the store's (InvalidArgument
+        when the spool holds no such record, or the client's description cannot be right)."""
+        if spooled.codec not in codec.CODEC_NAMES or not 0 <= spooled.checksum <= 0xFFFFFFFF \
+                or (spooled.codec == codec.RAW and spooled.stored_size != spooled.size):
+            raise InvalidArgument(f"a spooled value of codec {spooled.codec}, {spooled.stored_size} bytes stored "
+                                  f"for {spooled.size}")
+        try:
+            loc = self.nvme.adopt(txn, spooled.seg, spooled.offset, spooled.stored_size, spooled.vkey_len)
+        except BackendError as exc:
+            raise from_backend(exc) from None
+        return StoredValue(spooled.size, spooled.stored_size, spooled.checksum, spooled.codec, TIER_NVME, loc)
+
+    def open_spool(self, stream: int, owner: tuple[int, int] | None = None) -> tuple[int, str]:
+        """A spool for a client's values of `stream` (see `Spooled`): (segment, path)."""
+        try:
+            seg, path = self.nvme.open_spool(stream, owner)
+        except BackendError as exc:
+            raise from_backend(exc) from None
+        return seg, str(path)
+
+    def close_spool(self, seg: int) -> None:
+        self.nvme.close_spool(seg)
 
     def put_raw(self, txn: Txn, vkey: bytes, raw, compression: str, level: int = 1, *,
                 shared: bool = False) -> StoredValue:

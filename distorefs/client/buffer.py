@@ -17,6 +17,7 @@ import io
 import json
 import os
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
@@ -27,6 +28,7 @@ from ..errors import CorruptValue, NotFound
 from ..layout import Layout, batch_name
 from ..names import check_name
 from .channel import Channel
+from .spool import Spool
 from .storereader import StoreReader, Wanted, store_reader, segment_of
 from ..placement import TIER_NVME
 
@@ -153,6 +155,10 @@ class ClientBuffer:
         self._ahead: tuple[int, Future] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.counters = {"draws": 0, "redraws": 0, "relocated": 0, "read_through_mount": 0}
+        self._spool: Spool | None = None
+        self._retired_spools: list[Spool] = []  # full ones, closed with the session
+        self._no_spool: str | None = None  # why values go through the channel
+        self._ask_spool_again = False
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, read_ahead: bool = False) -> "ClientBuffer":
@@ -177,6 +183,8 @@ class ClientBuffer:
             self._lock, self._queue_lock = threading.RLock(), threading.Lock()
             self._pending, self._pending_bytes = [], 0
             self._ahead, self._pool = None, None  # threads do not survive a fork
+            self._spool, self._retired_spools, self._no_spool = None, [], None  # the parent's session's
+            self._ask_spool_again = False
 
     # ----- sampling ---------------------------------------------------------------------------
 
@@ -338,9 +346,41 @@ class ClientBuffer:
 
     def insert(self, key: str | bytes, data: Any) -> None:
         """Queue an insert (bytes, an array, or a dict of arrays stored as `.npz`); it streams
-        to the daemon and commits behind; `flush()` returns once it is committed."""
+        to the daemon and commits behind; `flush()` returns once it is committed. With a
+        spool (distorefs/client/spool.py) the value is encoded and written to the store here,
+        and only its description goes to the daemon."""
         self._check_fork()
-        self._queue(wire.insert_request(entry_key(key), encode_entry(data)))
+        raw_key, raw = entry_key(key), encode_entry(data)
+        spool = self._spool_now()
+        request = spool.store(raw_key, raw) if spool is not None else None
+        self._queue(request if request is not None else wire.insert_request(raw_key, raw))
+
+    def _spool_now(self) -> Spool | None:
+        """The spool to write a value to: asked for on the first insert (and again when full,
+        or after a flush when the buffer had no layout yet); None: the channel carries values."""
+        spool = self._spool
+        if spool is not None and not spool.full:
+            return spool
+        if self._no_spool is not None:
+            return None
+        with self._lock:
+            if self._spool is not spool:  # another thread got the next one meanwhile
+                return self._spool
+            meta, _ = self.channel.call(self._with_pending(wire.frame(wire.SPOOL)))
+            if meta.get("path") is None:
+                self._no_spool = str(meta.get("why"))
+                self._ask_spool_again = bool(meta.get("later"))
+                return None
+            try:
+                fresh = Spool(meta)
+            except OSError as exc:  # the store's files are the daemon's user's
+                self._no_spool = f"cannot write {meta['path']}: {exc.strerror}"
+                warnings.warn(f"{self.path}: values go through the mount ({self._no_spool})", stacklevel=3)
+                return None
+            if spool is not None:
+                self._retired_spools.append(spool)
+            self._spool = fresh
+            return fresh
 
     def insert_many(self, items: Mapping[str | bytes, Any] | Sequence[tuple[str | bytes, Any]]) -> None:
         """Queue many inserts, in order (a dict, or (key, data) pairs)."""
@@ -378,6 +418,8 @@ class ClientBuffer:
         self._check_fork()
         with self._lock:
             meta, _ = self.channel.call(self._with_pending(wire.frame(wire.FLUSH)))
+            if self._ask_spool_again:  # the first entry may have fixed the layout: ask at the next insert
+                self._no_spool, self._ask_spool_again = None, False
         if meta["errors"]:
             raise InsertFailed([tuple(e) for e in meta["errors"]])
         return int(meta["committed"])
@@ -403,6 +445,8 @@ class ClientBuffer:
                     self._send_pending()
                 finally:
                     self.channel.close()
+                    for spool in self._retired_spools + ([self._spool] if self._spool is not None else []):
+                        spool.close()
         self.reader.close()
 
     def __enter__(self) -> "ClientBuffer":
