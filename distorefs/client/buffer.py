@@ -36,6 +36,10 @@ DRAW_ATTEMPTS = 3  # batches drawn again when an entry went meanwhile
 LOCATE_ROUNDS = 8  # times a moving value is looked for again
 SEND_BYTES = 1 << 20  # inserts sent to the daemon once this much is waiting
 SEND_COUNT = 64
+# Values from this size on go to the spool. Smaller ones cost the daemon little to take
+# (about 0.1 ms whatever their size, against 0.5 ms for 113 KB) and are better in its LMDB
+# tier, where a reader takes them from the map without a read call each.
+SPOOL_MIN_BYTES = 16 << 10
 SMALL_BATCH = 256 << 10  # a batch of values up to this many bytes is gathered field by field
 
 
@@ -347,11 +351,11 @@ class ClientBuffer:
     def insert(self, key: str | bytes, data: Any) -> None:
         """Queue an insert (bytes, an array, or a dict of arrays stored as `.npz`); it streams
         to the daemon and commits behind; `flush()` returns once it is committed. With a
-        spool (distorefs/client/spool.py) the value is encoded and written to the store here,
-        and only its description goes to the daemon."""
+        spool (distorefs/client/spool.py) a value of SPOOL_MIN_BYTES or more is encoded and
+        written to the store here, and only its description goes to the daemon."""
         self._check_fork()
         raw_key, raw = entry_key(key), encode_entry(data)
-        spool = self._spool_now()
+        spool = self._spool_now() if len(raw) >= SPOOL_MIN_BYTES else None
         request = spool.store(raw_key, raw) if spool is not None else None
         self._queue(request if request is not None else wire.insert_request(raw_key, raw))
 

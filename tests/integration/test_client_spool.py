@@ -17,14 +17,26 @@ from distorefs_it import get_stats, set_config
 
 
 def _transition(i: int) -> dict:
+    """A transition of two 120 x 120 frames: 29 KB, over the size from which values are spooled."""
     rng = np.random.default_rng(i)
-    return {"obs": rng.standard_normal(8).astype(np.float32), "action": np.int64(i % 4),
-            "reward": np.float32(i / 3), "next_obs": rng.standard_normal(8).astype(np.float32)}
+    return {"obs": rng.integers(0, 255, (120, 120), dtype=np.uint8), "action": np.int64(i % 4),
+            "reward": np.float32(i / 3), "next_obs": rng.integers(0, 255, (120, 120), dtype=np.uint8)}
 
 
 def _same(entry: bytes, want: dict) -> bool:
     with np.load(io.BytesIO(entry)) as z:
         return sorted(z.files) == sorted(want) and all(np.array_equal(z[k], v) for k, v in want.items())
+
+
+def test_small_values_go_through_the_channel(fresh_mount):
+    m = fresh_mount()
+    buf = m.buffer("small", {"capacity": 100})
+    with open_buffer(buf, direct=True) as client:
+        for i in range(40):
+            client.insert(f"s{i}", {"obs": np.full(8, i, np.float32)})
+            client.flush()
+    stats = get_stats(buf)
+    assert stats["spooled_inserts"] == 0 and stats["entries"] == 40
 
 
 def test_spooled_inserts_are_the_entries_and_batches_and_survive_kill_9(fresh_mount):
@@ -55,9 +67,9 @@ def test_spooled_inserts_are_the_entries_and_batches_and_survive_kill_9(fresh_mo
             "with open_buffer(sys.argv[1], direct=True) as c:\n"
             "    for i in range(300, 400):\n"
             "        rng = np.random.default_rng(i)\n"
-            "        c.insert(f't{i:04d}', {'obs': rng.standard_normal(8).astype(np.float32),"
+            "        c.insert(f't{i:04d}', {'obs': rng.integers(0, 255, (120, 120), dtype=np.uint8),"
             " 'action': np.int64(i % 4), 'reward': np.float32(i / 3),"
-            " 'next_obs': rng.standard_normal(8).astype(np.float32)})\n"
+            " 'next_obs': rng.integers(0, 255, (120, 120), dtype=np.uint8)})\n"
             "    c.flush()\n"
             "    print('flushed', flush=True)\n")
     out = subprocess.run([sys.executable, "-c", code, str(buf)], capture_output=True, text=True, timeout=120)
