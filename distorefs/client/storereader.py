@@ -14,7 +14,9 @@ Imports neither trio nor pyfuse3.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
+import zlib
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -24,7 +26,7 @@ import lmdb
 
 from .. import codec
 from ..backends.errors import Damaged, Missing
-from ..backends.segments import LOCATION, read_record
+from ..backends.segments import HEADER, LOCATION, MAGIC, read_record
 from ..errors import CorruptValue
 from ..placement import TIER_LMDB, TIER_NVME
 
@@ -85,6 +87,9 @@ class StoreReader:
         self.path = path
         self.segment_paths: dict[int, str | None] = {}
         self._fds: OrderedDict[int, int] = OrderedDict()
+        # Segment files mapped for the reads of a snapshot (views, not copies). A map is
+        # only ever dropped, never closed: views handed out keep it alive until released.
+        self._maps: OrderedDict[int, mmap.mmap] = OrderedDict()
         self._lock = threading.Lock()
         self.pid = os.getpid()
         self.refs = 0
@@ -179,9 +184,39 @@ class StoreReader:
                 os.close(self._fds.popitem(last=False)[1])
             return fd
 
+    def segment_view(self, w: Wanted) -> tuple[memoryview, int]:
+        """(a view of the stored bytes of segment value `w`, their CRC-32), verified against
+        the record's header; Damaged (or Missing) otherwise. The segment file is mapped (and
+        mapped again once it grew past its map): segments are only appended to, and a record
+        handed out is never cut from its file."""
+        seg, off, size = LOCATION.unpack(w.loc)
+        if off < HEADER.size:
+            raise Damaged(f"{w.what}: segment {seg} location {off} points inside a header")
+        with self._lock:
+            m = self._maps.get(seg)
+        if m is None or len(m) < off + size:
+            fd = self._fd(seg, w.what)
+            length = os.fstat(fd).st_size
+            if length < off + size:
+                raise Damaged(f"{w.what}: segment {seg} ends at {length}, before its record's end {off + size}")
+            m = mmap.mmap(fd, length, access=mmap.ACCESS_READ)
+            with self._lock:
+                self._maps[seg] = m
+                while len(self._maps) > MAX_OPEN_SEGMENTS:
+                    self._maps.popitem(last=False)
+        magic, _klen, dlen, crc = HEADER.unpack_from(m, off - HEADER.size)
+        if magic != MAGIC or dlen != size:
+            raise Damaged(f"{w.what}: segment {seg} offset {off}: bad record header")
+        view = memoryview(m)[off:off + size]
+        if zlib.crc32(view) != crc:
+            view.release()
+            raise Damaged(f"{w.what}: segment {seg} offset {off}: checksum mismatch")
+        return view, crc
+
     def forget_segment(self, seg: int) -> None:
         """Drop the open file of `seg`: a read at a location handed out again opens the path anew."""
         with self._lock:
+            self._maps.pop(seg, None)
             fd = self._fds.pop(seg, None)
         if fd is not None:
             os.close(fd)
@@ -197,13 +232,15 @@ class StoreReader:
             return  # inherited across fork: the parent's files and environment are not ours to close
         with self._lock:
             fds, self._fds = list(self._fds.values()), OrderedDict()
+            self._maps.clear()
         for fd in fds:
             os.close(fd)
         self.env.close()
 
 
 class Snapshot:
-    """Reads in one held LMDB transaction (StoreReader.snapshot)."""
+    """Reads in one held LMDB transaction (StoreReader.snapshot); segment values as views of
+    their mapped files."""
 
     def __init__(self, reader: StoreReader, txn) -> None:
         self.reader = reader
@@ -215,6 +252,13 @@ class Snapshot:
         get = self.txn.get
         for w in wanted:
             try:
+                if w.tier == TIER_NVME:  # a view into the mapped segment, verified
+                    stored, crc = self.reader.segment_view(w)
+                    if w.codec == codec.RAW and crc == w.checksum and len(stored) == w.size == w.stored_size:
+                        out.append(stored)
+                    else:
+                        out.append(_decode(stored, w, crc))
+                    continue
                 if w.tier != TIER_LMDB:
                     out.append(self.reader._read_segment(w))
                     continue
