@@ -64,13 +64,13 @@ import os
 import re
 import struct
 import threading
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from .base import TierUsage, Txn, ValueBackend
+from .crc import crc32
 from .errors import BadRequest, Damaged, Full, Missing
 from .lmdbenv import LmdbEnv
 
@@ -133,10 +133,10 @@ class _Stream:
 
 
 def record_header(vkey: bytes, data: bytes | memoryview, crc: int | None = None) -> bytes:
-    """The header of a record holding `data` named `vkey` (`crc`: zlib.crc32 of `data`,
+    """The header of a record holding `data` named `vkey` (`crc`: the CRC-32 of `data`,
     when known already). The daemon's puts and a client's spool both write records so."""
     view = memoryview(data).cast("B")
-    return HEADER.pack(MAGIC, len(vkey), view.nbytes, zlib.crc32(view) if crc is None else crc)
+    return HEADER.pack(MAGIC, len(vkey), view.nbytes, crc32(view) if crc is None else crc)
 
 
 def write_record(fd: int, offset: int, vkey: bytes, data: bytes | memoryview, crc: int | None = None) -> int:
@@ -206,7 +206,7 @@ def read_record(fd: int, seg: int, off: int, size: int) -> tuple[bytes, int]:
     magic, _klen, dlen, crc = HEADER.unpack(head)
     if magic != MAGIC or dlen != size:
         raise Damaged(f"segment {seg} offset {off}: bad record header")
-    if zlib.crc32(data) != crc:
+    if crc32(data) != crc:
         raise Damaged(f"segment {seg} offset {off}: checksum mismatch")
     return data, crc
 

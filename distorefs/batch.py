@@ -27,12 +27,12 @@ import bisect
 import functools
 import io
 import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import numpy as np
 
+from .backends.crc import crc32
 from .catalog import EntryMeta
 from .codec import crc32_combine
 from .layout import Layout, batch_name
@@ -252,7 +252,7 @@ def _array_member(name: str, array: np.ndarray) -> Member:
     array = np.ascontiguousarray(array)
     head = npy_header(array.dtype.str, array.shape)
     body = array.tobytes()
-    return Member(name, head, Blob(body), zlib.crc32(body, zlib.crc32(head)))
+    return Member(name, head, Blob(body), crc32(body, crc32(head)))
 
 
 class _Joined:
@@ -278,8 +278,8 @@ def _stacked_member(name: str, descr: str, shape: tuple[int, ...], length: int, 
     if length * len(values) <= SMALL:
         data = joined.field(offsets, length) if joined is not None else \
             b"".join([memoryview(v)[o:o + length] for v, o in zip(values, offsets.tolist())])
-        return Member(name, head, Blob(data), zlib.crc32(data, zlib.crc32(head)))
-    crc = zlib.crc32(head)
+        return Member(name, head, Blob(data), crc32(data, crc32(head)))
+    crc = crc32(head)
     for c in crcs.tolist():
         crc = crc32_combine(crc, c, length)
     return Member(name, head, Stacked(values, offsets, length), crc)
@@ -288,7 +288,7 @@ def _stacked_member(name: str, descr: str, shape: tuple[int, ...], length: int, 
 def _raw_members(metas: list[EntryMeta], values: Sequence[bytes]) -> list[Member]:
     body = Concat(values)
     head = npy_header("|u1", (body.size,))
-    crc = zlib.crc32(head)
+    crc = crc32(head)
     for m in metas:
         crc = crc32_combine(crc, m.checksum, m.size)  # the whole value's CRC-32, kept in its record
     return [Member("data.npy", head, body, crc), _array_member("offsets.npy", body.starts)]
@@ -329,7 +329,7 @@ def _file(members: list[Member]) -> BatchFile:
 def _zeros(length: int) -> tuple[bytes, int]:
     """`length` zero bytes (a padding step's field) and their CRC-32."""
     data = bytes(length)
-    return data, zlib.crc32(data)
+    return data, crc32(data)
 
 
 def _sequence_members(batch: SequenceBatch, values: Sequence[bytes], layout: Layout | None) -> list[Member]:

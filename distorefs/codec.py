@@ -14,11 +14,11 @@ import ctypes
 import ctypes.util
 import functools
 import threading
-import zlib
 from dataclasses import dataclass
 
 import zstandard
 
+from .backends.crc import crc32
 from .errors import CorruptValue
 
 RAW = 0
@@ -65,7 +65,7 @@ class Encoded:
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
+    return crc32(data) & 0xFFFFFFFF
 
 
 # ----- CRC-32 of a concatenation from the CRCs of its parts ------------------------------
@@ -110,7 +110,7 @@ def _crc32_combine_python(crc1: int, crc2: int, len2: int) -> int:
 
 
 def zeros_crc32(n: int) -> int:
-    """zlib.crc32(bytes(n)) without the bytes: the register carried over n zero bytes."""
+    """crc32(bytes(n)) without the bytes: the register carried over n zero bytes."""
     if n <= 0:
         return 0
     return _gf2_times(_zeros_operator(n), 0xFFFFFFFF) ^ 0xFFFFFFFF
@@ -149,13 +149,13 @@ def checksums(data: bytes | memoryview, regions: list[tuple[int, int]]) -> tuple
     for i in sorted(range(len(regions)), key=lambda k: regions[k][0]):
         off, length = regions[i]
         if off > pos:
-            whole = crc32_combine(whole, zlib.crc32(view[pos:off]), off - pos)
-        crc = zlib.crc32(view[off:off + length])
+            whole = crc32_combine(whole, crc32(view[pos:off]), off - pos)
+        crc = crc32(view[off:off + length])
         out[i] = crc
         whole = crc32_combine(whole, crc, length)
         pos = off + length
     if pos < len(view):
-        whole = crc32_combine(whole, zlib.crc32(view[pos:]), len(view) - pos)
+        whole = crc32_combine(whole, crc32(view[pos:]), len(view) - pos)
     return whole & 0xFFFFFFFF, out
 
 

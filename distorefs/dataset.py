@@ -31,7 +31,6 @@ import os
 import struct
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass, field, replace
 from typing import Hashable, Iterator
 
@@ -39,6 +38,7 @@ import numpy as np
 import trio
 
 from . import codec
+from .backends.crc import crc32
 from .committer import Change, Overlay
 from .config import DatasetConfig
 from .catalog import DB_NS
@@ -874,7 +874,7 @@ class Dataset:
         try:
             total = 0
             for chunk in item.chunks:
-                total = zlib.crc32(self.values.read(chunk, f"datasets/{self.name} item {item.id}"), total)
+                total = crc32(self.values.read(chunk, f"datasets/{self.name} item {item.id}"), total)
             return total == crc == item.checksum
         except DistorefsError as exc:
             log.warning("datasets/%s: verifying item %d: %s", self.name, item.id, exc)
@@ -1115,7 +1115,7 @@ class PutItem(_DsChange):
         assert s.opened is not None  # opened with the caller's rights; read up to its size at open
         try:
             for raw in read_bounded(s.opened, s.src, cfg.chunk_bytes):
-                crc = zlib.crc32(raw, crc)
+                crc = crc32(raw, crc)
                 chunks.append(self.ds.values.put_raw(txn, base + _DS.pack(len(chunks)), raw,
                                                      cfg.compression, cfg.compression_level))
                 size += len(raw)

@@ -54,12 +54,12 @@ import math
 import os
 import re
 import struct
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 from . import codec
+from .backends.crc import crc32
 from .backends.errors import BackendError
 from .backends.lmdbenv import LmdbEnv
 from .backends.lmdbvalues import DB_TIERMETA, DB_VALUES
@@ -911,7 +911,7 @@ def check_values(check: Check) -> str:
                     r.whole.bad = True
             else:
                 if r.whole is not None:
-                    r.whole.crc = zlib.crc32(raw, r.whole.crc)
+                    r.whole.crc = crc32(raw, r.whole.crc)
                     r.whole.seen += len(raw)
             bar.update(r.stored_size)
     wholes = {id(r.whole): r.whole for r in check.refs if r.whole is not None}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import zlib
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Iterator, NamedTuple
 import lmdb
 
 from .. import codec
+from ..backends.crc import crc32
 from ..backends.errors import Damaged, Missing
 from ..backends.segments import HEADER, LOCATION, MAGIC, read_record
 from ..errors import CorruptValue
@@ -208,7 +208,7 @@ class StoreReader:
         if magic != MAGIC or dlen != size:
             raise Damaged(f"{w.what}: segment {seg} offset {off}: bad record header")
         view = memoryview(m)[off:off + size]
-        if zlib.crc32(view) != crc:
+        if crc32(view) != crc:
             view.release()
             raise Damaged(f"{w.what}: segment {seg} offset {off}: checksum mismatch")
         return view, crc
