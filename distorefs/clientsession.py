@@ -132,6 +132,7 @@ class ClientSession:
         stacked = buf.layout is not None and batch.places is not None and bool(batch.metas)
         if stacked:
             tables["places"] = np.asarray(batch.places[0], dtype=np.int64)  # type: ignore[index]
+            tables["place_crcs"] = np.asarray(batch.places[1], dtype=np.uint32)  # type: ignore[index]
         if isinstance(batch, SequenceBatch):  # the entries are the real steps, row by row where mask is True
             tables["mask"] = batch.mask
         meta = {"layout": buf.layout.to_json() if stacked else None,  # type: ignore[union-attr]
@@ -165,6 +166,7 @@ class ClientSession:
             stacked = places is not None
             if stacked:
                 tables["places"] = np.asarray(places[0], dtype=np.int64)  # type: ignore[index]
+                tables["place_crcs"] = np.asarray(places[1], dtype=np.uint32)  # type: ignore[index]
         return wire.pack_tables({"layout": buf.layout.to_json() if stacked else None,  # type: ignore[union-attr]
                                  "segments": self._segment_paths(metas)}, tables)
 

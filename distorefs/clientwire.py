@@ -14,7 +14,8 @@ them with numpy views and no parsing per entry.
 
 Entry tables (a draw's entries, the answer to LOCATE) carry per entry: seq, size, stored
 size, checksum, codec, tier and location (the value layer's StoredValue), the key, and
-for a draw the probabilities, weights and the places of each field of the buffer's layout.
+for a draw the probabilities, weights and the places of each field of the buffer's layout
+(`places`: offsets, `place_crcs`: each field's CRC-32).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .. import clientwire as wire
+from ..backends.crc import crc32
 from ..errors import CorruptValue, NotFound
 from ..layout import Layout, batch_name
 from ..names import check_name
@@ -86,13 +87,20 @@ def entry_key(key: str | bytes) -> bytes:
     return raw
 
 
+class RowMismatch(Exception):
+    """An array copied into a batch does not have its CRC-32 (see `stack`'s `crcs`)."""
+
+
 def stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes], keys: list[bytes],
-          seqs: np.ndarray, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
+          seqs: np.ndarray, mask: np.ndarray | None = None,
+          crcs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Entries as `batch/N.npz` holds them: each field of `layout` stacked (`places`: where
     each entry's fields start, (N, fields)), or raw (`data`, `offsets`); `keys`, `seqs`.
     `mask` (sequences): the entries are the real steps of mask.shape sequences and steps, row
-    by row; fields, keys and seqs are (N, L, ...), padded as batch/N.npz pads them."""
-    out = _stack(layout, places, values, keys, seqs, mask is not None)
+    by row; fields, keys and seqs are (N, L, ...), padded as batch/N.npz pads them.
+    `crcs` (N, fields): each array's CRC-32, checked on its copy in the batch, where it is
+    still in the CPU's cache (RowMismatch); for values not verified when read."""
+    out = _stack(layout, places, values, keys, seqs, mask is not None, crcs)
     if mask is None:
         return out
     for name, array in out.items():
@@ -108,12 +116,14 @@ def stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes],
 
 
 def _stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes], keys: list[bytes],
-           seqs: np.ndarray, sequences: bool) -> dict[str, np.ndarray]:
+           seqs: np.ndarray, sequences: bool, crcs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     n = len(values)
     out: dict[str, np.ndarray] = {}
     if layout is not None and places is not None:
         total = sum(len(v) for v in values)
         small = total <= SMALL_BATCH  # small values: one gather per field, not one copy per entry
+        if small and crcs is not None:
+            raise ValueError("arrays are checked as they are copied: for batches over SMALL_BATCH")
         if small:
             joined = np.frombuffer(b"".join(values), dtype=np.uint8)
             starts = np.zeros(n, dtype=np.int64)
@@ -126,8 +136,11 @@ def _stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes]
             else:
                 stacked = np.empty((n, *f.shape), dtype=np.dtype(f.dtype))
                 rows = stacked.reshape(n, -1).view(np.uint8).reshape(n, nbytes)
+                want = crcs[:, j].tolist() if crcs is not None else None
                 for i, (value, off) in enumerate(zip(values, places[:, j].tolist())):
                     rows[i] = np.frombuffer(value, dtype=np.uint8, count=nbytes, offset=off)
+                    if want is not None and crc32(rows[i]) != want[i]:
+                        raise RowMismatch(i)
             out[batch_name(f, sequences)] = stacked
     else:
         offsets = np.zeros(n + 1, dtype=np.int64)
@@ -228,10 +241,20 @@ class ClientBuffer:
                 self.reader.learn_segments(meta["segments"])
                 keys = wire.keys_of(arrays)
                 wanted = self._wanted_all(arrays, keys)
+                # Big batches of arrays: each array checked as it is copied into the batch,
+                # against its CRC-32 (read from memory once, not once to verify and again to copy).
+                light = ("place_crcs" in arrays and "mask" not in arrays and meta.get("layout") is not None
+                         and int(arrays["sizes"].sum()) > SMALL_BATCH)
                 with self.reader.snapshot() as snapshot:  # values used in place, copied once: into the batch
-                    first = snapshot.read(wanted)
+                    first = snapshot.read(wanted, verify=not light)
                     if not any(isinstance(r, Exception) for r in first):
-                        return self._assemble(meta, arrays, first)  # type: ignore[arg-type]
+                        try:
+                            return self._assemble(meta, arrays, first,  # type: ignore[arg-type]
+                                                  arrays["place_crcs"] if light else None)
+                        except RowMismatch:  # read it all again, verified: the errors say which
+                            first = snapshot.read(wanted)
+                            if not any(isinstance(r, Exception) for r in first):
+                                return self._assemble(meta, arrays, first)  # type: ignore[arg-type]
                     first = [bytes(r) if isinstance(r, memoryview) else r for r in first]
                 values = self._read_entries(arrays, keys, wanted, first)
                 if values is not None:
@@ -323,10 +346,11 @@ class ClientBuffer:
             raise CorruptValue(f"{w.what}: {error}")
         return data
 
-    def _assemble(self, meta: dict, arrays: dict, values: list[bytes]) -> dict[str, np.ndarray]:
+    def _assemble(self, meta: dict, arrays: dict, values: list[bytes],
+                  crcs: np.ndarray | None = None) -> dict[str, np.ndarray]:
         layout = meta.get("layout")
         out = stack(_layout(json.dumps(layout)) if layout is not None else None,  # field order: as given
-                    arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"], arrays.get("mask"))
+                    arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"], arrays.get("mask"), crcs)
         if "probabilities" in arrays:  # a draw's (not a read by key)
             out["probabilities"] = arrays["probabilities"].astype(np.float64)
             out["weights"] = arrays["weights"].astype(np.float64)

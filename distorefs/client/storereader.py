@@ -184,9 +184,10 @@ class StoreReader:
                 os.close(self._fds.popitem(last=False)[1])
             return fd
 
-    def segment_view(self, w: Wanted) -> tuple[memoryview, int]:
-        """(a view of the stored bytes of segment value `w`, their CRC-32), verified against
-        the record's header; Damaged (or Missing) otherwise. The segment file is mapped (and
+    def segment_view(self, w: Wanted, verify: bool = True) -> tuple[memoryview, int]:
+        """(a view of the stored bytes of segment value `w`, their CRC-32 as its record's
+        header gives it), verified against that header (only its magic and length unless
+        `verify`: the caller then checks what it uses); Damaged (or Missing) otherwise. The segment file is mapped (and
         mapped again once it grew past its map): segments are only appended to, and a record
         handed out is never cut from its file."""
         seg, off, size = LOCATION.unpack(w.loc)
@@ -208,7 +209,7 @@ class StoreReader:
         if magic != MAGIC or dlen != size:
             raise Damaged(f"{w.what}: segment {seg} offset {off}: bad record header")
         view = memoryview(m)[off:off + size]
-        if crc32(view) != crc:
+        if verify and crc32(view) != crc:
             view.release()
             raise Damaged(f"{w.what}: segment {seg} offset {off}: checksum mismatch")
         return view, crc
@@ -246,15 +247,20 @@ class Snapshot:
         self.reader = reader
         self.txn = txn
 
-    def read(self, wanted: list[Wanted]) -> list[bytes | memoryview | Exception]:
-        """As StoreReader.read; an uncompressed LMDB value is a verified view into the map."""
+    def read(self, wanted: list[Wanted], verify: bool = True) -> list[bytes | memoryview | Exception]:
+        """As StoreReader.read; an uncompressed LMDB value is a verified view into the map,
+        and so is an uncompressed segment value. `verify` False: an uncompressed segment
+        value is not checked here (its record's header is): the caller checks the bytes it
+        copies out of it (the arrays of a batch, against their CRC-32s) as it copies them,
+        so that they are read from memory once."""
         out: list[bytes | memoryview | Exception] = []
         get = self.txn.get
         for w in wanted:
             try:
-                if w.tier == TIER_NVME:  # a view into the mapped segment, verified
-                    stored, crc = self.reader.segment_view(w)
-                    if w.codec == codec.RAW and crc == w.checksum and len(stored) == w.size == w.stored_size:
+                if w.tier == TIER_NVME:  # a view into the mapped segment
+                    plain = w.codec == codec.RAW and w.size == w.stored_size
+                    stored, crc = self.reader.segment_view(w, verify=verify or not plain)
+                    if plain and crc == w.checksum and len(stored) == w.size:
                         out.append(stored)
                     else:
                         out.append(_decode(stored, w, crc))
