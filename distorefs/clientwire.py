@@ -143,8 +143,9 @@ def stored_request(key: bytes, segment: int, offset: int, size: int, stored_size
                    offsets: Sequence[int] = (), crcs: Sequence[int] = ()) -> bytes:
     if len(offsets) != len(crcs):
         raise ValueError("one CRC per array")
-    body = (_STORED.pack(segment, offset, size, stored_size, checksum, codec, len(offsets), len(key)) + key
-            + np.asarray(offsets, dtype="<u8").tobytes() + np.asarray(crcs, dtype="<u4").tobytes())
+    n = len(offsets)
+    body = (_STORED.pack(segment, offset, size, stored_size, checksum, codec, n, len(key)) + key
+            + struct.pack(f"<{n}Q{n}I", *offsets, *crcs))
     return frame(STORED, body)
 
 
@@ -157,9 +158,9 @@ def parse_stored(payload: memoryview) -> StoredInsert:
         raise WireError("a stored insert's key and arrays do not fill its frame")
     key = bytes(payload[pos:pos + klen])
     pos += klen
-    offsets = tuple(np.frombuffer(payload[pos:pos + 8 * n], dtype="<u8").tolist())
-    crcs = tuple(np.frombuffer(payload[pos + 8 * n:pos + 12 * n], dtype="<u4").tolist())
-    return StoredInsert(key, seg, off, len(spool_vkey(0, key)), size, stored, crc, codec, offsets, crcs)
+    offsets = struct.unpack_from(f"<{n}Q", payload, pos)  # (a few numbers: struct, not numpy, is quick)
+    crcs = struct.unpack_from(f"<{n}I", payload, pos + 8 * n)
+    return StoredInsert(key, seg, off, 1 + _SPOOL_NS.size + klen, size, stored, crc, codec, offsets, crcs)
 
 
 def priorities_request(keys: Sequence[bytes], priorities: Sequence[float] | np.ndarray) -> bytes:

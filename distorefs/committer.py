@@ -91,6 +91,10 @@ class Change(ABC):
     def prepare(self) -> None:
         """CPU work before the transaction (worker thread, run in parallel across the group)."""
 
+    def prepares(self) -> bool:
+        """Whether `prepare` has work (compression) worth a hop to the pool."""
+        return type(self).prepare is not Change.prepare
+
     @abstractmethod
     def txn(self, txn: Any) -> None:
         """Write the change inside the group's LMDB transaction (worker thread; may rerun)."""
@@ -240,7 +244,7 @@ class Committer:
         # Only changes that do work before the transaction (compression) are prepared; most
         # (priorities, removals, a follower's records) have none, and a hop to the pool
         # each would cost more than the whole change.
-        preparing = [p.change for p in planned if type(p.change).prepare is not Change.prepare]
+        preparing = [p.change for p in planned if p.change.prepares()]
 
         def work() -> None:
             # One thread hop per group: prepare spreads over the pool when several changes

@@ -756,6 +756,9 @@ class InsertEntry(Change):
                 ring.next_seq = self.seq  # no gap in the sequence numbers
         self.victims = []
 
+    def prepares(self) -> bool:
+        return self.spooled is None  # a spooled value was encoded by its client
+
     def prepare(self) -> None:
         if self.spooled is not None:
             if self.regions:
