@@ -313,12 +313,18 @@ class DatasetSession:
     MountedDataset reads them in its own process; the dataset's stats. Sealed items never
     change, so locations handed out stay good until the dataset is dropped."""
 
-    def __init__(self, dataset: Dataset, values: ValueLayer, lmdb_path: Path, *, read_only: bool = False) -> None:
+    def __init__(self, dataset: Dataset, values: ValueLayer, lmdb_path: Path, lineage: frozenset[int] = frozenset(),
+                 *, read_only: bool = False) -> None:
+        """`lineage`: the process that opened the session and its ancestors (an order one of
+        them declares is read by this session's process itself: not read ahead for it)."""
         self.dataset = dataset
         self.values = values
         self.lmdb_path = lmdb_path
         self.read_only = read_only
         self.told: set[int] = set()
+        self.lineage = lineage
+        dataset.session_started(lineage)
+        self.closed = False
 
     async def request(self, op: int, payload: memoryview) -> bytes | None:
         ds = self.dataset
@@ -342,7 +348,9 @@ class DatasetSession:
         raise InvalidArgument(f"a dataset's client has no request {wire.OPS.get(op, op)}")
 
     def close(self) -> None:
-        pass
+        if not self.closed:
+            self.closed = True
+            self.dataset.session_ended(self.lineage)
 
 
 MAX_ITEMS = 1 << 16  # items one ITEMS request may ask for

@@ -47,9 +47,12 @@ class PrefetchBudget:
 class Prefetcher(Generic[K]):
     def __init__(self, budget: PrefetchBudget, fetch: Callable[[list[K]], list[bytes | None]], *,
                  spawn: Callable, workers: int = 4, batch_items: int = 32, lag: int = 1024,
-                 push: Callable[[K, bytes], bool] | None = None) -> None:
+                 push: Callable[[K, bytes], bool] | None = None,
+                 elsewhere: Callable[[], bool] | None = None) -> None:
         """`fetch(keys)` loads values in a worker thread (None where a key has no value);
-        `spawn(fn)` starts the background task in the owner's nursery."""
+        `spawn(fn)` starts the background task in the owner's nursery; `elsewhere()`: the
+        plan's keys are read without us now (by a client reading the store's files itself),
+        so they are passed over, not loaded."""
         self.budget = budget
         self.fetch = fetch
         self.spawn = spawn
@@ -57,6 +60,7 @@ class Prefetcher(Generic[K]):
         self.batch_items = batch_items
         self.lag = lag
         self.push = push
+        self.elsewhere = elsewhere
         self._plan: Sequence[K] = []
         self._next = 0  # index in _plan of the next key to load
         self._base = 0  # plan positions consumed and trimmed from the head of _plan
@@ -73,7 +77,7 @@ class Prefetcher(Generic[K]):
         self._wake = trio.Event()
         self._running = False
         self.counters = {"hits": 0, "late": 0, "misses": 0, "skipped": 0, "loaded": 0, "loaded_bytes": 0,
-                         "pushed": 0, "failed": 0, "plans": 0, "page_cache": 0}
+                         "pushed": 0, "failed": 0, "plans": 0, "page_cache": 0, "elsewhere": 0}
 
     # ----- the source says what comes next --------------------------------------------
 
@@ -196,7 +200,9 @@ class Prefetcher(Generic[K]):
                             key = self._plan[self._next]
                             if not isinstance(key, tuple):
                                 key = key.item() if hasattr(key, "item") else key  # numpy scalars
-                            if key not in self._pos:
+                            if self.elsewhere is not None and self.elsewhere():
+                                self.counters["elsewhere"] += 1
+                            elif key not in self._pos:
                                 self._pos[key] = self._base + self._next
                                 event = self._inflight[key] = trio.Event()
                                 keys.append((key, event))
@@ -272,7 +278,9 @@ class PrefetchStreams(Generic[K]):
     MAX_STREAMS = 64
 
     def __init__(self, budget: PrefetchBudget, fetch: Callable[[list[K]], list[bytes | None]], *,
-                 spawn: Callable, **options) -> None:
+                 spawn: Callable, elsewhere: Callable[[Hashable], bool] | None = None, **options) -> None:
+        """`elsewhere(stream)`: the stream's keys are read without us (see Prefetcher)."""
+        self._elsewhere = elsewhere
         self._budget = budget
         self._fetch = fetch
         self._spawn = spawn
@@ -295,11 +303,20 @@ class PrefetchStreams(Generic[K]):
         """`stream`'s new plan (its next epoch); the other streams' plans stay."""
         p = self.streams.pop(stream, None)
         if p is None:
-            p = Prefetcher(self._budget, self._fetch, spawn=self._spawn, push=self._push, **self._options)
+            test = self._elsewhere
+            p = Prefetcher(self._budget, self._fetch, spawn=self._spawn, push=self._push,
+                           elsewhere=(lambda: test(stream)) if test is not None else None, **self._options)
         self.streams[stream] = p
         p.declare(keys)
         while len(self.streams) > self.MAX_STREAMS:
             self.streams.popitem(last=False)[1].declare([])
+
+    def release_held(self, streams: Iterable[Hashable]) -> None:
+        """What the plans of `streams` hold goes (their readers read elsewhere now); the plans stay."""
+        for stream in streams:
+            p = self.streams.get(stream)
+            for key in list(p._held) if p is not None else ():
+                p.forget(key)
 
     def drop(self, stream: Hashable) -> None:
         """Forget `stream`'s plan (its process is gone): what it held is released."""
@@ -342,4 +359,4 @@ class PrefetchStreams(Generic[K]):
 
 
 _COUNTER_NAMES = ("hits", "late", "misses", "skipped", "loaded", "loaded_bytes", "pushed", "failed", "plans",
-                  "page_cache")
+                  "page_cache", "elsewhere")

@@ -311,9 +311,10 @@ class Store:
         return ClientSession(buffer, self.values, self.env.path, owner, abandoned=abandoned,
                              read_only=self.read_only)
 
-    def dataset_session(self, dataset: Dataset) -> DatasetSession:
-        """A session of the client beside the mount with a sealed dataset (MountedDataset)."""
-        return DatasetSession(dataset, self.values, self.env.path, read_only=self.read_only)
+    def dataset_session(self, dataset: Dataset, lineage: frozenset[int] = frozenset()) -> DatasetSession:
+        """A session of the client beside the mount with a sealed dataset (MountedDataset),
+        opened by the last process of `lineage` (it and its ancestors)."""
+        return DatasetSession(dataset, self.values, self.env.path, lineage, read_only=self.read_only)
 
     def rings(self) -> list[Ring]:
         return [ns.ring for kind in ("buffers", "banks") for ns in self.namespaces[kind].values()]

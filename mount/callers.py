@@ -49,6 +49,22 @@ def process_of(tid: int) -> int:
     return tid
 
 
+def lineage(pid: int) -> frozenset[int]:
+    """Process `pid` and its ancestors below init: the processes that may have declared an
+    order on behalf of a reader (a DataLoader worker's parent, say)."""
+    out = set()
+    for _ in range(64):  # (a deeper tree is not a loader's)
+        if pid <= 1 or pid in out:
+            break
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return frozenset(out)
+
+
 def process_gone(pid: int) -> bool:
     """Whether process `pid` has exited (or is exiting: a zombie)."""
     try:
@@ -63,4 +79,4 @@ def abandoned_by(pid: int) -> Callable[[], bool]:
     return lambda: caller_abandoned(pid)
 
 
-__all__ = ["caller_abandoned", "abandoned_by", "process_of", "process_gone"]
+__all__ = ["caller_abandoned", "abandoned_by", "lineage", "process_of", "process_gone"]

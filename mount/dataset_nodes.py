@@ -28,7 +28,7 @@ from distorefs.owner import Owner
 from distorefs.sources import Credentials, check_can_act_for
 from distorefs.values import WarmResult
 
-from .callers import process_gone, process_of
+from .callers import lineage, process_gone, process_of
 from .handles import BytesReader, ClientHandle, ConfigWriter, Handle, wants_read, wants_write
 from .inodes import DATASET_DIR, DATASET_FILE, DATASET_LINK, stable_number
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
@@ -558,7 +558,7 @@ class DatasetClientFile(Node):
             raise InvalidArgument("the client file is opened for reading and writing")
         if not self.ds.sealed:
             raise NotFound(f"datasets/{self.ds.name} is not sealed")
-        return ClientHandle(self.fs.store.dataset_session(self.ds))
+        return ClientHandle(self.fs.store.dataset_session(self.ds, lineage(process_of(ctx.pid))))
 
 
 class OrderFile(Node):

@@ -44,6 +44,7 @@ def test_items_read_in_this_process_are_the_files(dataset):
     assert reader.counters == {"direct": len(files), "through_mount": 0}
     assert json.loads((ds / "stats.json").read_bytes())["reads"] == before  # the daemon read none of them
     assert "client" in os.listdir(ds)
+    data.close()
 
 
 def test_ddp_ranks_each_declare_their_part_and_all_get_prefetch(dataset):
@@ -110,3 +111,39 @@ def test_a_caller_that_cannot_read_the_store_reads_through_the_mount(shared_moun
     out = in_child_as(uid, gid, child, str(ds))
     assert len(out["warned"]) == 1 and "through the mount" in out["warned"][0]
     assert [bytes.fromhex(x) for x in out["items"]] == [(src / p).read_bytes() for p in out["paths"]]
+
+
+def test_nothing_is_read_ahead_while_a_process_reads_the_store_itself(dataset):
+    """A declared order is read ahead for readers through the mount; while a process reads
+    items from the store's files itself (a client session open), the daemon reads nothing
+    ahead: it would only take the CPU from that reader."""
+    ds, files = dataset
+    stats = lambda: json.loads((ds / "stats.json").read_bytes())["prefetch"]  # noqa: E731
+    order = np.random.default_rng(5).permutation(len(files))
+    with MountedDataset(ds, direct=True) as data:
+        assert data[0] == files[data.index["path"][0].decode()]  # the session is open
+        data.declare(order)  # (orders of processes gone are dropped here, with their counts)
+        before = stats()
+        for i in order.tolist():
+            assert data[i] == files[data.index["path"][i].decode()]
+        after = stats()
+        assert after["loaded"] == before["loaded"] == 0, (before, after)
+        assert after["elsewhere"] == len(files)
+    # Another process reading through the mount (not one of the client's own, nor an
+    # ancestor of one) gets its order read ahead meanwhile.
+    script = textwrap.dedent("""
+        import sys, numpy as np
+        from distorefs.loader import MountedDataset
+        data = MountedDataset(sys.argv[1], direct=False)
+        order = np.random.default_rng(6).permutation(len(data))
+        data.declare(order)
+        for i in order.tolist():
+            data[i]
+    """)
+    with MountedDataset(ds, direct=True) as data:
+        assert data[1] == files[data.index["path"][1].decode()]  # a client session open meanwhile
+        before = stats()
+        subprocess.run([PYTHON, "-c", script, str(ds)], check=True, timeout=120)
+        after = stats()
+    opens = {k: after[k] - before[k] for k in ("hits", "late", "page_cache")}
+    assert sum(opens.values()) >= 0.9 * len(files), (opens, before, after)
