@@ -22,10 +22,15 @@ def test_insert_read_rewrite_delete(buf):
     write_entry(buf, "c", b"")
     # An entry never written appears when its last descriptor is released, a moment after
     # close() (README: a shell's `>` closes a dup first); the kernel sends RELEASE after
-    # close() returns.
+    # close() returns. Until then the name looks up (the writer's inode) but other openers
+    # get ENOENT: wait for it to open, not merely to exist.
     deadline = time.monotonic() + 5
-    while not os.path.exists(buf / "entries" / "c") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while time.monotonic() < deadline:
+        try:
+            read_entry(buf, "c")
+            break
+        except FileNotFoundError:
+            time.sleep(0.01)
     assert read_entry(buf, "a") == b"alpha"
     assert read_entry(buf, "b") == b"bravo" * 1000
     assert read_entry(buf, "c") == b""
