@@ -26,7 +26,7 @@ COUNTERS = frozenset({
     "bytes_published", "renames", "invalidations", "staged", "staged_bytes", "stage_errors", "verify_failures",
     "orders", "evicted", "puts", "bytes_written", "bytes_persisted", "chunks_persisted", "file_commits",
     "steps_completed", "steps_removed", "steps_reopened", "chunk_reloads", "abandoned_files", "persist_failures",
-    "stale_readers_cleared", "spooled_inserts",
+    "stale_readers_cleared", "spooled_inserts", "elsewhere",
 })
 
 _HELP = {
