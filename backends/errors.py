@@ -39,3 +39,8 @@ class ReadOnly(BackendError):
 
 class Unavailable(BackendError):
     """A shared engine did not answer, or did not replicate a write, within its time limit."""
+
+
+class NotReplicated(Unavailable):
+    """A write was made on a master but did not reach its replicas in time: it must not be
+    made again (the engine's retries stop at it)."""

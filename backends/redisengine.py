@@ -26,7 +26,7 @@ from redis.exceptions import (AskError, BusyLoadingError, ClusterDownError, Mast
                               ReadOnlyError, RedisClusterException, RedisError, ResponseError, TryAgainError)
 
 from .base import TierUsage, Txn, ValueBackend
-from .errors import BackendError, Missing, Unavailable
+from .errors import BackendError, Missing, NotReplicated, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ class ClusterEngine:
         while True:
             try:
                 return fn()
+            except NotReplicated:
+                raise  # made already: running it again would make it twice
             except (ClusterDownError, TryAgainError, MovedError, AskError, MasterDownError, ReadOnlyError,
                     BusyLoadingError) as exc:
                 error: Exception = exc
@@ -143,8 +145,7 @@ class ClusterEngine:
             if waited:
                 acked = out.pop()
                 if acked < self.wait_replicas and self.live_replicas(node.name) > 0:
-                    raise Unavailable(f"a write to {node.name} reached {acked} of {self.wait_replicas} "
-                                      f"replicas within {WAIT_MS} ms")
+                    acked = self._wait_again(conn, node.name, acked)
                 if acked < self.wait_replicas:
                     # After a failover the promoted master has no replica until one is added:
                     # its writes go on, surviving a daemon's loss but not this master's.
@@ -153,6 +154,22 @@ class ClusterEngine:
                                 "is added (CLUSTER REPLICATE)", node.name)
             return out
         return self._retry(run)
+
+    def _wait_again(self, conn: "redis.Redis", master: str, acked: int) -> int:
+        """The write ran on `master` but too few replicas have it yet: WAIT again, never run
+        it again (a script is not idempotent: a batch's draws would be counted twice). Past
+        the deadline NotReplicated, which `_retry` passes on as it is."""
+        end = time.monotonic() + self.deadline
+        while acked < self.wait_replicas:
+            if time.monotonic() > end:
+                raise NotReplicated(f"a write to {master} reached {acked} of {self.wait_replicas} replicas within "
+                                    f"{self.deadline:.0f} s (it was made; it is lost if {master} is lost now)")
+            try:
+                acked = int(conn.execute_command("WAIT", self.wait_replicas, WAIT_MS))
+            except (RedisError, OSError) as exc:
+                raise NotReplicated(f"a write to {master} was made, then waiting for its replicas failed: {exc}")
+            self.counters["round_trips"] += 1
+        return acked
 
     def eval(self, script: str, keys: Sequence[bytes], args: Sequence[Any], *, durable: bool = True) -> Any:
         """A Lua script on the master of `keys` (one slot: give them one hash tag)."""
