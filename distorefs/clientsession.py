@@ -56,6 +56,11 @@ SPOOLED_BYTES = 1024  # what a queued insert of a spooled value counts against M
 MAX_PRIORITY_UPDATES = 256  # priority writes of a session not committed yet before a draw waits
 
 
+def _held(data: bytes | SpooledEntry) -> int:
+    """What a queued insert counts against MAX_INFLIGHT."""
+    return SPOOLED_BYTES if isinstance(data, SpooledEntry) else len(data)
+
+
 class ClientSession:
     def __init__(self, buffer: Buffer, values: ValueLayer, lmdb_path: Path, owner: Owner, *,
                  abandoned: Abandoned | None = None, read_only: bool = False) -> None:
@@ -209,7 +214,7 @@ class ClientSession:
         the next flush, never by the write: the inserts sent with it go on); waits while the
         session holds MAX_INFLIGHT bytes of uncommitted inserts (a spooled value counts
         SPOOLED_BYTES: its bytes are in the client's file, not here)."""
-        held = SPOOLED_BYTES if isinstance(data, SpooledEntry) else len(data)
+        held = _held(data)
         try:
             self.buffer.ring.check_insert(key, value_size(data))
         except DistorefsError as exc:
@@ -242,7 +247,7 @@ class ClientSession:
                     for ticket in tickets:  # committed (counted as inserts) or failed
                         ticket.release()
                 for (key, data), result in zip(items, results):
-                    self.inflight -= SPOOLED_BYTES if isinstance(data, SpooledEntry) else len(data)
+                    self.inflight -= _held(data)
                     if isinstance(result, BaseException):
                         code = result.errno if isinstance(result, DistorefsError) else errno.EIO
                         self.errors.append([key.decode("utf-8", "surrogateescape"), code, str(result)])

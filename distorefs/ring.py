@@ -253,9 +253,6 @@ class Ring:
         the oldest entries make room if the ring allows it (`evict_when_full`)."""
         self.check_insert(key, value_size(data))
         if self.shared is not None:
-            if isinstance(data, SpooledEntry):
-                raise InvalidArgument(f"{self.kind}/{self.name}: a shared store's values go to its cluster, "
-                                      "not to a client's spool")
             return await self._insert_shared(key, data, owner, priority)
         for attempt in range(4):
             change = InsertEntry(self, key, data, owner, priority)
@@ -277,7 +274,11 @@ class Ring:
         await self._publish_queued(item)
         return await self._shared_done(item)
 
-    def _queue_shared(self, key: bytes, data: bytes, owner: Owner, priority: float | None) -> "_SharedInsert":
+    def _queue_shared(self, key: bytes, data: "bytes | SpooledEntry", owner: Owner,
+                      priority: float | None) -> "_SharedInsert":
+        if isinstance(data, SpooledEntry):
+            raise InvalidArgument(f"{self.kind}/{self.name}: a shared store's values go to its cluster, "
+                                  "not to a client's spool")
         regions = self.place(key, data) if self.place is not None else None  # refused here, not in the log
         item = _SharedInsert(key, data, regions, owner, priority)
         self._shared_queue.append(item)
@@ -356,9 +357,6 @@ class Ring:
             for key, data in items:
                 try:
                     self.check_insert(key, value_size(data))
-                    if isinstance(data, SpooledEntry):
-                        raise InvalidArgument(f"{self.kind}/{self.name}: a shared store's values go to its "
-                                              "cluster, not to a client's spool")
                     queued.append(self._queue_shared(key, data, owner, priority))
                 except DistorefsError as exc:
                     queued.append(exc)
