@@ -261,7 +261,11 @@ def _plot(res: dict, path: Path, title: str) -> None:
     save_figure(fig, path, title)
 
 
-def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
+PHASES = ("dqn", "frames", "dataset")
+
+
+def run(out: Path, quick: bool = False, workdir: Path | None = None, only: tuple[str, ...] = ()) -> dict:
+    phases = [ph for ph in PHASES if not only or ph in only]
     r = start_run(out, workdir)
     out, root, notes, machine = r.out, r.root, r.notes, r.machine
     p = _params(quick)
@@ -277,34 +281,36 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     try:
         for label, system, extra in (("in-process", "in-process", {}), ("client", "client", {"read_ahead": True}),
                                      ("client-no-read-ahead", "client", {"read_ahead": False}),
-                                     ("files", "distorefs", {})):
+                                     ("files", "distorefs", {})) if "dqn" in phases else ():
             try:
                 res["dqn"][label] = _dqn(system, root / f"dqn-{label}", p, ctx, **extra)
                 print(f"  DQN loop {label:22s}: {res['dqn'][label]}", flush=True)
             except Exception as exc:
                 errors.append(f"DQN {label}: {type(exc).__name__}: {exc}")
-        for system in ("client", "files"):
+        for system in ("client", "files") if "frames" in phases else ():
             try:
                 res["frames"][system] = _frames(system, root, p, ctx, errors)
                 print(f"  113 KB {system:8s}: {res['frames'][system]}", flush=True)
             except Exception as exc:
                 errors.append(f"113 KB {system}: {type(exc).__name__}: {exc}")
-        result = ctx.Queue()
-        workers = _Workers(ctx)
-        try:
-            workers.start(_cpprb, min(p["frames"], 3000), 256, p["seconds"], result)
-            o = result.get(timeout=p["seconds"] + 300)
-        finally:
-            workers.kill_all()
-        if o["error"]:
-            errors.append(f"cpprb: {o['error']}")
-        res["cpprb"] = {"entries_per_s": round(o["entries"] / (o["seconds"] or 1e-9), 1)}
-        print(f"  cpprb sample 256: {res['cpprb']}", flush=True)
-        try:
-            res["dataset"] = _dataset(root, p, notes)
-            print(f"  dataset epoch: {res['dataset']}", flush=True)
-        except Exception as exc:
-            errors.append(f"dataset: {type(exc).__name__}: {exc}")
+        if "frames" in phases:
+            result = ctx.Queue()
+            workers = _Workers(ctx)
+            try:
+                workers.start(_cpprb, min(p["frames"], 3000), 256, p["seconds"], result)
+                o = result.get(timeout=p["seconds"] + 300)
+            finally:
+                workers.kill_all()
+            if o["error"]:
+                errors.append(f"cpprb: {o['error']}")
+            res["cpprb"] = {"entries_per_s": round(o["entries"] / (o["seconds"] or 1e-9), 1)}
+            print(f"  cpprb sample 256: {res['cpprb']}", flush=True)
+        if "dataset" in phases:
+            try:
+                res["dataset"] = _dataset(root, p, notes)
+                print(f"  dataset epoch: {res['dataset']}", flush=True)
+            except Exception as exc:
+                errors.append(f"dataset: {type(exc).__name__}: {exc}")
     finally:
         remove_workdir(root, errors)
     for v in res["dqn"].values():
@@ -314,7 +320,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     client_dqn = (dq.get("client") or {}).get("learner_steps_per_s")
     inproc = (dq.get("in-process") or {}).get("learner_steps_per_s")
     one, two = c.get("sample_256_1_process"), c.get("sample_256_2_processes")
-    cpprb = res["cpprb"]["entries_per_s"]
+    cpprb = (res.get("cpprb") or {}).get("entries_per_s")
     ins = c.get("inserts_4_actors_per_s")
     dc = ((res.get("dataset") or {}).get("client") or {}).get("items_per_s")
     de = ((res.get("dataset") or {}).get("ext4") or {}).get("items_per_s")

@@ -451,7 +451,7 @@ BENCHMARKS = {
 
 
 # Benchmarks made of phases that can be run alone (`--only PHASE`, repeatable): their PHASES.
-BENCH_PHASES = {"rl": ("dqn", "frames", "limiter")}
+BENCH_PHASES = {"rl": ("dqn", "frames", "limiter"), "client": ("dqn", "frames", "dataset")}
 
 
 def _bench_command(name: str, doc: str, quick_help: str, workdir_help: str) -> None:
