@@ -79,8 +79,12 @@ class StoreReader:
         try:
             # lock=True: this process's readers are registered in lock.mdb (which needs write
             # access to it), so the daemon never reuses a page a read here still sees.
+            # readahead=True: the kernel reads around a page that faults (it stops by itself
+            # on a mapping whose read-around pages go unused). Without it (MADV_RANDOM) a cold
+            # 10 KB value is three 4 KB reads one after another: a cold shuffled epoch of 100k
+            # such items with 4 readers ran at 7,200 items/s, with it at 20,000 (warm: the same).
             self.env = lmdb.open(str(path), readonly=True, lock=True, subdir=True, max_dbs=32,
-                                 max_readers=256, readahead=False, map_size=0)
+                                 max_readers=256, readahead=True, map_size=0)
             self.values = self.env.open_db(DB_VALUES, create=False)
         except lmdb.Error as exc:
             raise Unreadable(f"{path}: {exc}") from exc
