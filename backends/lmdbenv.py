@@ -167,7 +167,12 @@ class LmdbEnv:
                 max_dbs=32,
                 sync=False,  # durability only via sync(); see module docstring
                 metasync=False,
-                readahead=False,  # values are read at random; readahead wastes page cache
+                # The kernel reads around a page that faults, and stops by itself on a
+                # mapping whose read-around goes unused (random samples of a ring). Without
+                # it (MADV_RANDOM) a cold 10 KB value was three reads one after another: a
+                # cold shuffled epoch read through the mount, 4 readers, went from 1,657 to
+                # 2,219 items/s with it (2,390-2,410 warm, either way).
+                readahead=True,
                 max_readers=256,
                 lock=True,
                 mode=0o600,

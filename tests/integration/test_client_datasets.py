@@ -149,19 +149,26 @@ def test_nothing_is_read_ahead_while_a_process_reads_the_store_itself(dataset):
     assert sum(opens.values()) >= 0.9 * len(files), (opens, before, after)
 
 
-def test_the_store_file_is_read_around_each_fault(dataset):
-    """The client maps the store's LMDB file without MADV_RANDOM, so a cold item faults in
-    with the kernel's read-around (one read) rather than page by page: the kernel's flags
-    for the mapping (VmFlags `rr`: random reads advised) say which."""
+def _vmflags(pid: int | str, path: str) -> list[str] | None:
+    """The kernel's flags (smaps VmFlags) of process `pid`'s mapping of file `path`."""
+    flags, mapping = None, None
+    for line in open(f"/proc/{pid}/smaps").read().splitlines():
+        if not line[:1].isupper() or ":" not in line.split()[0]:
+            mapping = line.split()[-1] if len(line.split()) >= 6 else None
+        elif line.startswith("VmFlags:") and mapping == path:
+            flags = line.split()[1:]
+    return flags
+
+
+def test_the_store_file_is_read_around_each_fault(dataset, fs):
+    """The client and the daemon map the store's LMDB file without MADV_RANDOM, so a cold
+    item faults in with the kernel's read-around (one read) rather than page by page: the
+    kernel's flags for the mapping (VmFlags `rr`: random reads advised) say which."""
     ds, files = dataset
     with MountedDataset(ds, direct=True) as data:
         assert data[3] == files[data.index["path"][3].decode()]
         mdb = os.path.realpath(data._direct_reader().reader.path / "data.mdb")
-        flags, mapping = None, None
-        for line in open("/proc/self/smaps").read().splitlines():
-            if not line[:1].isupper() or ":" not in line.split()[0]:
-                mapping = line.split()[-1] if len(line.split()) >= 6 else None
-            elif line.startswith("VmFlags:") and mapping == mdb:
-                flags = line.split()[1:]
-        assert flags is not None, f"{mdb} is not mapped here"
-        assert "rr" not in flags, flags
+        for pid in ("self", fs.pid):
+            flags = _vmflags(pid, mdb)
+            assert flags is not None, f"{mdb} is not mapped by {pid}"
+            assert "rr" not in flags, (pid, flags)
