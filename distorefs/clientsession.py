@@ -31,6 +31,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -313,16 +315,60 @@ def segment_paths(values: ValueLayer, told: set[int], stored: list[StoredValue])
     return out
 
 
+class LocatedBlocks:
+    """The ITEMS tables of a sealed dataset's runs of consecutive item numbers (the blocks
+    MountedDataset asks for), kept for the next session that asks: sealed items never
+    change, and each reader process of an epoch asks for every block. Built once, not once
+    per reader (26 ms of daemon CPU per 4,096 items, mostly parsing the item records).
+    Least recently used go past `capacity` bytes of tables."""
+
+    def __init__(self, capacity: int = 16 << 20) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._blocks: OrderedDict[tuple[int, int], tuple[dict[str, np.ndarray], list[StoredValue]]] = OrderedDict()
+        self._lock = threading.Lock()  # built and looked up in worker threads
+        self.counters = {"hits": 0, "built": 0}
+
+    def tables(self, dataset: Dataset, numbers: np.ndarray) -> tuple[dict[str, np.ndarray], list[StoredValue]]:
+        """The ITEMS tables of items `numbers`, and their chunks on NVMe (whose segment
+        paths a session tells its client once); worker thread."""
+        run = len(numbers) > 0 and int(numbers[-1]) - int(numbers[0]) == len(numbers) - 1 and \
+            bool(np.all(np.diff(numbers) == 1))
+        key = (int(numbers[0]), len(numbers)) if run else None
+        if key is not None:
+            with self._lock:
+                found = self._blocks.get(key)
+                if found is not None:
+                    self._blocks.move_to_end(key)
+                    self.counters["hits"] += 1
+                    return found
+        items = dataset.sealed_items(numbers.tolist())
+        made = (wire.item_tables(items), [c for it in items if it is not None for c in it.chunks if c.tier == TIER_NVME])
+        if key is not None:
+            size = sum(a.nbytes for a in made[0].values()) + 64 * len(made[1])
+            with self._lock:
+                self.counters["built"] += 1
+                if key not in self._blocks and size <= self.capacity:
+                    self._blocks[key] = made
+                    self.used += size
+                    while self.used > self.capacity:
+                        _, (old, nvme) = self._blocks.popitem(last=False)
+                        self.used -= sum(a.nbytes for a in old.values()) + 64 * len(nvme)
+        return made
+
+
 class DatasetSession:
     """A session of a client of a sealed dataset: where items' chunks are (ITEMS), so that
     MountedDataset reads them in its own process; the dataset's stats. Sealed items never
     change, so locations handed out stay good until the dataset is dropped."""
 
     def __init__(self, dataset: Dataset, values: ValueLayer, lmdb_path: Path, lineage: frozenset[int] = frozenset(),
-                 *, read_only: bool = False) -> None:
+                 *, read_only: bool = False, located: LocatedBlocks | None = None) -> None:
         """`lineage`: the process that opened the session and its ancestors (an order one of
-        them declares is read by this session's process itself: not read ahead for it)."""
+        them declares is read by this session's process itself: not read ahead for it);
+        `located`: the dataset's tables kept for all its sessions."""
         self.dataset = dataset
+        self.located = located if located is not None else LocatedBlocks()
         self.values = values
         self.lmdb_path = lmdb_path
         self.read_only = read_only
@@ -344,12 +390,10 @@ class DatasetSession:
                 raise InvalidArgument("item numbers are >= 0")
             if len(numbers) > MAX_ITEMS:
                 raise InvalidArgument(f"at most {MAX_ITEMS} items a request, got {len(numbers)}")
-            items = await trio.to_thread.run_sync(ds.sealed_items, numbers.tolist())
-            return wire.pack_tables({"segments": segment_paths(self.values, self.told,
-                                                               [c for it in items if it is not None for c in it.chunks])},
-                                    wire.item_tables(items))
+            tables, nvme = await trio.to_thread.run_sync(self.located.tables, ds, numbers)
+            return wire.pack_tables({"segments": segment_paths(self.values, self.told, nvme)}, tables)
         if op == wire.STATS:
-            return wire.reply_json(ds.stats())
+            return wire.reply_json({**ds.stats(), "located_blocks": dict(self.located.counters)})
         raise InvalidArgument(f"a dataset's client has no request {wire.OPS.get(op, op)}")
 
     def close(self) -> None:
@@ -361,4 +405,4 @@ class DatasetSession:
 MAX_ITEMS = 1 << 16  # items one ITEMS request may ask for
 
 
-__all__ = ["ClientSession", "DatasetSession", "MAX_INFLIGHT", "MAX_ITEMS"]
+__all__ = ["ClientSession", "DatasetSession", "LocatedBlocks", "MAX_INFLIGHT", "MAX_ITEMS"]

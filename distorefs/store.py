@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -35,7 +36,7 @@ from .catalog import DB_ENTRIES, DB_META, DB_NS, DB_PRIO, DB_SAMPLED, FORMAT_VER
 from .checkpoints import DB_CKPT, Checkpoints
 from .checkpointslog import CheckpointsLog
 from .backends.redisengine import ClusterEngine, ClusterValues
-from .clientsession import ClientSession, DatasetSession
+from .clientsession import ClientSession, DatasetSession, LocatedBlocks
 from .clusterlog import SHARED_KINDS, ClusterSpec, Record, SharedLog, id_tuple
 from .committer import Change, Committer, Overlay
 from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
@@ -152,6 +153,9 @@ class Store:
         else:
             migrate(self.env, self.values)  # a store of an older format, once
         self.prefetch_budget = PrefetchBudget(0)
+        # per sealed dataset, the client's location tables, shared by its sessions (a
+        # dataset dropped takes its entry with it)
+        self._located: weakref.WeakKeyDictionary[Dataset, LocatedBlocks] = weakref.WeakKeyDictionary()
         self.committer = Committer(self.env.write)
         self.follower = self._join(self.cluster) if self.cluster is not None else None
         self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
@@ -314,7 +318,10 @@ class Store:
     def dataset_session(self, dataset: Dataset, lineage: frozenset[int] = frozenset()) -> DatasetSession:
         """A session of the client beside the mount with a sealed dataset (MountedDataset),
         opened by the last process of `lineage` (it and its ancestors)."""
-        return DatasetSession(dataset, self.values, self.env.path, lineage, read_only=self.read_only)
+        located = self._located.get(dataset)
+        if located is None:
+            located = self._located[dataset] = LocatedBlocks()
+        return DatasetSession(dataset, self.values, self.env.path, lineage, read_only=self.read_only, located=located)
 
     def rings(self) -> list[Ring]:
         return [ns.ring for kind in ("buffers", "banks") for ns in self.namespaces[kind].values()]

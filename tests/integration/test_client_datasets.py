@@ -172,3 +172,31 @@ def test_the_store_file_is_read_around_each_fault(dataset, fs):
             flags = _vmflags(pid, mdb)
             assert flags is not None, f"{mdb} is not mapped by {pid}"
             assert "rr" not in flags, (pid, flags)
+
+
+def test_the_tables_of_a_block_are_built_once_for_all_readers(dataset):
+    """Every reader process of an epoch asks for the locations of every block of items: the
+    daemon builds a block's tables once and hands them to the next reader as they are."""
+    ds, files = dataset
+    from distorefs import clientwire as wire
+    from distorefs.client.items import DatasetItems
+
+    def located(items: DatasetItems) -> dict:
+        return items.channel.call(wire.frame(wire.STATS))[0]["located_blocks"]
+
+    paths = [p.decode() for p in np.load(ds / "index.npy")["path"]]
+    first, second = DatasetItems(ds), DatasetItems(ds)
+    try:
+        before = located(first)
+        for i in range(len(files)):
+            assert first.read(i) == files[paths[i]]
+        middle = located(first)
+        for i in reversed(range(len(files))):
+            assert second.read(i) == files[paths[i]]
+        after = located(second)
+    finally:
+        first.close()
+        second.close()
+    asked = lambda c: c["built"] + c["hits"]  # noqa: E731
+    assert asked(middle) > asked(before)  # built here, or by an earlier test's reader
+    assert after["built"] == middle["built"] and after["hits"] > middle["hits"], (before, middle, after)
