@@ -14,6 +14,7 @@ hash. Nothing here knows the core's records or the log's meaning.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -34,6 +35,29 @@ WAIT_MS = 5000  # how long a write waits for its replica before it fails
 DEADLINE_S = 10.0
 RECHECK_S = 5.0  # how often a master without a replica is looked at again  # how long an operation is retried across a failover
 _RETRY = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "LOADING", "READONLY", "MASTERDOWN", "NOREPLICAS")
+
+
+ONCE_S = 120  # how long a durable script's result is kept for a retry (see eval)
+
+
+@functools.lru_cache(maxsize=64)
+def _once(script: str) -> str:
+    """`script` made to run once per key KEYS[#KEYS] (see ClusterEngine.eval); the script
+    itself must not count KEYS."""
+    return ("local done = redis.call('GET', KEYS[#KEYS])\n"
+            "if done then return cmsgpack.unpack(done) end\n"
+            "local result = (function()\n" + script + "\nend)()\n"
+            "if type(result) ~= 'table' or not result.err then\n"
+            f"  redis.call('SET', KEYS[#KEYS], cmsgpack.pack(result), 'EX', {ONCE_S})\n"
+            "end\n"
+            "return result\n")
+
+
+def _hash_tag(key: bytes) -> bytes:
+    """The `{tag}` that puts keys in `key`'s slot (the key itself in braces if it has none)."""
+    start = key.find(b"{")
+    end = key.find(b"}", start + 1) if start >= 0 else -1
+    return key[start:end + 1] if end > start + 1 else b"{" + key + b"}"
 
 
 class Refused(BackendError):
@@ -172,8 +196,17 @@ class ClusterEngine:
         return acked
 
     def eval(self, script: str, keys: Sequence[bytes], args: Sequence[Any], *, durable: bool = True) -> Any:
-        """A Lua script on the master of `keys` (one slot: give them one hash tag)."""
+        """A Lua script on the master of `keys` (one slot: give them one hash tag).
+
+        A durable (writing) script runs once however often it is sent: a reply lost to a
+        dropped connection or a timeout is retried, and the retry must not run it again (a
+        batch's draws counted twice). It is sent with a key of its own, in its slot, that
+        the script's first run sets to its result (kept ONCE_S seconds, longer than any
+        retry); a run that finds the key returns that result and does nothing."""
         self.counters["bytes_out"] += sum(len(a) for a in args if isinstance(a, (bytes, str)))
+        if durable:
+            keys = [*keys, _hash_tag(keys[0]) + b":once:" + uuid.uuid4().hex.encode()]
+            script = _once(script)
         return self.on_master(keys[0], lambda p: p.eval(script, len(keys), *keys, *args), durable=durable)[0]
 
     def set_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> None:

@@ -156,3 +156,35 @@ def test_a_write_its_replicas_were_slow_to_take_is_not_made_twice(redis_engine, 
         assert "it was made" in str(info.value)
     finally:
         engine.close()
+
+
+def test_a_script_whose_reply_was_lost_is_not_run_again(redis_engine, monkeypatch):
+    """A script's reply lost on the way back (a dropped connection, a socket timeout) made
+    the engine send the script again, and it ran twice (an INCR counted 2). A durable script
+    now carries a key of its own and runs once: the retry gets the first run's result."""
+    import redis
+    from distorefs.backends.redisengine import ClusterEngine
+    engine = ClusterEngine(redis_engine.url, wait_replicas=0, deadline=5.0)
+    real = redis.client.Pipeline.execute
+    lost = []
+
+    def execute(self, *a, **kw):
+        out = real(self, *a, **kw)
+        if not lost:  # the first reply goes missing after the script ran
+            lost.append(out)
+            raise redis.exceptions.ConnectionError("connection reset by peer (injected)")
+        return out
+
+    try:
+        key = b"{unit}:run-once"
+        engine.rc.delete(key)
+        monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
+        assert engine.eval("return {redis.call('INCR', KEYS[1]), 'ok'}", [key], []) == [1, b"ok"]
+        monkeypatch.undo()
+        assert lost and int(engine.rc.get(key)) == 1 and engine.counters["retries"] == 1
+        # a script that refuses keeps no result: sent again, it runs again
+        with pytest.raises(Exception):
+            engine.eval("return redis.error_reply('EINVAL no')", [key], [])
+        assert engine.eval("return redis.call('INCR', KEYS[1])", [key], [], durable=False) == 2
+    finally:
+        engine.close()
