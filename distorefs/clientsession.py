@@ -81,6 +81,8 @@ class ClientSession:
         self.inflight = 0  # bytes sent and not yet committed
         self.committing = False
         self.committed = 0
+        self.received = 0  # inserts the client sent (its count: see flush's `upto`)
+        self.done = 0  # of those, committed or failed
         self.errors: list[list] = []
         self.changed = trio.Event()
         self.closed = False
@@ -117,7 +119,7 @@ class ClientSession:
             await self.insert(st.key, SpooledEntry(value, st.offsets, st.crcs))
             return None
         if op == wire.FLUSH:
-            return wire.reply_json(await self.flush())
+            return wire.reply_json(await self.flush(wire.parse_flush(payload)))
         if op == wire.STATS:
             return wire.reply_json(self.buffer.stats())
         raise InvalidArgument(f"unknown client request {op}")
@@ -217,10 +219,12 @@ class ClientSession:
         session holds MAX_INFLIGHT bytes of uncommitted inserts (a spooled value counts
         SPOOLED_BYTES: its bytes are in the client's file, not here)."""
         held = _held(data)
+        self.received += 1
         try:
             self.buffer.ring.check_insert(key, value_size(data))
         except DistorefsError as exc:
             self.errors.append([key.decode("utf-8", "surrogateescape"), exc.errno, str(exc)])
+            self.done += 1
             return
         while self.inflight and self.inflight + held > MAX_INFLIGHT:
             await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client inserts")
@@ -250,6 +254,7 @@ class ClientSession:
                         ticket.release()
                 for (key, data), result in zip(items, results):
                     self.inflight -= _held(data)
+                    self.done += 1
                     if isinstance(result, BaseException):
                         code = result.errno if isinstance(result, DistorefsError) else errno.EIO
                         self.errors.append([key.decode("utf-8", "surrogateescape"), code, str(result)])
@@ -262,9 +267,17 @@ class ClientSession:
             if self.closed:
                 self._close_spools()
 
-    async def flush(self) -> dict:
+    async def flush(self, upto: int | None = None) -> dict:
         """Wait until every insert sent so far is committed (or failed), and the session's
-        priority updates; what was committed and what failed since the last flush."""
+        priority updates; what was committed and what failed since the last flush. `upto`:
+        only until the session's first `upto` inserts are (a writer that keeps the last few
+        in flight, as Reverb's do), and no priority update."""
+        if upto is not None:
+            while self.done < min(upto, self.received):
+                await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client flush")
+            out = {"committed": self.committed, "errors": self.errors}
+            self.committed, self.errors = 0, []
+            return out
         while self.committing or self.queue:
             await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client flush")
         priorities, self.priorities = self.priorities, []

@@ -34,7 +34,8 @@ DRAW = 2  # payload: u32 n, u8 nonblocking; reply: entry tables + draw columns
 LOCATE = 3  # payload: int64 seqs; reply: entry tables of those still present (`present`)
 PRIORITIES = 4  # payload: key table + float64 priorities; no reply (the write fails on bad input)
 INSERT = 5  # payload: u16 key length, key, data; no reply (committed behind: see FLUSH)
-FLUSH = 6  # reply: {"committed", "errors": [[key, errno, message], ...]} of the inserts since the last
+FLUSH = 6  # payload: none, or u64 n (only the session's first n inserts); reply: {"committed", "errors":
+# [[key, errno, message], ...]} of the inserts since the last
 STATS = 7  # reply: the buffer's (dataset's) stats.json as JSON
 ITEMS = 8  # datasets: payload int64 item numbers; reply: their chunks' tables (see item_tables)
 GET = 9  # payload: key table; reply: entry tables of the keys present (`present`), and the layout
@@ -49,6 +50,7 @@ FRAME = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
 _DRAW = struct.Struct("<IB")
 _KEYLEN = struct.Struct("<H")
+_U64 = struct.Struct("<Q")
 # segment, record offset, decoded size, stored size, checksum, codec, arrays, key length
 _STORED = struct.Struct("<IQQQIBHH")
 _SPOOL_NS = struct.Struct(">I")
@@ -161,6 +163,19 @@ def parse_stored(payload: memoryview) -> StoredInsert:
     offsets = struct.unpack_from(f"<{n}Q", payload, pos)  # (a few numbers: struct, not numpy, is quick)
     crcs = struct.unpack_from(f"<{n}I", payload, pos + 8 * n)
     return StoredInsert(key, seg, off, 1 + _SPOOL_NS.size + klen, size, stored, crc, codec, offsets, crcs)
+
+
+def flush_request(upto: int | None = None) -> bytes:
+    """FLUSH: wait for every insert sent, or (`upto`) for the session's first `upto`."""
+    return frame(FLUSH, b"" if upto is None else _U64.pack(upto))
+
+
+def parse_flush(payload: memoryview) -> int | None:
+    if not len(payload):
+        return None
+    if len(payload) != _U64.size:
+        raise WireError("a FLUSH carries nothing or a u64")
+    return _U64.unpack(payload)[0]
 
 
 def priorities_request(keys: Sequence[bytes], priorities: Sequence[float] | np.ndarray) -> bytes:

@@ -60,8 +60,8 @@ def _inserter(system: str, buf: str, seed: int, count: int, ready, result) -> No
             frame[:8] = np.frombuffer(n.to_bytes(8, "little"), np.uint8)
             if client is not None:
                 client.insert(f"w{seed}-{n:08d}", frame)
-                if n % FLUSH_EVERY == FLUSH_EVERY - 1:
-                    client.flush()
+                if n % FLUSH_EVERY == FLUSH_EVERY - 1:  # as Reverb's flush(block_until_num_items=32)
+                    client.flush(keep=FLUSH_EVERY)
             else:
                 np.save(f"{buf}/entries/w{seed}-{n:08d}.npy", frame)
         if client is not None:

@@ -193,7 +193,7 @@ class _Writer:
                                                           "reward": np.float32(reward), "next_obs": nxt,
                                                           "done": np.float32(done)})
             if n % REVERB_IN_FLIGHT == REVERB_IN_FLIGHT - 1:
-                self.buffer.flush()
+                self.buffer.flush(keep=REVERB_IN_FLIGHT)
         elif self.system == "distorefs":
             with open(f"{cfg['buffer']}/entries/a{cfg['seed']}-{n:08d}.npz", "wb") as f:
                 f.write(_npz(obs=obs, action=np.int64(action), reward=np.float32(reward), next_obs=nxt,

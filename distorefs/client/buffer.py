@@ -16,6 +16,7 @@ import functools
 import io
 import json
 import os
+import queue
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,7 @@ DRAW_ATTEMPTS = 3  # batches drawn again when an entry went meanwhile
 LOCATE_ROUNDS = 8  # times a moving value is looked for again
 SEND_BYTES = 1 << 20  # inserts sent to the daemon once this much is waiting
 SEND_COUNT = 64
+SENDS_AHEAD = 2  # writes of inserts handed to the sender thread and not sent yet, at most
 # Values from this size on go to the spool. Smaller ones cost the daemon little to take
 # (about 0.1 ms whatever their size, against 0.5 ms for 113 KB) and are better in its LMDB
 # tier, where a reader takes them from the map without a read call each.
@@ -176,6 +178,9 @@ class ClientBuffer:
         self._retired_spools: list[Spool] = []  # full ones, closed with the session
         self._no_spool: str | None = None  # why values go through the channel
         self._ask_spool_again = False
+        self._sends: queue.Queue | None = None  # writes handed to the sender thread (see _hand_off)
+        self._send_error: BaseException | None = None
+        self._inserts = 0  # queued in this session
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, read_ahead: bool = False) -> "ClientBuffer":
@@ -202,6 +207,7 @@ class ClientBuffer:
             self._ahead, self._pool = None, None  # threads do not survive a fork
             self._spool, self._retired_spools, self._no_spool = None, [], None  # the parent's session's
             self._ask_spool_again = False
+            self._sends, self._send_error, self._inserts = None, None, 0
 
     # ----- sampling ---------------------------------------------------------------------------
 
@@ -379,6 +385,7 @@ class ClientBuffer:
         written to the store here, and only its description goes to the daemon."""
         self._check_fork()
         raw_key, raw = entry_key(key), encode_entry(data)
+        self._inserts += 1  # counted as the daemon counts them (see flush's keep)
         spool = self._spool_now() if len(raw) >= SPOOL_MIN_BYTES else None
         request = spool.store(raw_key, raw) if spool is not None else None
         self._queue(request if request is not None else wire.insert_request(raw_key, raw))
@@ -422,8 +429,47 @@ class ClientBuffer:
             self._pending_bytes += len(request)
             full = self._pending_bytes >= SEND_BYTES or len(self._pending) >= SEND_COUNT
         if full:
-            with self._lock:
-                self._send_pending()
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        """What is queued goes to the sender thread: the caller goes on encoding and writing
+        values while the daemon takes these (its write returns once it has), up to
+        SENDS_AHEAD writes ahead; then it waits for the daemon, as Reverb's writers do."""
+        self._raise_send_error()
+        pending = self._take_pending()
+        if not pending:
+            return
+        if self._sends is None:
+            self._sends = queue.Queue(maxsize=SENDS_AHEAD)
+            threading.Thread(target=self._send_loop, args=(self._sends,), daemon=True,
+                             name="distorefs-client-sender").start()
+        self._sends.put(b"".join(pending))
+
+    def _send_loop(self, sends: queue.Queue) -> None:
+        while True:
+            data = sends.get()
+            try:
+                if data is None:
+                    return
+                with self._lock:
+                    self.channel.send(data)
+            except BaseException as exc:  # told to the caller at its next insert or flush
+                if self._send_error is None:
+                    self._send_error = exc
+            finally:
+                sends.task_done()
+
+    def _drain(self) -> None:
+        """Wait for the sender thread's writes (before a request that must follow them:
+        FLUSH, the end of the session); call it without holding the session's lock."""
+        if self._sends is not None:
+            self._sends.join()
+        self._raise_send_error()
+
+    def _raise_send_error(self) -> None:
+        error, self._send_error = self._send_error, None
+        if error is not None:
+            raise error
 
     def _take_pending(self) -> list[bytes]:
         with self._queue_lock:
@@ -440,12 +486,17 @@ class ClientBuffer:
         if pending:
             self.channel.send(b"".join(pending))
 
-    def flush(self) -> int:
+    def flush(self, keep: int = 0) -> int:
         """Wait until every insert queued so far (and every priority update) is committed;
-        how many inserts were committed since the last flush. InsertFailed names those refused."""
+        how many inserts were committed since the last flush. InsertFailed names those refused.
+        `keep`: all but the last `keep` inserts (and no priority update), as a Reverb writer's
+        flush(block_until_num_items=keep) leaves that many in flight: every insert is sent,
+        the newest go on committing while the caller writes more."""
         self._check_fork()
+        self._drain()
         with self._lock:
-            meta, _ = self.channel.call(self._with_pending(wire.frame(wire.FLUSH)))
+            request = wire.flush_request(max(0, self._inserts - keep) if keep > 0 else None)
+            meta, _ = self.channel.call(self._with_pending(request))
             if self._ask_spool_again:  # the first entry may have fixed the layout: ask at the next insert
                 self._no_spool, self._ask_spool_again = None, False
         if meta["errors"]:
@@ -468,6 +519,12 @@ class ClientBuffer:
         if self._pool is not None and self.channel.pid == os.getpid():
             self._pool.shutdown(wait=True)
         if self.channel.pid == os.getpid():
+            try:
+                self._drain()
+            finally:
+                if self._sends is not None:
+                    self._sends.put(None)  # the sender thread ends
+                    self._sends = None
             with self._lock:
                 try:
                     self._send_pending()

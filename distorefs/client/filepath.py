@@ -82,7 +82,8 @@ class FileBuffer:
         for key, data in pairs:
             self.insert(key, data)
 
-    def flush(self) -> int:
+    def flush(self, keep: int = 0) -> int:
+        """Every insert is committed by its close() already: `keep` changes nothing."""
         committed, failures = self.committed, self.failures
         self.committed, self.failures = 0, []
         if failures:

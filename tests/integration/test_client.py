@@ -172,6 +172,31 @@ def test_pipelined_inserts_commit_in_order_at_flush(buf):
         assert client.flush() == 0
 
 
+def test_flush_can_leave_the_newest_inserts_in_flight(buf):
+    """flush(keep=n), as a Reverb writer's flush(block_until_num_items=n): every insert but
+    the last n is committed when it returns (their failures reported), the last n may still
+    be committing; flush() then waits for them too. Inserts over several sends (the sender
+    thread) arrive whole and in order."""
+    with open_buffer(buf, direct=True) as client:
+        set_config(buf, {"max_entry_bytes": 4096})
+        for i in range(200):
+            client.insert(f"k{i:04d}", b"x" * (5000 if i == 3 else 100 + i))
+        with pytest.raises(InsertFailed) as info:
+            client.flush(keep=20)
+        assert [f[0] for f in info.value.failures] == ["k0003"]
+        present = set(os.listdir(buf / "entries"))
+        assert {f"k{i:04d}" for i in range(180) if i != 3} <= present
+        for i in range(200, 260):
+            client.insert(f"k{i:04d}", b"y" * 50)
+        done = client.flush(keep=10)
+        assert 0 < done <= 260
+        done += client.flush()
+        names = [n for n in os.listdir(buf / "entries") if n.startswith("k")]
+        assert names == [f"k{i:04d}" for i in range(260) if i != 3]  # in the order sent
+        assert done == 259 - (len(present & {f"k{i:04d}" for i in range(200)}))
+        assert (buf / "entries" / "k0199").read_bytes() == b"x" * 299
+
+
 def test_spent_entries_are_read_before_they_go(buf):
     """max_times_sampled 1: each drawn entry is spent, and removed only once the client
     read it (its next request), so no draw has to be made again."""
