@@ -68,11 +68,24 @@ class InsertFailed(OSError):
         super().__init__(code, f"{len(failures)} insert(s) failed, first {key!r}: {message}")
 
 
+@functools.lru_cache(maxsize=256)
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                               "fortran_order": False, "shape": shape})
+    return out.getvalue()
+
+
 def encode_entry(data: Any) -> bytes:
     """An entry's bytes: bytes as they are, an array as `.npy`, a dict of arrays as the
     `.npz` the file path stores (np.savez)."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         return bytes(data)
+    if isinstance(data, np.ndarray) and data.flags.c_contiguous and not data.dtype.hasobject \
+            and data.dtype.fields is None:
+        # np.save's bytes, with its header made once per dtype and shape and the array
+        # copied once (np.save goes through a BytesIO: 14 us for 113 KB against 4)
+        return b"".join([_npy_header(data.dtype, data.shape), memoryview(data).cast("B")])
     out = io.BytesIO()
     if isinstance(data, np.ndarray):
         np.save(out, data, allow_pickle=False)

@@ -195,3 +195,25 @@ def test_no_spool_for_a_buffer_without_a_layout_yet_or_a_read_only_session(tmp_p
         assert meta["path"] is None and meta["later"] is False
         session.close()
     run(tmp_path / "s", body)
+
+
+def test_an_array_entry_is_the_npy_np_save_writes():
+    """encode_entry makes an array's .npy itself (its header once per dtype and shape):
+    byte for byte what np.save writes, for every kind of array (the ones it leaves to
+    np.save included: Fortran order, strided, structured)."""
+    import io
+
+    import numpy as np
+
+    from distorefs.client.buffer import encode_entry
+
+    def saved(a):
+        out = io.BytesIO()
+        np.save(out, a, allow_pickle=False)
+        return out.getvalue()
+
+    for a in [np.arange(113 * 1024, dtype=np.uint8), np.zeros((3, 4), np.float32), np.array(5, np.int64),
+              np.zeros((0,), np.float64), np.ones((2, 3), dtype=">i4"), np.array([True, False]),
+              np.asfortranarray(np.ones((3, 4))), np.arange(12)[::2], np.array(["ab", "c"]),
+              np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]), np.zeros((2, 2), np.complex64)]:
+        assert encode_entry(a) == saved(a), (a.dtype, a.shape)
