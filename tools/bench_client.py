@@ -143,8 +143,11 @@ def _frames(system: str, root: Path, p: dict, ctx, errors: list[str]) -> dict:
         mount.mount()
         buf = mount.mnt / "buffers" / "frames"
         buf.mkdir()
-        (buf / "config.json").write_text(json.dumps({"capacity": 1_000_000, "sampler": "prioritized"}))
-        per = p["frames"] // 4
+        # A replay buffer at its capacity, as an actor's inserts meet one: each insert evicts
+        # the oldest entry (Reverb's tables have a max_size too). Each actor inserts as many
+        # as the buffer holds, so the rate is that of the steady state, not of a first fill.
+        (buf / "config.json").write_text(json.dumps({"capacity": p["frames"], "sampler": "prioritized"}))
+        per = p["frames"]
         outs = _run_procs(workers, ctx, _inserter, [(system, str(buf), 100 + i, per) for i in range(4)],
                           timeout=900)
         errors.extend(f"insert {system}: {o['error']}" for o in outs if o["error"])
