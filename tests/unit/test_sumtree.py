@@ -253,3 +253,32 @@ def test_sampling_deep_tree_matches_mass_per_block():
     counts = np.bincount(picks // 800, minlength=50)
     probs = values.reshape(50, 800).sum(axis=1) / values.sum()
     assert _chi2(counts, probs) < _chi2_critical(49)
+
+
+def test_sampler_adds_and_removals_queued_together_match_the_state():
+    """The sampler queues both new entries and removals and brings its trees up to date in
+    one update before its next read: whatever the order of adds, removals and reuses of a
+    slot before that read, the trees hold exactly the live entries' weights."""
+    from distorefs.config import BufferConfig
+    from distorefs.sampler import Sampler
+    cfg = BufferConfig.from_dict({"sampler": "prioritized", "alpha": 0.6, "max_times_sampled": 2})
+    s = Sampler(cfg)
+    s.grow(64)
+    rng = np.random.default_rng(4)
+    live: dict[int, float] = {}
+    for step in range(400):
+        slot = int(rng.integers(64))
+        if slot in live and rng.random() < 0.5:
+            s.remove(slot)
+            del live[slot]
+        elif slot not in live:
+            p = float(rng.uniform(0.1, 5))
+            times = 2 if rng.random() < 0.1 else 0  # spent already: not drawable
+            s.add(slot, p, times)
+            live[slot] = p if times < 2 else 0.0
+        if step % 37 == 0 or step == 399:  # a read: the queue is applied
+            want = sum(p ** 0.6 for p in live.values())
+            assert math.isclose(s.weighted_total(), want, rel_tol=1e-9, abs_tol=1e-9)
+            assert s.drawable_count() == sum(1 for p in live.values() if p > 0)
+            drawn = s.draw(32, None)
+            assert all(live.get(int(d), 0) > 0 for d in drawn)
