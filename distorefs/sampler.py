@@ -17,6 +17,9 @@ from .config import BufferConfig
 from .sumtree import SumTree
 
 
+QUEUED_MAX = 4096  # slots waiting for the trees' update, at most
+
+
 class Sampler:
     def __init__(self, config: BufferConfig) -> None:
         self.config = config
@@ -54,7 +57,12 @@ class Sampler:
         limit = self.config.max_times_sampled
         self.exhausted[slot] = bool(limit and times >= limit)
         self.max_priority = max(self.max_priority, priority)
+        self._queue(slot)
+
+    def _queue(self, slot: int) -> None:
         self._queued.append(slot)
+        if len(self._queued) >= QUEUED_MAX:  # inserts with no read between them: bounded all the same
+            self._flush()
 
     def _flush(self) -> None:
         if self._queued:
@@ -71,7 +79,7 @@ class Sampler:
         self.exhausted[slot] = False
         self.priority[slot] = 0.0
         self.times[slot] = 0
-        self._queued.append(slot)
+        self._queue(slot)
 
     def set_priorities(self, slots: np.ndarray, values: np.ndarray) -> None:
         self._flush()

@@ -282,3 +282,10 @@ def test_sampler_adds_and_removals_queued_together_match_the_state():
             assert s.drawable_count() == sum(1 for p in live.values() if p > 0)
             drawn = s.draw(32, None)
             assert all(live.get(int(d), 0) > 0 for d in drawn)
+    # inserts and evictions with no read between them: the queue stays bounded
+    from distorefs.sampler import QUEUED_MAX
+    for i in range(3 * QUEUED_MAX):
+        s.remove(i % 64)
+        s.add(i % 64, 1.0)
+        assert len(s._queued) < QUEUED_MAX
+    assert s.drawable_count() == 64
