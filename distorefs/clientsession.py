@@ -338,7 +338,9 @@ class LocatedBlocks:
     def __init__(self, capacity: int = 16 << 20) -> None:
         self.capacity = capacity
         self.used = 0
-        self._blocks: OrderedDict[tuple[int, int], tuple[dict[str, np.ndarray], list[StoredValue]]] = OrderedDict()
+        # (first number, count) -> (tables, NVMe chunks, bytes counted against capacity)
+        self._blocks: OrderedDict[tuple[int, int], tuple[dict[str, np.ndarray], list[StoredValue], int]] = \
+            OrderedDict()
         self._lock = threading.Lock()  # built and looked up in worker threads
         self.counters = {"hits": 0, "built": 0}
 
@@ -354,20 +356,20 @@ class LocatedBlocks:
                 if found is not None:
                     self._blocks.move_to_end(key)
                     self.counters["hits"] += 1
-                    return found
+                    return found[0], found[1]
         items = dataset.sealed_items(numbers.tolist())
-        made = (wire.item_tables(items), [c for it in items if it is not None for c in it.chunks if c.tier == TIER_NVME])
+        tables = wire.item_tables(items)
+        nvme = [c for it in items if it is not None for c in it.chunks if c.tier == TIER_NVME]
         if key is not None:
-            size = sum(a.nbytes for a in made[0].values()) + 64 * len(made[1])
+            size = sum(a.nbytes for a in tables.values()) + 64 * len(nvme)  # (a StoredValue: about 64 B)
             with self._lock:
                 self.counters["built"] += 1
                 if key not in self._blocks and size <= self.capacity:
-                    self._blocks[key] = made
+                    self._blocks[key] = (tables, nvme, size)
                     self.used += size
                     while self.used > self.capacity:
-                        _, (old, nvme) = self._blocks.popitem(last=False)
-                        self.used -= sum(a.nbytes for a in old.values()) + 64 * len(nvme)
-        return made
+                        self.used -= self._blocks.popitem(last=False)[1][2]
+        return tables, nvme
 
 
 class DatasetSession:

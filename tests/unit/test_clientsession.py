@@ -97,3 +97,35 @@ def test_priorities_are_committed_by_flush(tmp_path):
         _, t = await call(session, wire.draw_request(16))
         assert set(wire.keys_of(t)) == {b"k2"}
     run(tmp_path / "s", body)
+
+
+def test_located_blocks_stay_within_their_bytes():
+    """The location tables kept for a dataset's readers stay within their capacity: the
+    least recently used block goes first; a block asked for again is a hit."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from distorefs.clientsession import LocatedBlocks
+    from distorefs.placement import TIER_LMDB
+    from distorefs.values import StoredValue
+
+    class Items:  # sealed items of one 10-byte chunk each
+        def sealed_items(self, numbers):
+            return [SimpleNamespace(size=10, checksum=1, chunks=[StoredValue(10, 10, 1, 0, TIER_LMDB, b"k%d" % n)])
+                    for n in numbers]
+
+    located = LocatedBlocks(capacity=200_000)
+    ds = Items()
+    first, _ = located.tables(ds, np.arange(0, 1000))
+    for b in range(1, 10):
+        located.tables(ds, np.arange(b * 1000, (b + 1) * 1000))
+        assert located.used <= located.capacity
+    assert located.counters == {"hits": 0, "built": 10}
+    again, _ = located.tables(ds, np.arange(9000, 10000))  # the newest: kept
+    assert located.counters["hits"] == 1
+    located.tables(ds, np.arange(0, 1000))  # the oldest went: built again, the same tables
+    assert located.counters["built"] == 11
+    assert np.array_equal(located.tables(ds, np.arange(0, 1000))[0]["item_sizes"], first["item_sizes"])
+    located.tables(ds, np.array([5, 3, 9]))  # not a run of numbers: made for this request alone
+    assert located.counters == {"hits": 2, "built": 11} and located.used <= located.capacity
