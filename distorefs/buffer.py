@@ -319,7 +319,11 @@ class Buffer(RingNamespace):
             spent = {m.seq: m for m in metas if counts[m.seq] >= limit and self.ring.by_seq.get(m.seq) is m}
             batch.spent = list(spent.values())
             return True
-        self._count_locally(metas, dict.fromkeys(answer, limit), limit)
+        # The entries refused take their counts from the cluster: one drawn `limit` times
+        # in all (or gone) is spent here too; one the batch drew more often than it had
+        # left stays drawable, as often as it has left. (Setting them all to the limit lost
+        # draws: an entry at 2 of 3 that a batch drew twice was never handed out again.)
+        self._count_locally(metas, dict(zip(answer[0::2], answer[1::2])), limit)
         return False
 
     def _count_locally(self, metas: list[EntryMeta], counts: dict[int, int], limit: int) -> None:

@@ -164,24 +164,29 @@ return redis.call('XADD', KEYS[1], '*', 'op', 'delete', 'ns', ARGV[1], 'key', AR
 # counts: ARGV[3..] are (seq, key) pairs, an entry as often as the batch holds it. All or
 # nothing: if an entry is gone (deleted or evicted in the log, maybe not applied on the
 # drawing node yet) or the batch would take it past the limit (other nodes drew it), nothing
-# is counted and the answer is {0, seq, ...} of those entries; else {1, count, ...}, each
-# pair's count once the batch is counted.
+# is counted and the answer is {0, seq, count, ...} of those entries, each with its count
+# before this batch (the limit for one that is gone); else {1, count, ...}, each pair's
+# count once the batch is counted.
 _CLAIM = r"""
 if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ENOENT no ' .. ARGV[1]) end
 local limit = tonumber(ARGV[2])
 local n = (#ARGV - 2) / 2
-local counts, after, refused, seen = {}, {}, {}, {}
+local counts, before, after, refused, seen = {}, {}, {}, {}, {}
 for i = 0, n - 1 do
   local seq = ARGV[3 + 2 * i]
   local cur = redis.call('HGET', KEYS[3], ARGV[4 + 2 * i])
   local live = false
   if cur then live = string.sub(cur, 1, string.find(cur, ' ', 1, true) - 1) == seq end
-  if counts[seq] == nil then counts[seq] = tonumber(redis.call('HGET', KEYS[5], seq) or '0') end
+  if counts[seq] == nil then
+    counts[seq] = tonumber(redis.call('HGET', KEYS[5], seq) or '0')
+    before[seq] = counts[seq]
+  end
   counts[seq] = counts[seq] + 1
   after[i + 1] = counts[seq]
   if (not live or counts[seq] > limit) and not seen[seq] then
     seen[seq] = true
     refused[#refused + 1] = seq
+    if live then refused[#refused + 1] = before[seq] else refused[#refused + 1] = limit end
   end
 end
 if #refused > 0 then
@@ -331,8 +336,9 @@ class SharedLog:
                     drawn: Sequence[tuple[int, bytes]]) -> tuple[bool, list[int]]:
         """Count a batch's draws (seq, key; an entry once per time drawn) against the
         buffer's global times-sampled counts and `limit` (max_times_sampled): (True, each
-        draw's count after the batch), or (False, the seqs that may not be drawn: gone, or
-        drawn `limit` times on the nodes together) with nothing counted."""
+        draw's count after the batch), or (False, [seq, count, ...] of the entries this
+        batch may not draw as often as it did: each one's count on the nodes together before
+        it, `limit` for one that is gone) with nothing counted."""
         args: list = [limit]
         for seq, key in drawn:
             args += [str(seq).encode(), key]

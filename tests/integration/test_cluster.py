@@ -134,6 +134,7 @@ def test_max_times_sampled_holds_across_nodes(nodes):
     assert wait_for(lambda: (b.mnt / "buffers/lim").is_dir() and entries(b.mnt / "buffers/lim") == keys)
     drawn: collections.Counter = collections.Counter()
     lock = threading.Lock()
+    odd: list = []  # reads that were not the whole file: (node, bytes read, size at open, text)
 
     def drain(node: Mount) -> None:
         for _ in range(1000):
@@ -142,18 +143,25 @@ def test_max_times_sampled_holds_across_nodes(nodes):
             except BlockingIOError:  # nothing drawable left on this node
                 return
             try:
+                size = os.fstat(fd).st_size
                 text = os.read(fd, 1 << 16).decode()
             finally:
                 os.close(fd)
             with lock:
                 drawn.update(line.split()[0] for line in text.splitlines())
+                if not text.endswith("\n") or len(text) != size:
+                    odd.append((node.mnt.name, len(text), size, text))
 
     threads = [threading.Thread(target=drain, args=(node,)) for node in (a, b, a, b)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert drawn == {key: 3 for key in keys}, drawn
+    # A key drawn fewer times: an entry the nodes took for spent before it was (a batch
+    # refused for drawing it more often than it had left marked it spent: CI, 1 run in 3
+    # here); `odd` says whether a read of a sample file came back short instead.
+    assert drawn == {key: 3 for key in keys}, (drawn, odd[:5])
+    assert not odd, odd[:5]
     assert wait_for(lambda: entries(buf) == [] and entries(b.mnt / "buffers/lim") == []), \
         (entries(buf), entries(b.mnt / "buffers/lim"))
 
