@@ -275,17 +275,15 @@ class ClientSession:
         if upto is not None:
             while self.done < min(upto, self.received):
                 await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client flush")
-            out = {"committed": self.committed, "errors": self.errors}
-            self.committed, self.errors = 0, []
-            return out
-        while self.committing or self.queue:
-            await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client flush")
-        priorities, self.priorities = self.priorities, []
-        for pending in priorities:
-            try:
-                await pending.wait()
-            except DistorefsError as exc:
-                self.errors.append(["", exc.errno, str(exc)])
+        else:
+            while self.committing or self.queue:
+                await wait_event(self.changed, self.abandoned, f"buffers/{self.buffer.name}: client flush")
+            priorities, self.priorities = self.priorities, []
+            for pending in priorities:
+                try:
+                    await pending.wait()
+                except DistorefsError as exc:
+                    self.errors.append(["", exc.errno, str(exc)])
         out = {"committed": self.committed, "errors": self.errors}
         self.committed, self.errors = 0, []
         return out
@@ -347,8 +345,7 @@ class LocatedBlocks:
     def tables(self, dataset: Dataset, numbers: np.ndarray) -> tuple[dict[str, np.ndarray], list[StoredValue]]:
         """The ITEMS tables of items `numbers`, and their chunks on NVMe (whose segment
         paths a session tells its client once); worker thread."""
-        run = len(numbers) > 0 and int(numbers[-1]) - int(numbers[0]) == len(numbers) - 1 and \
-            bool(np.all(np.diff(numbers) == 1))
+        run = len(numbers) > 0 and bool(np.all(np.diff(numbers) == 1))
         key = (int(numbers[0]), len(numbers)) if run else None
         if key is not None:
             with self._lock:
