@@ -51,6 +51,8 @@ class Batch:
     spent: list[EntryMeta] = field(default_factory=list)
     # (offsets, CRCs) of each entry's arrays, (N, fields) each, taken when the batch was drawn
     places: tuple[np.ndarray, np.ndarray] | None = None
+    # the entries' fields side by side, (N, row width), when the buffer keeps rows (distorefs/rows.py)
+    rows: np.ndarray | None = None
 
     def manifest(self) -> bytes:
         """One line per entry: KEY SEQ PROBABILITY WEIGHT (KEY escaped: names.escape_key)."""
@@ -294,13 +296,17 @@ def _raw_members(metas: list[EntryMeta], values: Sequence[bytes]) -> list[Member
     return [Member("data.npy", head, body, crc), _array_member("offsets.npy", body.starts)]
 
 
-def batch_file(batch: Batch, values: Sequence[bytes], layout: Layout | None) -> BatchFile:
+def batch_file(batch: Batch, values: Sequence[bytes] | None, layout: Layout | None) -> BatchFile:
     """The `batch/N.npz` file of `batch`, whose entries' contents are `values`: stacked
-    by `layout` when every entry has its places, else raw (sequences: see the module docstring)."""
+    by `layout` when every entry has its places, else raw (sequences: see the module
+    docstring). `values` None: the batch's rows hold the entries' fields (distorefs/rows.py)."""
     if isinstance(batch, SequenceBatch):
         return _file(_sequence_members(batch, values, layout) + _draw_members(batch))
     members: list[Member] = []
-    if layout is not None and batch.places is not None and values:
+    if values is None:
+        assert layout is not None and batch.rows is not None
+        members.extend(_row_members(layout, batch.rows, False))
+    elif layout is not None and batch.places is not None and values:
         offsets, crcs = batch.places
         total = sum(len(v) for v in values)
         joined = _Joined(values) if total <= SMALL else None
@@ -313,6 +319,19 @@ def batch_file(batch: Batch, values: Sequence[bytes], layout: Layout | None) -> 
     members.append(_array_member("keys.npy", np.array(keys) if keys else np.zeros(0, dtype="<U1")))
     members.append(_array_member("seqs.npy", np.array([m.seq for m in batch.metas], dtype=np.int64)))
     return _file(members + _draw_members(batch))
+
+
+def _row_members(layout: Layout, rows: np.ndarray, sequences: bool,
+                 lead: tuple[int, ...] | None = None) -> list[Member]:
+    """The stacked fields of entries given as rows (N, width), each field's bytes side by
+    side in the layout's order; shaped (*lead, *shape) (`lead`: (N,) unless given)."""
+    members, at = [], 0
+    for f in layout.fields:
+        head = npy_header(f.dtype, (*(lead or (len(rows),)), *f.shape))
+        data = np.ascontiguousarray(rows[:, at:at + f.nbytes]).tobytes()
+        members.append(Member(batch_name(f, sequences) + ".npy", head, Blob(data), crc32(data, crc32(head))))
+        at += f.nbytes
+    return members
 
 
 def _draw_members(batch: Batch) -> list[Member]:
@@ -332,14 +351,20 @@ def _zeros(length: int) -> tuple[bytes, int]:
     return data, crc32(data)
 
 
-def _sequence_members(batch: SequenceBatch, values: Sequence[bytes], layout: Layout | None) -> list[Member]:
+def _sequence_members(batch: SequenceBatch, values: Sequence[bytes] | None, layout: Layout | None
+                      ) -> list[Member]:
     """The members of a batch of sequences but probabilities and weights: the real steps'
-    values placed at their (N, L) positions, padding read from a zero buffer."""
+    values (or rows) placed at their (N, L) positions, padding read from a zero buffer."""
     mask = batch.mask
     shape = mask.shape
     real = np.flatnonzero(mask.ravel())  # position of each of `values` in the N*L steps
     members: list[Member] = []
-    if layout is not None and batch.places is not None and values:
+    if values is None:
+        assert layout is not None and batch.rows is not None
+        rows = np.zeros((mask.size, batch.rows.shape[1]), dtype=np.uint8)  # padding: zero bytes
+        rows[real] = batch.rows
+        members.extend(_row_members(layout, rows, True, lead=shape))
+    elif layout is not None and batch.places is not None and values:
         offsets, crcs = batch.places
         widest = max(f.nbytes for f in layout.fields)
         pad = _zeros(widest)[0]

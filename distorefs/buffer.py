@@ -46,6 +46,7 @@ from .waiting import Abandoned, wait_event
 from .prefetcher import Prefetcher
 from .removers import LowestPriority, Remover, ring_remover
 from .ratelimit import InsertTicket, Ratio, RateLimiter, SampleClaim
+from .rows import BufferRows
 from .sampler import Sampler
 from .sequences import SequenceIndex
 from .services import Services
@@ -65,6 +66,8 @@ class Buffer(RingNamespace):
         self.limiter = RateLimiter(name, lambda: len(self.ring), None if self.read_only else _ratio(config))
         self.layout: Layout | None = None
         self.places = SlotPlaces(0)
+        # a narrow layout's fields by slot (distorefs/rows.py)
+        self.rows = BufferRows(name, self.ring, services.values.cache, services.spawn, services.read_only)
         self._set_layout(config)
         self.committer = services.committer
         self.limits = services.config  # max_batch_entries, max_batch_bytes
@@ -95,11 +98,13 @@ class Buffer(RingNamespace):
             remover.changed(meta.slot, meta.seq, value)
         self.sequences.add(meta.slot, meta.key)
         self.places.set(meta.slot, meta.places)
+        self.rows.clear(meta.slot)  # filled by entry_value, or read later
         self.limiter.inserted()
         self._wake()
 
     def entry_replaced(self, old: EntryMeta, new: EntryMeta) -> None:
         self.places.set(new.slot, new.places)  # same slot: priority and times sampled carry over
+        self.rows.clear(new.slot)
         if old.key != new.key:  # renamed: maybe another episode and step
             self.sequences.rename(new.slot, new.key)
 
@@ -107,7 +112,12 @@ class Buffer(RingNamespace):
         self.sampler.remove(meta.slot)
         self.sequences.remove(meta.slot)
         self.places.clear(meta.slot)
+        self.rows.clear(meta.slot)
         self.limiter.wake()  # below min_size_to_sample inserts go freely
+
+    def entry_value(self, meta: EntryMeta, value: bytes) -> None:
+        """The decoded value of an entry just added or rewritten: its row."""
+        self.rows.value(meta, value)
 
     def entries_loaded(self) -> None:
         self.limiter.restart()  # what was loaded is no insert of this run (see distorefs/ratelimit.py)
@@ -116,6 +126,7 @@ class Buffer(RingNamespace):
         self.sampler.grow(capacity)
         self.sequences.grow(capacity)
         self.places.grow(capacity)
+        self.rows.grown(capacity)
 
     def _remover(self, config: BufferConfig) -> Remover:
         return LowestPriority(self.sampler) if config.evict == "lowest_priority" else ring_remover(config)
@@ -235,6 +246,11 @@ class Buffer(RingNamespace):
             self.places.grow(len(self.ring.slot_meta))
             for meta in self.ring.oldest():
                 self.places.set(meta.slot, meta.places)
+            self.rows.configure(layout, self.places)
+
+    def dropped(self) -> None:
+        """The buffer was removed: what it holds of the memory budget goes back."""
+        self.rows.close()
 
     def spent_at_load(self) -> list[EntryMeta]:
         """Entries already sampled max_times_sampled times (a crash came before their removal)."""
@@ -359,7 +375,8 @@ class Buffer(RingNamespace):
             probs, weights = self.sampler.probabilities(slots, spent)
             batch = Batch([ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
                           [ring.slot_meta[s] for s in spent.tolist()],  # type: ignore[misc]
-                          self.places.take(slots) if self.layout is not None and len(slots) else None)
+                          self.places.take(slots) if self.layout is not None and len(slots) else None,
+                          self.rows.of(slots))
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(batch.metas)
         self._record_sampled(batch.metas)
@@ -375,6 +392,7 @@ class Buffer(RingNamespace):
         return SequenceBatch([slot_meta[s] for s in real.tolist()], drawn.probabilities,  # type: ignore[misc]
                              drawn.weights, [],
                              self.places.take(real) if self.layout is not None and len(real) else None,
+                             self.rows.of(real),
                              starts=[slot_meta[s] for s in drawn.starts.tolist()],  # type: ignore[misc]
                              mask=drawn.mask)
 
@@ -416,8 +434,11 @@ class Buffer(RingNamespace):
                 if size > self.limits.max_batch_bytes:  # the values are held while the file is open
                     raise TooLarge(f"buffers/{self.name}: a batch of {n} is {size} bytes, over "
                                    f"max_batch_bytes ({self.limits.max_batch_bytes})")
-                values = await self.ring.read_many(batch.metas, follow_rewrites=False)
-                if len(values) > BUILD_INLINE:  # work per entry: off the event loop when large
+                values = None  # the buffer's rows hold the fields: nothing to read
+                if batch.rows is None:
+                    values = await self.ring.read_many(batch.metas, follow_rewrites=False)
+                    self.rows.fill(batch.metas, values)
+                if len(batch.metas) > BUILD_INLINE:  # work per entry: off the event loop when large
                     data = await trio.to_thread.run_sync(batch_file, batch, values, self.layout)
                 else:
                     data = batch_file(batch, values, self.layout)
@@ -471,6 +492,7 @@ class Buffer(RingNamespace):
                     slots = ahead = self.sampler.draw(n, self._order)
                 if len(slots) == 0:
                     return
+                ahead = self.rows.unfilled(ahead)  # entries whose rows are kept need no reading
                 metas = [self.ring.slot_meta[s] for s in ahead.tolist()]
                 queue.append((slots, self.ring.slot_seq[slots]))
                 cached = self.ring.values.cache.peek
@@ -571,6 +593,7 @@ class Buffer(RingNamespace):
             "presampled_batches": {str(n): len(q) for n, q in self._presampled.items()},
             **self.counters,
             "rate_limiter": self.limiter.stats(),
+            "rows": self.rows.stats(),
             **extra,
         }
 

@@ -3,7 +3,9 @@
 Values enter on insert (write-through), on read misses, from the prefetcher and when a
 file is warmed (`distorefs warmup`: ValueLayer.warm); the least recently used leave when
 `capacity_bytes` is exceeded. A value larger than a quarter of the budget is never cached,
-so one huge entry cannot flush everything.
+so one huge entry cannot flush everything. Tables of decoded fields kept beside it (a
+buffer's rows, distorefs/rows.py) reserve their bytes from the same budget: at most half
+of it, the LRU holding what is left.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class ValueCache:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
+        self.reserved_bytes = 0  # held by tables beside the LRU (reserve)
         self.hits = 0
         self.misses = 0
         self.warmed_bytes = 0  # loaded by warm requests
@@ -55,12 +58,24 @@ class ValueCache:
         self.used_bytes += len(value)
         self._shrink()
 
+    def reserve(self, nbytes: int) -> bool:
+        """Take `nbytes` of the budget for a table kept beside the LRU; False (nothing
+        taken) when the tables would hold more than half of the budget."""
+        if self.reserved_bytes + nbytes > self.capacity_bytes // 2:
+            return False
+        self.reserved_bytes += nbytes
+        self._shrink()
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
+
     def resize(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self._shrink()
 
     def _shrink(self) -> None:
-        while self.used_bytes > self.capacity_bytes and self._items:
+        while self.used_bytes + self.reserved_bytes > self.capacity_bytes and self._items:
             _, evicted = self._items.popitem(last=False)
             self.used_bytes -= len(evicted)
 
@@ -74,6 +89,7 @@ class ValueCache:
         return {
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": self.used_bytes,
+            "reserved_bytes": self.reserved_bytes,
             "values": len(self._items),
             "hits": self.hits,
             "misses": self.misses,

@@ -135,6 +135,14 @@ class ClientSession:
         buf = self.buffer
         batch = await buf.sample(n, nonblocking, self.abandoned, presample=False)
         self.batch = batch
+        if batch.rows is not None and buf.layout is not None:  # the fields themselves: nothing to read
+            tables = {"seqs": np.array([m.seq for m in batch.metas], dtype=np.int64),
+                      **wire.key_table([m.key for m in batch.metas]),
+                      "probabilities": np.asarray(batch.probabilities, dtype=np.float64),
+                      "weights": np.asarray(batch.weights, dtype=np.float64), "rows": batch.rows}
+            if isinstance(batch, SequenceBatch):
+                tables["mask"] = batch.mask
+            return wire.pack_tables({"layout": buf.layout.to_json(), "rows": True}, tables)
         tables = wire.entry_tables(batch.metas)
         tables["probabilities"] = np.asarray(batch.probabilities, dtype=np.float64)
         tables["weights"] = np.asarray(batch.weights, dtype=np.float64)

@@ -27,10 +27,11 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: a draw may answer with the batch's rows
 
 HELLO = 1  # reply: {"protocol", "lmdb", "buffer", "read_only"}
-DRAW = 2  # payload: u32 n, u8 nonblocking; reply: entry tables + draw columns
+DRAW = 2  # payload: u32 n, u8 nonblocking; reply: entry tables + draw columns, or
+# the batch's rows (a buffer that keeps rows, distorefs/rows.py)
 LOCATE = 3  # payload: int64 seqs; reply: entry tables of those still present (`present`)
 PRIORITIES = 4  # payload: key table + float64 priorities; no reply (the write fails on bad input)
 INSERT = 5  # payload: u16 key length, key, data; no reply (committed behind: see FLUSH)

@@ -3,7 +3,8 @@
 Everything the daemon keeps in memory because of the data it serves draws on one of
 four shares of `memory_bytes`:
 
-  cache      the memory tier (decoded values, LRU)                       35 %
+  cache      the memory tier (decoded values, LRU; buffers' rows tables,  35 %
+             distorefs/rows.py, reserve up to half of it)
   prefetch   values read ahead: dataset prefetch, pre-sampled batches    25 %
   writeback  checkpoint data held until persisted                        30 %
   transfer   values queued for the kernel page cache (notify_store)     10 %

@@ -49,6 +49,7 @@ class RingObserver(Protocol):
     def entry_added(self, meta: EntryMeta, priority: float | None, times_sampled: int) -> None: ...
     def entry_replaced(self, old: EntryMeta, new: EntryMeta) -> None: ...
     def entry_removed(self, meta: EntryMeta) -> None: ...
+    def entry_value(self, meta: EntryMeta, value: bytes) -> None: ...
     def slots_grown(self, capacity: int) -> None: ...
     def entries_loaded(self) -> None: ...
 
@@ -152,6 +153,17 @@ class Ring:
     def cached(self, meta: EntryMeta) -> bytes | None:
         return self.values.cache.get(self._cache_key(meta))
 
+    def fetch_item(self, meta: EntryMeta) -> tuple:
+        """What ValueLayer.fetch takes to read `meta`'s value."""
+        return self._cache_key(meta), meta.value, self._what(meta)
+
+    def value_known(self, meta: EntryMeta, value: bytes) -> None:
+        """The decoded value of an entry just committed: into the memory tier, and told to
+        the observer (a buffer's rows)."""
+        self.values.cache.put(self._cache_key(meta), value)
+        if self.observer is not None:
+            self.observer.entry_value(meta, value)
+
     async def read(self, meta: EntryMeta, follow_rewrites: bool = True) -> bytes:
         """The whole decoded value of `meta` (memory tier first, then its disk tier).
 
@@ -167,7 +179,7 @@ class Ring:
     async def _load(self, meta: EntryMeta, follow_rewrites: bool = True) -> bytes:
         for _ in range(8):
             key = self._cache_key(meta)
-            result = (await self.values.fetch([(key, meta.value, self._what(meta))], cache=False))[0]
+            result = (await self.values.fetch([self.fetch_item(meta)], cache=False))[0]
             if isinstance(result, bytes):
                 if self.by_seq.get(meta.seq) is meta:
                     self.values.cache.put(key, result)
@@ -206,8 +218,7 @@ class Ring:
                         cache.put(self._cache_key(m), values[i])  # drawn again soon, maybe
         missing = [i for i, v in enumerate(values) if v is None]
         if missing:
-            loaded = await self.values.fetch([(self._cache_key(metas[i]), metas[i].value, self._what(metas[i]))
-                                              for i in missing])
+            loaded = await self.values.fetch([self.fetch_item(metas[i]) for i in missing])
             for i, value in zip(missing, loaded):
                 values[i] = value if isinstance(value, bytes) else await self._load(metas[i], follow_rewrites)
         self.counters["reads"] += len(metas)
@@ -315,7 +326,7 @@ class Ring:
         meta = self.by_key.get(item.key)
         if meta is None:  # evicted (or deleted) again by the records that followed it
             raise NotFound(f"{self.kind}/{self.name}: {item.key!r} was inserted and removed again at once")
-        self.values.cache.put(self._cache_key(meta), bytes(item.data))
+        self.value_known(meta, bytes(item.data))
         return meta
 
     async def _publish_inserts(self, batch: list["_SharedInsert"]) -> None:
@@ -786,7 +797,7 @@ class InsertEntry(Change):
         assert self.meta is not None
         ring.apply_written(self.victims, self.old, self.meta, self.priority)
         if self.raw is not None:
-            ring.values.cache.put(ring._cache_key(self.meta), bytes(self.raw))
+            ring.value_known(self.meta, bytes(self.raw))
         else:  # a spooled value: read from its spool when wanted
             ring.counters["spooled_inserts"] += 1
         if self.meta.tier == TIER_LMDB:

@@ -574,7 +574,8 @@ class Store:
     def memory_held(self) -> int:
         """Bytes held against memory_bytes now (the mount adds what waits for the page cache)."""
         wb = self.checkpoints.budget.used + self.checkpoints.pool.free_bytes
-        return self.values.cache.used_bytes + self.prefetch_budget.used + wb
+        cache = self.values.cache
+        return cache.used_bytes + cache.reserved_bytes + self.prefetch_budget.used + wb
 
     def stats(self) -> dict[str, Any]:
         tiers = self.values.tier_stats()
@@ -681,6 +682,8 @@ class DropNamespace(Change):
 
     def apply(self) -> None:
         del self.store.namespaces[self.ns.kind][self.ns.name]
+        if isinstance(self.ns, Buffer):
+            self.ns.dropped()
         if not isinstance(self.ns, Dataset):
             self.store.values.nvme.end_stream(self.ns.ns_id)  # its last segment may go too
 

@@ -115,7 +115,32 @@ def stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes],
     by row; fields, keys and seqs are (N, L, ...), padded as batch/N.npz pads them.
     `crcs` (N, fields): each array's CRC-32, checked on its copy in the batch, where it is
     still in the CPU's cache (RowMismatch); for values not verified when read."""
-    out = _stack(layout, places, values, keys, seqs, mask is not None, crcs)
+    return _padded(_stack(layout, places, values, keys, seqs, mask is not None, crcs), mask)
+
+
+def stack_rows(layout: Layout, rows: np.ndarray, keys: list[bytes], seqs: np.ndarray,
+               mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """`stack` of entries given as rows (N, width): each entry's fields side by side, in the
+    layout's order (distorefs/rows.py), as a draw of a buffer that keeps rows answers."""
+    n = len(rows)
+    out: dict[str, np.ndarray] = {}
+    at = 0
+    for f in layout.fields:
+        nbytes = f.nbytes
+        out[batch_name(f, mask is not None)] = np.ascontiguousarray(rows[:, at:at + nbytes]).view(
+            np.dtype(f.dtype)).reshape((n, *f.shape))
+        at += nbytes
+    out.update(_keys_and_seqs(keys, seqs))
+    return _padded(out, mask)
+
+
+def _keys_and_seqs(keys: list[bytes], seqs: np.ndarray) -> dict[str, np.ndarray]:
+    texts = [k.decode("utf-8", "surrogateescape") for k in keys]
+    return {"keys": np.array(texts) if texts else np.zeros(0, dtype="<U1"), "seqs": np.asarray(seqs, dtype=np.int64)}
+
+
+def _padded(out: dict[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Sequences (`mask`): the real steps' arrays placed in (N, L, ...), padded as batch/N.npz pads."""
     if mask is None:
         return out
     for name, array in out.items():
@@ -162,9 +187,7 @@ def _stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes]
         np.cumsum([len(v) for v in values], out=offsets[1:])
         out["data"] = np.frombuffer(b"".join(values), dtype=np.uint8)
         out["offsets"] = offsets
-    texts = [k.decode("utf-8", "surrogateescape") for k in keys]
-    out["keys"] = np.array(texts) if texts else np.zeros(0, dtype="<U1")
-    out["seqs"] = np.asarray(seqs, dtype=np.int64)
+    out.update(_keys_and_seqs(keys, seqs))
     return out
 
 
@@ -186,7 +209,7 @@ class ClientBuffer:
         self._pending_bytes = 0
         self._ahead: tuple[int, Future] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self.counters = {"draws": 0, "redraws": 0, "relocated": 0, "read_through_mount": 0}
+        self.counters = {"draws": 0, "rows": 0, "redraws": 0, "relocated": 0, "read_through_mount": 0}
         self._spool: Spool | None = None
         self._retired_spools: list[Spool] = []  # full ones, closed with the session
         self._no_spool: str | None = None  # why values go through the channel
@@ -255,8 +278,13 @@ class ClientBuffer:
         with self._lock:
             for attempt in range(DRAW_ATTEMPTS):
                 meta, arrays = self.channel.call(self._with_pending(wire.draw_request(n, nonblocking)))
-                arrays = wire.entry_columns(arrays)
                 self.counters["draws"] += 1
+                if meta.get("rows"):  # the daemon keeps this buffer's rows: the batch is in the reply
+                    self.counters["rows"] += 1
+                    out = stack_rows(_layout(json.dumps(meta["layout"])), arrays["rows"], wire.keys_of(arrays),
+                                     arrays["seqs"], arrays.get("mask"))
+                    return self._with_draw_columns(out, arrays)
+                arrays = wire.entry_columns(arrays)
                 self.reader.learn_segments(meta["segments"])
                 keys = wire.keys_of(arrays)
                 wanted = self._wanted_all(arrays, keys)
@@ -370,9 +398,12 @@ class ClientBuffer:
         layout = meta.get("layout")
         out = stack(_layout(json.dumps(layout)) if layout is not None else None,  # field order: as given
                     arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"], arrays.get("mask"), crcs)
-        if "probabilities" in arrays:  # a draw's (not a read by key)
-            out["probabilities"] = arrays["probabilities"].astype(np.float64)
-            out["weights"] = arrays["weights"].astype(np.float64)
+        return self._with_draw_columns(out, arrays) if "probabilities" in arrays else out  # a draw's, not a get's
+
+    @staticmethod
+    def _with_draw_columns(out: dict[str, np.ndarray], arrays: dict) -> dict[str, np.ndarray]:
+        out["probabilities"] = arrays["probabilities"].astype(np.float64)
+        out["weights"] = arrays["weights"].astype(np.float64)
         return out
 
     # ----- priorities -------------------------------------------------------------------------

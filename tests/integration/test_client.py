@@ -65,7 +65,42 @@ def test_sample_is_batch_npz_for_the_same_draw(buf):
     theirs = _same_draw(buf, 11, lambda: _load_batch(buf, 16))
     assert "entry_offsets" in mine and "obs" in mine and mine["obs"].shape == (16, 4, 3)
     assert len(set(mine["weights"].tolist())) > 1  # prioritized: the weights say something
+    assert client.counters["rows"] == 1  # narrow entries: the fields came in the daemon's answer
     _assert_same(mine, theirs)
+
+
+def test_a_remounted_buffer_answers_from_values_then_rows_alike(fresh_mount):
+    """After a remount the daemon's rows (distorefs/rows.py) are empty: a draw answers with
+    the values' places and the client reads them (batch/N.npz reads the values); the rows
+    are read back behind that draw, and the same draw answered from them gives the same
+    arrays, through the client and batch/N.npz alike."""
+    m = fresh_mount()
+    buf = m.buffer("remounted", {"presample_batches": 0})
+    _fill_prioritized(buf, 200)
+
+    def rows_filled(count: int) -> None:
+        deadline = time.monotonic() + 20
+        while (get_stats(buf)["rows"] or {}).get("filled", 0) < count:
+            assert time.monotonic() < deadline, get_stats(buf)["rows"]
+            time.sleep(0.05)
+
+    m.umount()
+    m.mount()
+    with open_buffer(buf, direct=True) as client:
+        client_values = _same_draw(buf, 7, lambda: client.sample(64))
+        assert client.counters["rows"] == 0
+        rows_filled(200)
+        client_rows = _same_draw(buf, 7, lambda: client.sample(64))
+        assert client.counters["rows"] == 1
+    file_rows = _same_draw(buf, 7, lambda: _load_batch(buf, 64))
+    m.umount()
+    m.mount()
+    assert get_stats(buf)["rows"] is None  # made at the first draw
+    file_values = _same_draw(buf, 7, lambda: _load_batch(buf, 64))
+    _assert_same(client_values, client_rows)
+    _assert_same(client_rows, file_rows)
+    _assert_same(file_rows, file_values)
+    rows_filled(200)  # read back behind the file path's draw too
 
 
 def test_raw_and_npy_buffers_match_batch_npz(fs):

@@ -401,20 +401,28 @@ def test_sequences_wait_then_persist(tmp_path):
 
 def test_client_draw_of_sequences(tmp_path):
     async def body(store):
-        from distorefs.client.buffer import stack
+        from distorefs.client.buffer import stack, stack_rows
         from distorefs.layout import Layout
         buf = await make_buffer(store, {"sequence_length": 4})
         await episodes(buf, {0: 6, 1: 2})
         session = store.client_session(buf, OWNER)
         op, payload = wire.split_frame(wire.draw_request(10))
         meta, t = wire.unpack_tables(await session.request(op, payload))
-        t = wire.entry_columns(t)
+        assert meta["rows"]  # a narrow layout: the steps' fields come in the reply
         mask = t["mask"]
         assert mask.shape == (10, 4) and len(t["seqs"]) == mask.sum() and t["probabilities"].shape == (10,)
-        values = [await buf.ring.read(buf.ring.by_seq[s]) for s in t["seqs"].tolist()]
-        z = stack(Layout.from_json(meta["layout"]), t["places"], values, wire.keys_of(t), t["seqs"], mask)
+        layout, keys = Layout.from_json(meta["layout"]), wire.keys_of(t)
+        z = stack_rows(layout, t["rows"], keys, t["seqs"], mask)
         check_batch(z, 4)
         assert "entry_mask" in z and z["mask"].flags.writeable
+        # the same arrays as the steps' values read and stacked
+        metas = [buf.ring.by_seq[s] for s in t["seqs"].tolist()]
+        values = [await buf.ring.read(m) for m in metas]
+        places = buf.places.take(np.array([m.slot for m in metas]))[0]  # type: ignore[index]
+        read = stack(layout, places, values, keys, t["seqs"], mask)
+        assert sorted(read) == sorted(z)
+        for name in read:
+            assert read[name].dtype == z[name].dtype and np.array_equal(read[name], z[name]), name
     run(tmp_path / "s", body)
 
 
