@@ -29,8 +29,8 @@ def open_buffer(path: str | os.PathLike, *, direct: bool | None = None,
                 read_ahead: bool = False) -> ClientBuffer | FileBuffer:
     """buffers/NAME of a mounted store. `direct` None: read the store's files when this
     process may, else (said once, as a warning) the file path; True: the store's files or an
-    error; False: the file path. `read_ahead`: each sample(n) draws and reads the next
-    batch of n in a thread while the caller works (see ClientBuffer.sample)."""
+    error; False: the file path. `read_ahead`: each sample(n) has the next batch of
+    n drawn while the caller works (see ClientBuffer.sample)."""
     if direct is False:
         return FileBuffer(path)
     try:

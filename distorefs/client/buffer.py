@@ -19,7 +19,6 @@ import os
 import queue
 import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -49,14 +48,6 @@ SMALL_BATCH = 256 << 10  # a batch of values up to this many bytes is gathered f
 @functools.lru_cache(maxsize=64)
 def _layout(text: str) -> Layout:
     return Layout.from_json(json.loads(text))
-
-
-def _wait_quietly(future: Future) -> None:
-    """A batch drawn ahead that nobody will take: wait for it, whatever its outcome."""
-    try:
-        future.result()
-    except Exception:
-        pass
 
 
 class InsertFailed(OSError):
@@ -207,8 +198,8 @@ class ClientBuffer:
         self._queue_lock = threading.Lock()  # requests queued to go with the next one
         self._pending: list[bytes] = []
         self._pending_bytes = 0
-        self._ahead: tuple[int, Future] | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: int | None = None  # n of the batch drawn ahead (read_ahead)
+        self._drawn: memoryview | OSError | None = None  # its reply, once the sender thread read it
         self.counters = {"draws": 0, "rows": 0, "redraws": 0, "relocated": 0, "read_through_mount": 0}
         self._spool: Spool | None = None
         self._retired_spools: list[Spool] = []  # full ones, closed with the session
@@ -240,7 +231,7 @@ class ClientBuffer:
             self.channel, self.reader = fresh.channel, fresh.reader
             self._lock, self._queue_lock = threading.RLock(), threading.Lock()
             self._pending, self._pending_bytes = [], 0
-            self._ahead, self._pool = None, None  # threads do not survive a fork
+            self._ahead, self._drawn = None, None  # the parent's session's
             self._spool, self._retired_spools, self._no_spool = None, [], None  # the parent's session's
             self._ask_spool_again = False
             self._sends, self._send_error, self._inserts = None, None, 0
@@ -249,35 +240,48 @@ class ClientBuffer:
 
     def sample(self, n: int, *, nonblocking: bool = False) -> dict[str, np.ndarray]:
         """Draw a batch of n: the arrays `batch/N.npz` would hold for this draw. With
-        `read_ahead`, the next batch of n is drawn and read in a thread meanwhile (as
-        Reverb's datasets stream samples ahead): priorities written now reach the draw
-        after it, and a batch drawn ahead that is never taken (the caller stops, or asks for
-        another size) still counts as drawn (times sampled, max_times_sampled). A draw
-        ahead never waits for min_size_to_sample: the next sample does."""
+        `read_ahead`, the next batch of n is drawn meanwhile (as Reverb's datasets stream
+        samples ahead): the sender thread writes the request, with the priorities queued,
+        and reads the daemon's answer while the caller goes on; the next sample(n) assembles
+        it. Priorities written now reach the draw after it; a batch drawn ahead that is
+        never taken (the caller stops, or asks for another size) still counts as drawn
+        (times sampled, max_times_sampled). A draw ahead never waits for
+        min_size_to_sample: the next sample does. (The thread does no more than the two
+        calls: the caller's own thread assembles, so the two never take turns at the
+        interpreter while the caller trains.)"""
         self._check_fork()
-        if not self.read_ahead or nonblocking:
-            return self._draw(n, nonblocking)
-        ahead, self._ahead = self._ahead, None
-        batch = None
-        if ahead is not None and ahead[0] == n:
-            try:
-                batch = ahead[1].result()
-            except BlockingIOError:
-                pass  # drawn ahead before min_size_to_sample entries were there: draw now, waiting
-        elif ahead is not None:
-            _wait_quietly(ahead[1])
-        if batch is None:
-            batch = self._draw(n, False)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="distorefs-client")
-        # nonblocking: a draw ahead never waits in the daemon (nor keeps a process from exiting)
-        self._ahead = (n, self._pool.submit(self._draw, n, True))
+        ahead = self.read_ahead and not nonblocking
+        if ahead:
+            self._drain()  # the write that asked for the batch drawn ahead went (the sender thread's)
+        with self._lock:
+            batch = None
+            drawn, self._ahead = self._ahead, None
+            reply, self._drawn = self._drawn, None
+            if isinstance(reply, OSError) and not isinstance(reply, BlockingIOError):
+                raise reply  # the write that carried it failed (a priority refused, say): told now
+            # BlockingIOError: drawn ahead before min_size_to_sample entries were there: draw now, waiting
+            if isinstance(reply, memoryview) and drawn == n and not nonblocking:
+                batch = self._draw(n, False, reply)
+            if batch is None:
+                batch = self._draw(n, nonblocking)
+            if ahead:
+                self._ahead = n
+        if ahead:
+            # Written by the sender thread, with the priorities queued: the caller goes on at
+            # once. Nonblocking: a draw ahead never waits in the daemon (nor keeps a process
+            # from exiting).
+            self._hand_off(wire.draw_request(n, True))
         return batch
 
-    def _draw(self, n: int, nonblocking: bool) -> dict[str, np.ndarray]:
+    def _draw(self, n: int, nonblocking: bool, reply: memoryview | None = None) -> dict[str, np.ndarray]:
+        """A batch of n: drawn now, or the daemon's `reply` to a draw ahead."""
         with self._lock:
             for attempt in range(DRAW_ATTEMPTS):
-                meta, arrays = self.channel.call(self._with_pending(wire.draw_request(n, nonblocking)))
+                if reply is None:
+                    meta, arrays = self.channel.call(self._with_pending(wire.draw_request(n, nonblocking)))
+                else:
+                    meta, arrays = wire.unpack_tables(reply)
+                    reply = None
                 self.counters["draws"] += 1
                 if meta.get("rows"):  # the daemon keeps this buffer's rows: the batch is in the reply
                     self.counters["rows"] += 1
@@ -475,28 +479,39 @@ class ClientBuffer:
         if full:
             self._hand_off()
 
-    def _hand_off(self) -> None:
-        """What is queued goes to the sender thread: the caller goes on encoding and writing
-        values while the daemon takes these (its write returns once it has), up to
-        SENDS_AHEAD writes ahead; then it waits for the daemon, as Reverb's writers do."""
+    def _hand_off(self, request: bytes | None = None) -> None:
+        """What is queued (and `request`, a draw ahead, last) goes to the sender thread:
+        the caller goes on encoding and writing values, or training, while the daemon takes
+        these (its write returns once it has), up to SENDS_AHEAD writes ahead; then it
+        waits for the daemon, as Reverb's writers do."""
         self._raise_send_error()
         pending = self._take_pending()
+        if request is not None:
+            pending.append(request)
         if not pending:
             return
         if self._sends is None:
             self._sends = queue.Queue(maxsize=SENDS_AHEAD)
             threading.Thread(target=self._send_loop, args=(self._sends,), daemon=True,
                              name="distorefs-client-sender").start()
-        self._sends.put(b"".join(pending))
+        self._sends.put((b"".join(pending), request is not None))
 
     def _send_loop(self, sends: queue.Queue) -> None:
         while True:
-            data = sends.get()
+            item = sends.get()
             try:
-                if data is None:
+                if item is None:
                     return
+                data, draw = item
                 with self._lock:
-                    self.channel.send(data)
+                    if not draw:
+                        self.channel.send(data)
+                        continue
+                    try:  # the batch drawn ahead: its reply (or the write's error) for the next sample()
+                        self.channel.send(data)
+                        self._drawn = self.channel.read_reply()
+                    except OSError as exc:
+                        self._drawn = exc
             except BaseException as exc:  # told to the caller at its next insert or flush
                 if self._send_error is None:
                     self._send_error = exc
@@ -557,11 +572,7 @@ class ClientBuffer:
 
     def close(self) -> None:
         """Send what is queued and end the session (inserts sent still commit)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and self.channel.pid == os.getpid():
-            _wait_quietly(ahead[1])
-        if self._pool is not None and self.channel.pid == os.getpid():
-            self._pool.shutdown(wait=True)
+        self._ahead = None  # a batch drawn ahead is released by the daemon when the session ends
         if self.channel.pid == os.getpid():
             try:
                 self._drain()
