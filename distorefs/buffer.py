@@ -517,10 +517,8 @@ class Buffer(RingNamespace):
         """Check the priorities now (InvalidArgument, NotFound if `strict`) and queue their
         commit: (something to `await .wait()` on, or None when no key is known; how many)."""
         if pairs:
-            given = np.fromiter((v for _, v in pairs), dtype=np.float64, count=len(pairs))
-            if not (np.isfinite(given).all() and (given >= 0).all() and (given <= MAX_PRIORITY).all()):
-                for key, value in pairs:
-                    check_priority(key, value)  # says which
+            _check_priorities([k for k, _ in pairs], np.fromiter((v for _, v in pairs), dtype=np.float64,
+                                                                   count=len(pairs)))
         metas, values = [], []
         for key, value in pairs:
             meta = self.ring.by_key.get(key)
@@ -531,6 +529,24 @@ class Buffer(RingNamespace):
                 continue
             metas.append(meta)
             values.append(value)
+        return self._queue_priorities(metas, values)
+
+    def queue_priorities_of(self, seqs: np.ndarray, given: np.ndarray):
+        """`queue_priorities` of the entries named by sequence number (those not there any
+        more skipped and counted)."""
+        _check_priorities(seqs.tolist(), given)
+        by_seq = self.ring.by_seq
+        metas, values = [], []
+        for seq, value in zip(seqs.tolist(), given.tolist()):
+            meta = by_seq.get(seq)
+            if meta is None:
+                self.counters["priority_unknown_keys"] += 1
+            else:
+                metas.append(meta)
+                values.append(value)
+        return self._queue_priorities(metas, values)
+
+    def _queue_priorities(self, metas: list[EntryMeta], values: list[float]):
         if not metas:
             return None, 0
         shared = self.ring.shared
@@ -596,6 +612,14 @@ class Buffer(RingNamespace):
             "rows": self.rows.stats(),
             **extra,
         }
+
+
+def _check_priorities(names: list, given: np.ndarray) -> None:
+    """InvalidArgument naming the first of `names` whose priority is not finite and in
+    0..MAX_PRIORITY (checked at once, then one by one to say which)."""
+    if not (np.isfinite(given).all() and (given >= 0).all() and (given <= MAX_PRIORITY).all()):
+        for name, value in zip(names, given.tolist()):
+            check_priority(name, value)
 
 
 def _ratio(config: BufferConfig) -> Ratio | None:

@@ -105,6 +105,10 @@ class ClientSession:
         if op == wire.PRIORITIES:
             self.set_priorities(wire.parse_priorities(payload))
             return None
+        if op == wire.PRIORITIES_SEQS:
+            seqs, values = wire.parse_priorities_seqs(payload)
+            self._queued(self.buffer.queue_priorities_of(seqs, values))
+            return None
         if op == wire.INSERT:
             key, data = wire.parse_insert(payload)
             await self.insert(key, bytes(data))
@@ -192,7 +196,10 @@ class ClientSession:
 
     def set_priorities(self, pairs: list[tuple[bytes, float]]) -> None:
         """Checked now (the write fails on a bad value), committed behind it."""
-        pending, _count = self.buffer.queue_priorities(pairs)
+        self._queued(self.buffer.queue_priorities(pairs))
+
+    def _queued(self, queued: tuple) -> None:
+        pending, _count = queued
         if pending is not None:
             self.priorities.append(pending)
 

@@ -44,8 +44,11 @@ SPOOL = 10  # reply: {"path", "segment", "compression", "level", "schema", "raw"
 # {"path": null, "why"}: a segment of the store for this session to append its values to
 STORED = 11  # payload: _STORED + key + offsets u64[arrays] + crcs u32[arrays]: an insert whose value the
 # client wrote to its spool (a record of backends/segments.py, named by `spool_vkey`); committed behind
+PRIORITIES_SEQS = 12  # payload: int64 seqs[n], then float64 priorities[n]: the entries named by sequence
+# number (as a draw gave them: no key to encode or look up); no reply
 OPS = {HELLO: "hello", DRAW: "draw", LOCATE: "locate", PRIORITIES: "priorities", INSERT: "insert",
-       FLUSH: "flush", STATS: "stats", ITEMS: "items", GET: "get", SPOOL: "spool", STORED: "stored"}
+       FLUSH: "flush", STATS: "stats", ITEMS: "items", GET: "get", SPOOL: "spool", STORED: "stored",
+       PRIORITIES_SEQS: "priorities by seq"}
 
 FRAME = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
@@ -184,6 +187,20 @@ def priorities_request(keys: Sequence[bytes], priorities: Sequence[float] | np.n
     if values.shape != (len(keys),):
         raise ValueError(f"{len(keys)} keys but {values.size} priorities")
     return frame(PRIORITIES, pack_tables({}, {**key_table(keys), "priorities": values}))
+
+
+def priorities_seqs_request(seqs: np.ndarray, priorities: Sequence[float] | np.ndarray) -> bytes:
+    values = np.ascontiguousarray(priorities, dtype="<f8")
+    if values.shape != seqs.shape or seqs.ndim != 1:
+        raise ValueError(f"{seqs.size} seqs but {values.size} priorities")
+    return frame(PRIORITIES_SEQS, np.ascontiguousarray(seqs, dtype="<i8").tobytes() + values.tobytes())
+
+
+def parse_priorities_seqs(payload: memoryview) -> tuple[np.ndarray, np.ndarray]:
+    if len(payload) % 16:
+        raise WireError("priorities by seq are int64 seqs and as many float64 priorities")
+    n = len(payload) // 16
+    return np.frombuffer(payload, dtype="<i8", count=n), np.frombuffer(payload, dtype="<f8", count=n, offset=8 * n)
 
 
 def get_request(keys: Sequence[bytes]) -> bytes:

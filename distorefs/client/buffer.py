@@ -12,6 +12,7 @@ daemon's EIO there makes it a CorruptValue naming the entry.
 
 from __future__ import annotations
 
+import collections
 import functools
 import io
 import json
@@ -43,6 +44,7 @@ SENDS_AHEAD = 2  # writes of inserts handed to the sender thread and not sent ye
 # tier, where a reader takes them from the map without a read call each.
 SPOOL_MIN_BYTES = 16 << 10
 SMALL_BATCH = 256 << 10  # a batch of values up to this many bytes is gathered field by field
+RECENT_BATCHES = 4  # batches whose keys update_priorities knows by their sequence numbers
 
 
 @functools.lru_cache(maxsize=64)
@@ -199,6 +201,7 @@ class ClientBuffer:
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._ahead: int | None = None  # n of the batch drawn ahead (read_ahead)
+        self._recent: collections.deque = collections.deque(maxlen=RECENT_BATCHES)  # (keys, seqs) handed out
         self._drawn: memoryview | OSError | None = None  # its reply, once the sender thread read it
         self.counters = {"draws": 0, "rows": 0, "redraws": 0, "relocated": 0, "read_through_mount": 0}
         self._spool: Spool | None = None
@@ -266,6 +269,8 @@ class ClientBuffer:
                 batch = self._draw(n, nonblocking)
             if ahead:
                 self._ahead = n
+            if batch["keys"].ndim == 1:  # (not sequences: their keys are (N, L))
+                self._recent.append((batch["keys"], batch["seqs"]))
         if ahead:
             # Written by the sender thread, with the priorities queued: the caller goes on at
             # once. Nonblocking: a draw ahead never waits in the daemon (nor keeps a process
@@ -417,12 +422,29 @@ class ClientBuffer:
         """Set the priorities of entries (unknown keys, evicted since they were drawn, are
         skipped). They go to the daemon with the next request of this buffer object and are
         committed behind it, in order (a draw right after may not see them yet); `flush()`
-        returns once they are committed."""
+        returns once they are committed. The `keys` of one of the last batches drawn (a
+        learner giving back its batch's TD errors) go by the entries' sequence numbers: an
+        entry evicted since is skipped even when a newer one took its key."""
         self._check_fork()
+        seqs = self._seqs_of(keys)
+        if seqs is not None:  # nothing to encode or look up: one round trip and the keys saved
+            self._queue(wire.priorities_seqs_request(seqs, priorities))
+            return
         # not checked here: the daemon skips keys it does not have, as it does evicted ones
         raw = [k.encode("utf-8", "surrogateescape") if isinstance(k, str) else bytes(k)
                for k in (keys.tolist() if isinstance(keys, np.ndarray) else keys)]
         self._queue(wire.priorities_request(raw, priorities))  # sent with the next request: one round trip saved
+
+    def _seqs_of(self, keys: object) -> np.ndarray | None:
+        """The sequence numbers of `keys` when they are the keys of one of the last batches
+        drawn (the same array, or an equal one), else None."""
+        if not isinstance(keys, np.ndarray) or keys.ndim != 1:
+            return None
+        for drawn, seqs in reversed(self._recent):
+            if keys is drawn or (keys.shape == drawn.shape and keys.dtype == drawn.dtype
+                                 and np.array_equal(keys, drawn)):
+                return seqs
+        return None
 
     # ----- inserts ----------------------------------------------------------------------------
 

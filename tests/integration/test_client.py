@@ -365,6 +365,25 @@ def test_read_ahead_draws_the_next_batch_meanwhile(buf):
     assert max(prios) == 20.0
 
 
+def test_priorities_of_a_batch_go_to_the_entries_drawn(buf):
+    """update_priorities with a batch's keys names its entries by sequence number: an
+    entry removed since and made again under the same key keeps its own priority."""
+    set_config(buf, {"sampler": "prioritized", "presample_batches": 0})
+    for i in range(6):
+        write_entry(buf, f"p{i}", _npz_entry(i))
+    with open_buffer(buf, direct=True) as client:
+        batch = client.sample(6)
+        first = str(batch["keys"][0])
+        os.unlink(buf / "entries" / first)
+        write_entry(buf, first, _npz_entry(99))  # another entry, the same key
+        client.update_priorities(batch["keys"], np.full(6, 9.0))
+        client.flush()
+    prios = {k: float(p) for k, p in (line.split() for line in (buf / "priorities").read_text().splitlines())}
+    assert prios[first] != 9.0
+    assert all(prios[k] == 9.0 for k in set(batch["keys"].tolist()) - {first})
+    assert get_stats(buf)["priority_unknown_keys"] == 1
+
+
 def test_a_client_killed_inside_a_read_leaves_no_reader_slot(fresh_mount):
     """A client process killed while it holds an LMDB read transaction: its reader slot
     (which would pin the pages it saw forever) is freed by the daemon's next sync."""

@@ -99,6 +99,33 @@ def test_priorities_are_committed_by_flush(tmp_path):
     run(tmp_path / "s", body)
 
 
+def test_priorities_by_sequence_number(tmp_path):
+    """PRIORITIES_SEQS names entries by the seqs a draw gave: those still there get their
+    priority, a seq no longer there is skipped and counted, a bad value fails the request."""
+    async def body(store):
+        import pytest
+
+        from distorefs.errors import InvalidArgument
+        buf = await store.create_buffer("b", DIR)
+        await store.configure("buffers", "b", b'{"sampler": "prioritized", "presample_batches": 0}')
+        for i in range(4):
+            await buf.insert(b"k%d" % i, bytes([i]) * 100, OWNER)
+        seqs = np.array([buf.ring.get(b"k%d" % i).seq for i in range(4)])
+        await buf.ring.delete(b"k3")
+        session = store.client_session(buf, OWNER)
+        await call(session, wire.priorities_seqs_request(seqs, [0, 0, 5.0, 7.0]))
+        meta, _ = await call(session, wire.frame(wire.FLUSH))
+        assert meta == {"committed": 0, "errors": []}
+        _, t = await call(session, wire.draw_request(16))
+        assert set(wire.keys_of(t)) == {b"k2"}
+        assert buf.stats()["priority_unknown_keys"] == 1
+        with pytest.raises(InvalidArgument, match="priority of"):
+            await call(session, wire.priorities_seqs_request(seqs[:2], [1.0, float("nan")]))
+        with pytest.raises(wire.WireError):
+            await call(session, wire.frame(wire.PRIORITIES_SEQS, b"\x00" * 12))
+    run(tmp_path / "s", body)
+
+
 def test_located_blocks_stay_within_their_bytes():
     """The location tables kept for a dataset's readers stay within their capacity: the
     least recently used block goes first; a block asked for again is a hit."""
