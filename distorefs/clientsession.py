@@ -29,6 +29,8 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import functools
+import json
 import logging
 import os
 import threading
@@ -44,6 +46,7 @@ from .batch import Batch, SequenceBatch
 from .buffer import Buffer
 from .dataset import Dataset
 from .errors import DistorefsError, InvalidArgument
+from .layout import Layout
 from .owner import Owner
 from .placement import TIER_NVME
 from .ratelimit import InsertTicket
@@ -146,7 +149,7 @@ class ClientSession:
                       "weights": np.asarray(batch.weights, dtype=np.float64), "rows": batch.rows}
             if isinstance(batch, SequenceBatch):
                 tables["mask"] = batch.mask
-            return wire.pack_tables({"layout": buf.layout.to_json(), "rows": True}, tables)
+            return wire.pack_tables(_rows_meta(buf.layout), tables)
         tables = wire.entry_tables(batch.metas)
         tables["probabilities"] = np.asarray(batch.probabilities, dtype=np.float64)
         tables["weights"] = np.asarray(batch.weights, dtype=np.float64)
@@ -326,6 +329,12 @@ class ClientSession:
         spools, self.spools = self.spools, []
         for seg in spools:
             self.values.close_spool(seg)
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_meta(layout: Layout) -> str:
+    """The JSON of a rows reply's meta (made once per layout)."""
+    return json.dumps({"layout": layout.to_json(), "rows": True}, separators=(",", ":"))
 
 
 def segment_paths(values: ValueLayer, told: set[int], stored: list[StoredValue]) -> dict[str, str | None]:

@@ -20,6 +20,7 @@ for a draw the probabilities, weights and the places of each field of the buffer
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -241,17 +242,18 @@ def _align(n: int) -> int:
     return (n + 7) & ~7
 
 
-def pack_tables(meta: dict, arrays: dict[str, np.ndarray]) -> bytes:
-    """`meta` (JSON) and named arrays in one buffer (see the module docstring)."""
+def pack_tables(meta: dict | str, arrays: dict[str, np.ndarray]) -> bytes:
+    """`meta` (JSON: a dict, or its text) and named arrays in one buffer (see the module
+    docstring)."""
     specs = []
     offset = 0
     contiguous = {}
     for name, array in arrays.items():
         a = np.ascontiguousarray(array)
         contiguous[name] = a
-        specs.append([name, a.dtype.descr if a.dtype.names else a.dtype.str, list(a.shape), offset])
+        specs.append((name, json.dumps(a.dtype.descr) if a.dtype.names else a.dtype.str, a.shape, offset))
         offset = _align(offset + a.nbytes)
-    head = json.dumps({"meta": meta, "arrays": specs}, separators=(",", ":")).encode()
+    head = _pack_head(meta if isinstance(meta, str) else json.dumps(meta, separators=(",", ":")), tuple(specs))
     start = _align(4 + len(head))
     out = bytearray(start + offset)
     _U32.pack_into(out, 0, len(head))
@@ -261,20 +263,37 @@ def pack_tables(meta: dict, arrays: dict[str, np.ndarray]) -> bytes:
     return bytes(out)
 
 
+@functools.lru_cache(maxsize=256)
+def _pack_head(meta: str, specs: tuple) -> bytes:
+    """A header's bytes (the replies to a learner's draws of one size all have the same)."""
+    arrays = [[name, json.loads(dtype) if dtype.startswith("[") else dtype, list(shape), off]
+              for name, dtype, shape, off in specs]
+    return f'{{"meta":{meta},"arrays":{json.dumps(arrays, separators=(",", ":"))}}}'.encode()
+
+
 def unpack_tables(data: bytes | bytearray | memoryview) -> tuple[dict, dict[str, np.ndarray]]:
+    """`meta` (shared by replies with the same header: not to be changed) and the arrays,
+    views of `data`."""
     view = memoryview(data)
     try:
         (hlen,) = _U32.unpack_from(view)
-        head = json.loads(bytes(view[4:4 + hlen]))
+        meta, specs = _head(bytes(view[4:4 + hlen]))
         start = _align(4 + hlen)
-        arrays = {}
-        for name, dtype, shape, off in head["arrays"]:
-            dt = np.dtype(dtype if isinstance(dtype, str) else [tuple(f) for f in dtype])
-            count = math.prod(shape)
-            arrays[name] = np.frombuffer(view, dtype=dt, count=count, offset=start + off).reshape(shape)
-        return head["meta"], arrays
+        return meta, {name: np.frombuffer(view, dtype=dt, count=count, offset=start + off).reshape(shape)
+                      for name, dt, count, shape, off in specs}
     except (struct.error, ValueError, KeyError, TypeError) as exc:
         raise WireError(f"tables do not parse: {exc}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _head(raw: bytes) -> tuple[dict, tuple]:
+    """A parsed header: a learner's draws of one size all have the same one."""
+    head = json.loads(raw)
+    specs = []
+    for name, dtype, shape, off in head["arrays"]:
+        dt = np.dtype(dtype if isinstance(dtype, str) else [tuple(f) for f in dtype])
+        specs.append((name, dt, math.prod(shape), tuple(shape), off))
+    return head["meta"], tuple(specs)
 
 
 def key_table(keys: Sequence[bytes]) -> dict[str, np.ndarray]:
