@@ -45,7 +45,7 @@ from .backends.segments import LOCATION
 from .batch import Batch, SequenceBatch
 from .buffer import Buffer
 from .dataset import Dataset
-from .errors import DistorefsError, InvalidArgument
+from .errors import DistorefsError, InvalidArgument, WouldBlock
 from .layout import Layout
 from .owner import Owner
 from .placement import TIER_NVME
@@ -76,7 +76,7 @@ class ClientSession:
         self.owner = owner
         self.abandoned = abandoned
         self.read_only = read_only
-        self.batch: Batch | None = None
+        self.held: list[Batch] = []  # the batches of the last draw (their spent entries go at the next)
         self.told: set[int] = set()  # segments whose path the client was given
         self.priorities: list = []  # queued priority commits (failed or not done yet), waited for by FLUSH
         self.queue: list[tuple[bytes, bytes | SpooledEntry]] = []
@@ -99,8 +99,8 @@ class ClientSession:
             return wire.reply_json({"protocol": wire.PROTOCOL, "lmdb": str(self.lmdb_path),
                                     "buffer": self.buffer.name, "read_only": self.read_only})
         if op == wire.DRAW:
-            n, nonblocking = wire.parse_draw(payload)
-            return await self.draw(n, nonblocking)
+            n, nonblocking, batches = wire.parse_draw(payload)
+            return await self.draw(n, nonblocking, batches)
         if op == wire.LOCATE:
             return await self.locate(wire.parse_numbers(payload))
         if op == wire.GET:
@@ -131,7 +131,10 @@ class ClientSession:
             return wire.reply_json(self.buffer.stats())
         raise InvalidArgument(f"unknown client request {op}")
 
-    async def draw(self, n: int, nonblocking: bool) -> bytes:
+    async def draw(self, n: int, nonblocking: bool, batches: int = 1) -> bytes:
+        """Draw a batch of n (and, for a buffer that keeps rows, up to `batches` - 1 more,
+        drawn one after another as if asked for one by one, never waiting: a client's
+        read-ahead). The batches are the session's until its next draw."""
         self.release()
         # Priority updates commit behind (a draw does not wait for them: the learner's loop
         # would take a commit's latency per step); FLUSH waits for them.
@@ -141,12 +144,25 @@ class ClientSession:
             self.priorities = [p for p in self.priorities if not p.done.is_set() or p.error is not None]
         buf = self.buffer
         batch = await buf.sample(n, nonblocking, self.abandoned, presample=False)
-        self.batch = batch
+        self.held = [batch]
         if batch.rows is not None and buf.layout is not None:  # the fields themselves: nothing to read
-            tables = {"seqs": np.array([m.seq for m in batch.metas], dtype=np.int64),
-                      **wire.key_table([m.key for m in batch.metas]),
-                      "probabilities": np.asarray(batch.probabilities, dtype=np.float64),
-                      "weights": np.asarray(batch.weights, dtype=np.float64), "rows": batch.rows}
+            rowed = [batch]
+            while len(rowed) < batches and not isinstance(batch, SequenceBatch):
+                try:
+                    more = await buf.sample(n, True, self.abandoned, presample=False)
+                except WouldBlock:
+                    break
+                self.held.append(more)  # (one without rows is never handed out: it counts as drawn)
+                if more.rows is None:
+                    break
+                rowed.append(more)
+            metas = [m for b in rowed for m in b.metas]
+            tables = {"seqs": np.array([m.seq for m in metas], dtype=np.int64),
+                      **wire.key_table([m.key for m in metas]),
+                      "probabilities": np.concatenate([np.asarray(b.probabilities, dtype=np.float64) for b in rowed]),
+                      "weights": np.concatenate([np.asarray(b.weights, dtype=np.float64) for b in rowed]),
+                      "rows": np.concatenate([b.rows for b in rowed]),  # type: ignore[misc]
+                      "sizes": np.array([len(b.metas) for b in rowed], dtype=np.int64)}
             if isinstance(batch, SequenceBatch):
                 tables["mask"] = batch.mask
             return wire.pack_tables(_rows_meta(buf.layout), tables)
@@ -314,8 +330,8 @@ class ClientSession:
 
     def release(self) -> None:
         """The client is done with the last batch: entries it spent go now."""
-        batch, self.batch = self.batch, None
-        if batch is not None:
+        held, self.held = self.held, []
+        for batch in held:
             self.buffer.release(batch)
 
     def close(self) -> None:

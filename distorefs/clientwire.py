@@ -31,8 +31,8 @@ import numpy as np
 PROTOCOL = 2  # 2: a draw may answer with the batch's rows
 
 HELLO = 1  # reply: {"protocol", "lmdb", "buffer", "read_only"}
-DRAW = 2  # payload: u32 n, u8 nonblocking; reply: entry tables + draw columns, or
-# the batch's rows (a buffer that keeps rows, distorefs/rows.py)
+DRAW = 2  # payload: u32 n, u8 nonblocking[, u16 batches]; reply: entry tables + draw columns, or
+# the batches' rows (a buffer that keeps rows, distorefs/rows.py; `sizes`: each batch's entries)
 LOCATE = 3  # payload: int64 seqs; reply: entry tables of those still present (`present`)
 PRIORITIES = 4  # payload: key table + float64 priorities; no reply (the write fails on bad input)
 INSERT = 5  # payload: u16 key length, key, data; no reply (committed behind: see FLUSH)
@@ -55,6 +55,8 @@ FRAME = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
 _DRAW = struct.Struct("<IB")
 _KEYLEN = struct.Struct("<H")
+_U16 = struct.Struct("<H")
+MAX_DRAW_BATCHES = 16
 _U64 = struct.Struct("<Q")
 # segment, record offset, decoded size, stored size, checksum, codec, arrays, key length
 _STORED = struct.Struct("<IQQQIBHH")
@@ -90,15 +92,22 @@ def split_frame(data: bytes | bytearray | memoryview) -> tuple[int, memoryview]:
     return op, view[FRAME.size:]
 
 
-def draw_request(n: int, nonblocking: bool = False) -> bytes:
-    return frame(DRAW, _DRAW.pack(n, 1 if nonblocking else 0))
+def draw_request(n: int, nonblocking: bool = False, batches: int = 1) -> bytes:
+    """A draw of n; `batches` more than 1: as many draws of n, one after another, answered
+    together when the buffer keeps rows (fewer when it does not: see ClientSession.draw)."""
+    payload = _DRAW.pack(n, 1 if nonblocking else 0)
+    return frame(DRAW, payload + _U16.pack(batches) if batches > 1 else payload)
 
 
-def parse_draw(payload: memoryview) -> tuple[int, bool]:
-    if len(payload) != _DRAW.size:
-        raise WireError("a draw request is a u32 and a u8")
-    n, flags = _DRAW.unpack(payload)
-    return n, bool(flags & 1)
+def parse_draw(payload: memoryview) -> tuple[int, bool, int]:
+    """(n, nonblocking, batches)."""
+    if len(payload) not in (_DRAW.size, _DRAW.size + _U16.size):
+        raise WireError("a draw request is a u32, a u8 and maybe a u16")
+    n, flags = _DRAW.unpack_from(payload)
+    batches = _U16.unpack_from(payload, _DRAW.size)[0] if len(payload) > _DRAW.size else 1
+    if not 1 <= batches <= MAX_DRAW_BATCHES:
+        raise WireError(f"a draw asks for 1..{MAX_DRAW_BATCHES} batches, not {batches}")
+    return n, bool(flags & 1), batches
 
 
 def insert_request(key: bytes, data: bytes | bytearray | memoryview) -> bytes:

@@ -45,6 +45,9 @@ SENDS_AHEAD = 2  # writes of inserts handed to the sender thread and not sent ye
 SPOOL_MIN_BYTES = 16 << 10
 SMALL_BATCH = 256 << 10  # a batch of values up to this many bytes is gathered field by field
 RECENT_BATCHES = 4  # batches whose keys update_priorities knows by their sequence numbers
+# Batches drawn ahead per request (read_ahead, a buffer that keeps rows): the thread hand-offs
+# and the daemon's requests per batch halve; priorities written reach the draws two batches on.
+READ_AHEAD_BATCHES = 2
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,6 +187,36 @@ def _stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes]
     return out
 
 
+def _with_draw_columns(out: dict[str, np.ndarray], probabilities: np.ndarray, weights: np.ndarray
+                       ) -> dict[str, np.ndarray]:
+    out["probabilities"] = probabilities.astype(np.float64)
+    out["weights"] = weights.astype(np.float64)
+    return out
+
+
+def _rows_parts(meta: dict, arrays: dict) -> list[tuple]:
+    """The batches of a rows reply (one, or several drawn ahead: `sizes`), each as the
+    arguments of `_rows_batch`."""
+    layout = _layout(json.dumps(meta["layout"]))
+    keys = wire.keys_of(arrays)
+    mask = arrays.get("mask")
+    sizes = arrays["sizes"].tolist() if "sizes" in arrays else [len(keys)]
+    if len(sizes) == 1:  # (sequences: probabilities and weights are per sequence, not per step)
+        return [(layout, arrays["rows"], keys, arrays["seqs"], mask, arrays["probabilities"], arrays["weights"])]
+    parts, at = [], 0
+    for size in sizes:
+        cut = slice(at, at + size)
+        parts.append((layout, arrays["rows"][cut], keys[cut], arrays["seqs"][cut], None,
+                      arrays["probabilities"][cut], arrays["weights"][cut]))
+        at += size
+    return parts
+
+
+def _rows_batch(layout: Layout, rows: np.ndarray, keys: list[bytes], seqs: np.ndarray, mask: np.ndarray | None,
+                probabilities: np.ndarray, weights: np.ndarray) -> dict[str, np.ndarray]:
+    return _with_draw_columns(stack_rows(layout, rows, keys, seqs, mask), probabilities, weights)
+
+
 class ClientBuffer:
     """buffers/NAME of a mounted store, read from the caller's process (see module docstring)."""
 
@@ -203,6 +236,7 @@ class ClientBuffer:
         self._ahead: int | None = None  # n of the batch drawn ahead (read_ahead)
         self._recent: collections.deque = collections.deque(maxlen=RECENT_BATCHES)  # (keys, seqs) handed out
         self._drawn: memoryview | OSError | None = None  # its reply, once the sender thread read it
+        self._kept: list[tuple[int, tuple]] = []  # batches of a reply not handed out yet (read ahead)
         self.counters = {"draws": 0, "rows": 0, "redraws": 0, "relocated": 0, "read_through_mount": 0}
         self._spool: Spool | None = None
         self._retired_spools: list[Spool] = []  # full ones, closed with the session
@@ -234,7 +268,7 @@ class ClientBuffer:
             self.channel, self.reader = fresh.channel, fresh.reader
             self._lock, self._queue_lock = threading.RLock(), threading.Lock()
             self._pending, self._pending_bytes = [], 0
-            self._ahead, self._drawn = None, None  # the parent's session's
+            self._ahead, self._drawn, self._kept = None, None, []  # the parent's session's
             self._spool, self._retired_spools, self._no_spool = None, [], None  # the parent's session's
             self._ask_spool_again = False
             self._sends, self._send_error, self._inserts = None, None, 0
@@ -254,28 +288,40 @@ class ClientBuffer:
         interpreter while the caller trains.)"""
         self._check_fork()
         ahead = self.read_ahead and not nonblocking
-        if ahead:
-            self._drain()  # the write that asked for the batch drawn ahead went (the sender thread's)
         with self._lock:
-            batch = None
-            drawn, self._ahead = self._ahead, None
-            reply, self._drawn = self._drawn, None
-            if isinstance(reply, OSError) and not isinstance(reply, BlockingIOError):
-                raise reply  # the write that carried it failed (a priority refused, say): told now
-            # BlockingIOError: drawn ahead before min_size_to_sample entries were there: draw now, waiting
-            if isinstance(reply, memoryview) and drawn == n and not nonblocking:
-                batch = self._draw(n, False, reply)
-            if batch is None:
-                batch = self._draw(n, nonblocking)
+            kept = None
+            if ahead and self._kept:
+                if self._kept[0][0] == n:
+                    kept = self._kept.pop(0)[1]
+                else:
+                    self._kept.clear()  # batches of another size: drawn, never taken
+        if kept is not None:
+            batch = _rows_batch(*kept)
+        else:
             if ahead:
-                self._ahead = n
+                self._drain()  # the write that asked for the batches drawn ahead went (the sender thread's)
+            with self._lock:
+                batch = None
+                drawn, self._ahead = self._ahead, None
+                reply, self._drawn = self._drawn, None
+                if isinstance(reply, OSError) and not isinstance(reply, BlockingIOError):
+                    raise reply  # the write that carried it failed (a priority refused, say): told now
+                # BlockingIOError: drawn ahead before min_size_to_sample entries were there: draw now, waiting
+                if isinstance(reply, memoryview) and drawn == n and not nonblocking:
+                    batch = self._draw(n, False, reply)
+                if batch is None:
+                    batch = self._draw(n, nonblocking)
+        with self._lock:
             if batch["keys"].ndim == 1:  # (not sequences: their keys are (N, L))
                 self._recent.append((batch["keys"], batch["seqs"]))
-        if ahead:
+            send = ahead and not self._kept and self._ahead is None
+            if send:
+                self._ahead = n
+        if send:
             # Written by the sender thread, with the priorities queued: the caller goes on at
             # once. Nonblocking: a draw ahead never waits in the daemon (nor keeps a process
             # from exiting).
-            self._hand_off(wire.draw_request(n, True))
+            self._hand_off(wire.draw_request(n, True, READ_AHEAD_BATCHES))
         return batch
 
     def _draw(self, n: int, nonblocking: bool, reply: memoryview | None = None) -> dict[str, np.ndarray]:
@@ -288,11 +334,12 @@ class ClientBuffer:
                     meta, arrays = wire.unpack_tables(reply)
                     reply = None
                 self.counters["draws"] += 1
-                if meta.get("rows"):  # the daemon keeps this buffer's rows: the batch is in the reply
-                    self.counters["rows"] += 1
-                    out = stack_rows(_layout(json.dumps(meta["layout"])), arrays["rows"], wire.keys_of(arrays),
-                                     arrays["seqs"], arrays.get("mask"))
-                    return self._with_draw_columns(out, arrays)
+                if meta.get("rows"):  # the daemon keeps this buffer's rows: the batches are in the reply
+                    parts = _rows_parts(meta, arrays)
+                    self.counters["rows"] += len(parts)
+                    self.counters["draws"] += len(parts) - 1
+                    self._kept = [(n, part) for part in parts[1:]]  # read ahead: taken by the next samples
+                    return _rows_batch(*parts[0])
                 arrays = wire.entry_columns(arrays)
                 self.reader.learn_segments(meta["segments"])
                 keys = wire.keys_of(arrays)
@@ -411,9 +458,7 @@ class ClientBuffer:
 
     @staticmethod
     def _with_draw_columns(out: dict[str, np.ndarray], arrays: dict) -> dict[str, np.ndarray]:
-        out["probabilities"] = arrays["probabilities"].astype(np.float64)
-        out["weights"] = arrays["weights"].astype(np.float64)
-        return out
+        return _with_draw_columns(out, arrays["probabilities"], arrays["weights"])
 
     # ----- priorities -------------------------------------------------------------------------
 

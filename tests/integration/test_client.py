@@ -6,6 +6,7 @@ pipelined inserts acknowledged by flush, and the file path as a fallback."""
 from __future__ import annotations
 
 import glob
+import io
 import os
 import subprocess
 import sys
@@ -382,6 +383,30 @@ def test_priorities_of_a_batch_go_to_the_entries_drawn(buf):
     assert prios[first] != 9.0
     assert all(prios[k] == 9.0 for k in set(batch["keys"].tolist()) - {first})
     assert get_stats(buf)["priority_unknown_keys"] == 1
+
+
+def test_read_ahead_of_rows_draws_two_batches_a_request(buf):
+    """A buffer that keeps rows answers a read-ahead with two batches, drawn one after
+    another: each is whole and right, handed out in turn; priorities still arrive."""
+    _fill_prioritized(buf, 50)
+    with open_buffer(buf, direct=True, read_ahead=True) as client:
+        for step in range(20):
+            batch = client.sample(16)
+            assert batch["obs"].shape == (16, 4, 3) and batch["probabilities"].shape == (16,)
+            for key, obs, action, offsets in zip(batch["keys"].tolist(), batch["obs"], batch["action"].tolist(),
+                                                 batch["entry_offsets"]):
+                with np.load(io.BytesIO(_npz_entry(int(key[1:])))) as want:
+                    assert np.array_equal(obs, want["obs"]) and action == int(want["action"])
+                    assert np.array_equal(offsets, want["offsets"])
+            client.update_priorities(batch["keys"], np.full(16, 1.0 + step))
+        # the first drawn at once, then a request for two at every other step (b2..b21)
+        assert client.counters["rows"] == client.counters["draws"] == 21
+        assert get_stats(buf)["batches"] == 21
+        assert client.sample(8)["keys"].shape == (8,)  # another size: the one kept goes, drawn now
+        client.flush()
+    assert get_stats(buf)["batches"] == 24  # and two of 8 ahead, sent before close() ended
+    prios = [float(line.split()[1]) for line in (buf / "priorities").read_text().splitlines()]
+    assert max(prios) == 20.0
 
 
 def test_a_client_killed_inside_a_read_leaves_no_reader_slot(fresh_mount):

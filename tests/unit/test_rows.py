@@ -135,3 +135,29 @@ def test_a_removed_buffer_gives_its_table_back(tmp_path):
         await store.drop_buffer("b")
         assert cache.reserved_bytes == 0
     run(tmp_path / "s", body)
+
+
+def test_a_draw_of_several_batches_answers_them_together(tmp_path):
+    """DRAW with `batches`: as many draws, one after another, in one answer (`sizes`), all
+    held until the session's next draw; a count out of range is refused."""
+    async def body(store):
+        import pytest
+        buf = await store.create_buffer("b", DIR)
+        await store.configure("buffers", "b", b'{"presample_batches": 0, "max_times_sampled": 1}')
+        for i in range(30):
+            await buf.insert(b"k%02d" % i, transition(i), OWNER)
+        session = store.client_session(buf, OWNER)
+        op, payload = wire.split_frame(wire.draw_request(8, batches=3))
+        meta, t = wire.unpack_tables(await session.request(op, payload))
+        assert meta["rows"] and t["sizes"].tolist() == [8, 8, 8] and len(session.held) == 3
+        keys = wire.keys_of(t)
+        assert len(set(keys)) == 24  # max_times_sampled 1: the three draws took different entries
+        assert buf.stats()["batches"] == 3
+        op, payload = wire.split_frame(wire.draw_request(6, batches=2))  # 6 left: one batch
+        meta, t = wire.unpack_tables(await session.request(op, payload))
+        assert t["sizes"].tolist() == [6] and not set(wire.keys_of(t)) & set(keys)
+        import struct
+        for bad in (0, wire.MAX_DRAW_BATCHES + 1):
+            with pytest.raises(wire.WireError):
+                wire.parse_draw(memoryview(struct.pack("<IBH", 4, 0, bad)))
+    run(tmp_path / "s", body)
