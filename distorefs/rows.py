@@ -125,7 +125,7 @@ class BufferRows:
         self.layout: Layout | None = None
         self.places = SlotPlaces(0)
         self.table: SlotRows | None = None
-        self._refused = False  # the memory tier had no room for the table
+        self._refused = True  # no table to make: no layout yet, one too wide, or no room for it
         self._swept = False  # every entry without its row was asked for once
         self._wanted: set[int] = set()  # slots whose rows are to be read from their values
         self._reading = False
@@ -133,7 +133,8 @@ class BufferRows:
     def configure(self, layout: Layout | None, places: SlotPlaces) -> None:
         """The buffer's layout (and the places of its entries' arrays) changed."""
         self.close()
-        self.layout, self.places, self._refused = layout, places, False
+        self.layout, self.places = layout, places
+        self._refused = not SlotRows.fits(layout)  # (a wide layout: never a table)
 
     def close(self) -> None:
         """No table (its bytes back to the memory tier), nothing wanted."""
@@ -144,7 +145,7 @@ class BufferRows:
         self._swept = False
 
     def _made(self) -> SlotRows | None:
-        if self.table is None and not self._refused and SlotRows.fits(self.layout):
+        if self.table is None and not self._refused:
             table = SlotRows(self.layout, self.cache)  # type: ignore[arg-type]
             if table.grow(len(self.ring.slot_meta)):
                 self.table = table
