@@ -64,6 +64,15 @@ def test_the_memory_tier_holds_what_the_tables_leave():
     assert cache.peek("b") is not None and cache.peek("d") is not None and cache.used_bytes == 600
 
 
+async def filled(store, count: int, config: bytes = b'{"presample_batches": 0}'):
+    """Buffer `b` of `store` with `config` and `count` transitions k000, k001 ..."""
+    buf = await store.create_buffer("b", DIR)
+    await store.configure("buffers", "b", config)
+    for i in range(count):
+        await buf.insert(b"k%03d" % i, transition(i), OWNER)
+    return buf
+
+
 async def draw(session, n: int):
     op, payload = wire.split_frame(wire.draw_request(n))
     return wire.unpack_tables(await session.request(op, payload))
@@ -71,18 +80,15 @@ async def draw(session, n: int):
 
 def test_rows_follow_commits_evictions_and_rewrites(tmp_path):
     async def body(store):
-        buf = await store.create_buffer("b", DIR)
-        await store.configure("buffers", "b", b'{"capacity": 10, "presample_batches": 0}')
-        for i in range(15):  # the first five evicted
-            await buf.insert(b"k%02d" % i, transition(i), OWNER)
-        await buf.insert(b"k12", transition(99), OWNER)  # a rewrite: its row is the new value's
+        buf = await filled(store, 15, b'{"capacity": 10, "presample_batches": 0}')  # the first five evicted
+        await buf.insert(b"k012", transition(99), OWNER)  # a rewrite: its row is the new value's
         session = store.client_session(buf, OWNER)
         for _ in range(5):
             meta, t = await draw(session, 32)
             assert meta["rows"] and "locs" not in t
             batch = stack_rows(Layout.from_json(meta["layout"]), t["rows"], wire.keys_of(t), t["seqs"])
             for key, obs, action in zip(batch["keys"].tolist(), batch["obs"], batch["action"].tolist()):
-                i = 99 if key == "k12" else int(key[1:])
+                i = 99 if key == "k012" else int(key[1:])
                 assert i >= 5 and action == i and (obs == i).all(), key
         assert buf.stats()["rows"]["filled"] == 10
     run(tmp_path / "s", body)
@@ -90,10 +96,7 @@ def test_rows_follow_commits_evictions_and_rewrites(tmp_path):
 
 def test_rows_of_a_reopened_store_are_read_back_before_draws_answer_with_them(tmp_path):
     async def fill(store):
-        buf = await store.create_buffer("b", DIR)
-        await store.configure("buffers", "b", b'{"presample_batches": 0}')
-        for i in range(300):
-            await buf.insert(b"k%03d" % i, transition(i), OWNER)
+        await filled(store, 300)
 
     async def reopened(store):
         buf = store.buffers["b"]
@@ -115,10 +118,7 @@ def test_rows_of_a_reopened_store_are_read_back_before_draws_answer_with_them(tm
 
 def test_a_buffer_whose_rows_do_not_fit_keeps_none(tmp_path):
     async def body(store):
-        buf = await store.create_buffer("b", DIR)
-        await store.configure("buffers", "b", b'{"presample_batches": 0}')
-        for i in range(40):
-            await buf.insert(b"k%02d" % i, transition(i), OWNER)
+        buf = await filled(store, 40)
         assert buf.rows.table is None and buf.stats()["rows"] is None
         meta, t = await draw(store.client_session(buf, OWNER), 8)
         assert not meta.get("rows") and len(wire.keys_of(t)) == 8
@@ -142,10 +142,7 @@ def test_a_draw_of_several_batches_answers_them_together(tmp_path):
     held until the session's next draw; a count out of range is refused."""
     async def body(store):
         import pytest
-        buf = await store.create_buffer("b", DIR)
-        await store.configure("buffers", "b", b'{"presample_batches": 0, "max_times_sampled": 1}')
-        for i in range(30):
-            await buf.insert(b"k%02d" % i, transition(i), OWNER)
+        buf = await filled(store, 30, b'{"presample_batches": 0, "max_times_sampled": 1}')
         session = store.client_session(buf, OWNER)
         op, payload = wire.split_frame(wire.draw_request(8, batches=3))
         meta, t = wire.unpack_tables(await session.request(op, payload))
