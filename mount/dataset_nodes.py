@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pyfuse3
+import trio
 
 from distorefs.dataset import DIR, FILE, LINK, ROOT_DIR, SEALED, Dataset, DirRec, Item
 from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted,
@@ -446,6 +447,7 @@ class ItemReader(Handle):
         # the kernel served the reads from pages an earlier open left in its cache.
         self.accounted = not ds.sealed or item.size == 0
         self.counted = False  # the open was a prefetch hit (the value here, or pushed ahead)
+        self._loading: trio.Event | None = None  # a READ is loading the value: others wait for it
         if ds.sealed:
             self.data, self.counted = ds.prefetcher.take_nowait(item.id)
             self.accounted = self.accounted or self.counted
@@ -455,8 +457,19 @@ class ItemReader(Handle):
     async def read(self, off: int, size: int):
         ds, item = self.ds, self.item
         self.accounted = True
-        if self.data is None and ds.whole_in_memory(item):
-            self.data = await ds.read_item(item, ask_prefetcher=not self.counted)
+        while self.data is None and ds.whole_in_memory(item):
+            if self._loading is not None:  # the kernel sent READs of this open side by side
+                await self._loading.wait()  # (as long as that READ's own load: bounded by it)
+                continue
+            # One load for all of them, so that the open is counted once (a hit, late or a
+            # miss), not once per READ that found no value yet.
+            self._loading = trio.Event()
+            ask, self.counted = not self.counted, True  # (a READ after a failed load: not counted again)
+            try:
+                self.data = await ds.read_item(item, ask_prefetcher=ask)
+            finally:
+                self._loading.set()
+                self._loading = None
         if self.data is not None:
             return memoryview(self.data)[off:off + size]
         return await ds.read_range(item, off, size)
