@@ -45,7 +45,7 @@ from .backends.segments import LOCATION
 from .batch import Batch, SequenceBatch
 from .buffer import Buffer
 from .dataset import Dataset
-from .errors import DistorefsError, InvalidArgument, WouldBlock
+from .errors import DistorefsError, InvalidArgument
 from .layout import Layout
 from .owner import Owner
 from .placement import TIER_NVME
@@ -150,7 +150,7 @@ class ClientSession:
             while len(rowed) < batches and not isinstance(batch, SequenceBatch):
                 try:
                     more = await buf.sample(n, True, self.abandoned, presample=False)
-                except WouldBlock:
+                except DistorefsError:  # too few entries left, the rate limiter, ...: the first ones answer
                     break
                 self.held.append(more)  # (one without rows is never handed out: it counts as drawn)
                 if more.rows is None:
