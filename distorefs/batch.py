@@ -37,6 +37,7 @@ from .catalog import EntryMeta
 from .codec import crc32_combine
 from .layout import Layout, batch_name
 from .names import escape_key
+from .rows import field_columns
 
 # A stacked member up to this size is joined once and checksummed whole: cheaper than one CRC
 # combination per entry, and a READ of it is one slice. A whole file up to it is one buffer.
@@ -325,12 +326,11 @@ def _row_members(layout: Layout, rows: np.ndarray, sequences: bool,
                  lead: tuple[int, ...] | None = None) -> list[Member]:
     """The stacked fields of entries given as rows (N, width), each field's bytes side by
     side in the layout's order; shaped (*lead, *shape) (`lead`: (N,) unless given)."""
-    members, at = [], 0
-    for f in layout.fields:
+    members = []
+    for f, column in field_columns(layout, rows):
         head = npy_header(f.dtype, (*(lead or (len(rows),)), *f.shape))
-        data = np.ascontiguousarray(rows[:, at:at + f.nbytes]).tobytes()
+        data = column.tobytes()
         members.append(Member(batch_name(f, sequences) + ".npy", head, Blob(data), crc32(data, crc32(head))))
-        at += f.nbytes
     return members
 
 

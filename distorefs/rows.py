@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .cache import ValueCache
-from .layout import Layout, SlotPlaces
+from .layout import Field, Layout, SlotPlaces
 
 if TYPE_CHECKING:
     from .catalog import EntryMeta
@@ -42,6 +42,11 @@ def row_spans(layout: Layout) -> list[tuple[int, int]]:
         spans.append((at, f.nbytes))
         at += f.nbytes
     return spans
+
+
+def field_columns(layout: Layout, rows: np.ndarray) -> list[tuple[Field, np.ndarray]]:
+    """Each field of `layout` with its bytes in `rows` (N, width): (N, its bytes), contiguous."""
+    return [(f, np.ascontiguousarray(rows[:, at:at + n])) for f, (at, n) in zip(layout.fields, row_spans(layout))]
 
 
 class SlotRows:

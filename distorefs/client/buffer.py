@@ -29,6 +29,7 @@ from ..backends.crc import crc32
 from ..errors import CorruptValue, NotFound
 from ..layout import Layout, batch_name
 from ..names import check_name
+from ..rows import field_columns
 from .channel import Channel
 from .spool import Spool
 from .storereader import StoreReader, Wanted, store_reader, segment_of
@@ -118,14 +119,8 @@ def stack_rows(layout: Layout, rows: np.ndarray, keys: list[bytes], seqs: np.nda
                mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """`stack` of entries given as rows (N, width): each entry's fields side by side, in the
     layout's order (distorefs/rows.py), as a draw of a buffer that keeps rows answers."""
-    n = len(rows)
-    out: dict[str, np.ndarray] = {}
-    at = 0
-    for f in layout.fields:
-        nbytes = f.nbytes
-        out[batch_name(f, mask is not None)] = np.ascontiguousarray(rows[:, at:at + nbytes]).view(
-            np.dtype(f.dtype)).reshape((n, *f.shape))
-        at += nbytes
+    out = {batch_name(f, mask is not None): column.view(np.dtype(f.dtype)).reshape((len(rows), *f.shape))
+           for f, column in field_columns(layout, rows)}
     out.update(_keys_and_seqs(keys, seqs))
     return _padded(out, mask)
 
@@ -454,10 +449,8 @@ class ClientBuffer:
         layout = meta.get("layout")
         out = stack(_layout(json.dumps(layout)) if layout is not None else None,  # field order: as given
                     arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"], arrays.get("mask"), crcs)
-        return self._with_draw_columns(out, arrays) if "probabilities" in arrays else out  # a draw's, not a get's
-
-    @staticmethod
-    def _with_draw_columns(out: dict[str, np.ndarray], arrays: dict) -> dict[str, np.ndarray]:
+        if "probabilities" not in arrays:  # a get's, not a draw's
+            return out
         return _with_draw_columns(out, arrays["probabilities"], arrays["weights"])
 
     # ----- priorities -------------------------------------------------------------------------
