@@ -253,8 +253,8 @@ class Snapshot:
 
     def read(self, wanted: list[Wanted], verify: bool = True) -> list[bytes | memoryview | Exception]:
         """As StoreReader.read; an uncompressed LMDB value is a verified view into the map,
-        and so is an uncompressed segment value. `verify` False: an uncompressed segment
-        value is not checked here (its record's header is): the caller checks the bytes it
+        and so is an uncompressed segment value. `verify` False: an uncompressed value is
+        not checked here (a segment record's header is): the caller checks the bytes it
         copies out of it (the arrays of a batch, against their CRC-32s) as it copies them,
         so that they are read from memory once."""
         out: list[bytes | memoryview | Exception] = []
@@ -275,7 +275,8 @@ class Snapshot:
                 view = get(w.loc)
                 if view is None:
                     out.append(Missing(f"{w.what}: not in LMDB any more"))
-                elif w.codec == codec.RAW and len(view) == w.stored_size == w.size and codec.checksum(view) == w.checksum:
+                elif w.codec == codec.RAW and len(view) == w.stored_size == w.size and (
+                        not verify or codec.checksum(view) == w.checksum):
                     out.append(view)
                 else:
                     out.append(_decode(view, w, None))

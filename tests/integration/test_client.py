@@ -546,3 +546,30 @@ def test_read_ahead_never_waits_in_the_daemon(buf):
     t0 = time.monotonic()
     client.close()  # the draw ahead found nothing and did not wait
     assert time.monotonic() - t0 < 2
+
+
+def test_damage_in_an_lmdb_array_is_named_by_a_big_batch(fresh_mount):
+    """A batch over 256 KB of values kept in LMDB uses them in place and checks each array
+    as it copies it, not each whole value first: a damaged byte in an array is still named."""
+    m = fresh_mount()
+    buf = m.buffer("lmdbbig", {"capacity": 100, "presample_batches": 0, "sampler": "fifo"})
+    frames = [np.random.default_rng(i).integers(0, 256, 40_000, dtype=np.uint8) for i in range(10)]
+    for i, frame in enumerate(frames):
+        out = io.BytesIO()
+        np.save(out, frame)
+        write_entry(buf, f"f{i}", out.getvalue())  # 40 KB: under segment_threshold, kept in LMDB
+    with open_buffer(buf, direct=True) as client:
+        assert np.array_equal(client.sample(10)["data"], np.stack(frames))
+    m.umount()
+    pattern = frames[5][1000:5096].tobytes()
+    with open(m.store / "meta" / "data.mdb", "r+b") as f:
+        data = f.read()
+        at = data.find(pattern)
+        assert at >= 0, "f5's array was not found in LMDB"
+        f.seek(at + 100)
+        f.write(bytes([data[at + 100] ^ 0xFF]))
+    m.mount()
+    with open_buffer(buf, direct=True) as client:
+        with pytest.raises(CorruptValue) as info:
+            client.sample(10)
+        assert "buffers/lmdbbig/entries/f5" in str(info.value)
