@@ -30,6 +30,7 @@ from ..errors import CorruptValue, NotFound
 from ..layout import Layout, batch_name
 from ..names import check_name
 from ..rows import field_columns
+from .batchmemory import BatchMemory
 from .channel import Channel
 from .spool import Spool
 from .storereader import StoreReader, Wanted, store_reader, segment_of
@@ -105,14 +106,15 @@ class RowMismatch(Exception):
 
 def stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes], keys: list[bytes],
           seqs: np.ndarray, mask: np.ndarray | None = None,
-          crcs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+          crcs: np.ndarray | None = None, memory: BatchMemory | None = None) -> dict[str, np.ndarray]:
     """Entries as `batch/N.npz` holds them: each field of `layout` stacked (`places`: where
     each entry's fields start, (N, fields)), or raw (`data`, `offsets`); `keys`, `seqs`.
     `mask` (sequences): the entries are the real steps of mask.shape sequences and steps, row
     by row; fields, keys and seqs are (N, L, ...), padded as batch/N.npz pads them.
     `crcs` (N, fields): each array's CRC-32, checked on its copy in the batch, where it is
-    still in the CPU's cache (RowMismatch); for values not verified when read."""
-    return _padded(_stack(layout, places, values, keys, seqs, mask is not None, crcs), mask)
+    still in the CPU's cache (RowMismatch); for values not verified when read. `memory`: where
+    big arrays are made (memory of earlier batches the caller let go of)."""
+    return _padded(_stack(layout, places, values, keys, seqs, mask is not None, crcs, memory), mask)
 
 
 def stack_rows(layout: Layout, rows: np.ndarray, keys: list[bytes], seqs: np.ndarray,
@@ -147,7 +149,8 @@ def _padded(out: dict[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np
 
 
 def _stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes], keys: list[bytes],
-           seqs: np.ndarray, sequences: bool, crcs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+           seqs: np.ndarray, sequences: bool, crcs: np.ndarray | None = None,
+           memory: BatchMemory | None = None) -> dict[str, np.ndarray]:
     n = len(values)
     out: dict[str, np.ndarray] = {}
     if layout is not None and places is not None:
@@ -165,7 +168,7 @@ def _stack(layout: Layout | None, places: np.ndarray | None, values: list[bytes]
                 index = (starts + places[:, j])[:, None] + np.arange(nbytes, dtype=np.int64)
                 stacked = joined[index].view(np.dtype(f.dtype)).reshape((n, *f.shape))
             else:
-                stacked = np.empty((n, *f.shape), dtype=np.dtype(f.dtype))
+                stacked = (memory.empty if memory is not None else np.empty)((n, *f.shape), np.dtype(f.dtype))
                 rows = stacked.reshape(n, -1).view(np.uint8).reshape(n, nbytes)
                 want = crcs[:, j].tolist() if crcs is not None else None
                 for i, (value, off) in enumerate(zip(values, places[:, j].tolist())):
@@ -232,6 +235,7 @@ class ClientBuffer:
         self._recent: collections.deque = collections.deque(maxlen=RECENT_BATCHES)  # (keys, seqs) handed out
         self._drawn: memoryview | OSError | None = None  # its reply, once the sender thread read it
         self._kept: list[tuple[int, tuple]] = []  # batches of a reply not handed out yet (read ahead)
+        self._memory = BatchMemory()  # big batches' arrays, in memory of batches let go of
         self.counters = {"draws": 0, "rows": 0, "redraws": 0, "relocated": 0, "read_through_mount": 0}
         self._spool: Spool | None = None
         self._retired_spools: list[Spool] = []  # full ones, closed with the session
@@ -448,7 +452,8 @@ class ClientBuffer:
                   crcs: np.ndarray | None = None) -> dict[str, np.ndarray]:
         layout = meta.get("layout")
         out = stack(_layout(json.dumps(layout)) if layout is not None else None,  # field order: as given
-                    arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"], arrays.get("mask"), crcs)
+                    arrays.get("places"), values, wire.keys_of(arrays), arrays["seqs"], arrays.get("mask"), crcs,
+                    self._memory)
         if "probabilities" not in arrays:  # a get's, not a draw's
             return out
         return _with_draw_columns(out, arrays["probabilities"], arrays["weights"])
@@ -648,6 +653,7 @@ class ClientBuffer:
                     for spool in self._retired_spools + ([self._spool] if self._spool is not None else []):
                         spool.close()
         self.reader.close()
+        self._memory.clear()
 
     def __enter__(self) -> "ClientBuffer":
         return self

@@ -119,3 +119,32 @@ def test_damage_in_a_spooled_array_is_named_by_a_big_batch(fresh_mount):
         with pytest.raises(CorruptValue) as info:
             client.sample(10)
         assert "buffers/big/entries/f5" in str(info.value)
+
+
+def test_a_held_big_batch_keeps_its_arrays_while_later_batches_reuse_memory_let_go_of(fresh_mount):
+    """Big batches are made in memory of earlier batches the caller let go of (BatchMemory):
+    a batch the learner still holds (or a view of it) is never written over by the next draws."""
+    m = fresh_mount()
+    buf = m.buffer("held", {"capacity": 100, "presample_batches": 0, "sampler": "uniform"})
+    frames = {f"f{i}": np.random.default_rng(i).integers(0, 256, 40_000, dtype=np.uint8) for i in range(40)}
+    with open_buffer(buf, direct=True) as client:
+        for key, frame in frames.items():
+            client.insert(key, frame)
+        client.flush()
+
+        def check(batch):
+            for row, key in zip(batch["data"], batch["keys"].tolist()):
+                assert np.array_equal(row, frames[key]), key
+
+        held = client.sample(32)  # 1.3 MB of data: made by BatchMemory
+        view = client.sample(32)["data"][5:9]  # a view of a batch let go of: keeps it too
+        view_then = view.copy()
+        for _ in range(10):
+            batch = client.sample(32)
+            check(batch)
+            check(held)
+        del batch
+        assert client._memory.reused > 0  # the let-go batches' memory was used again
+        check(client.sample(32))
+        check(held)
+        assert np.array_equal(view, view_then)
