@@ -14,6 +14,8 @@ d) inserts of 113 KB entries from 4 actor processes: the client (pipelined, a fl
    32 inserts, as Reverb's writers are flushed) and the file path (np.save into entries/).
    Reverb's pipelined trajectory writers measured 9,322/s here (the issue's figure: Reverb
    is not installed on this machine, so it is not remeasured). Target: >= 1.0x Reverb.
+   Beside it, the store's disk written durably (1 GiB, write + fdatasync) in 113 KB
+   entries/s: a flush() returns once its inserts' bytes are on that disk.
 e) one shuffled epoch of a dataset of 10 KB items (100,000; --quick 10,000), 4 reader
    processes, cold (with --drop-caches): MountedDataset reading the store's files (the
    order declared as EpochSampler does), MountedDataset through the mount, and the plain
@@ -122,6 +124,26 @@ def _cpprb(count: int, n: int, seconds: float, result) -> None:
     result.put(out)
 
 
+def _disk_write(root: Path, nbytes: int = 1 << 30) -> dict:
+    """The store's disk, written as a durable insert writes it: 1 MiB writes of incompressible
+    bytes then fdatasync (dd conv=fdatasync). 113 KB inserts acknowledged by flush() cannot
+    outrun it for long: their bytes are on this disk when flush() returns."""
+    block = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    path = root / "disk-write.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(nbytes // len(block)):
+            os.write(fd, block)
+        os.fdatasync(fd)
+        seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink()
+    mb_per_s = nbytes / 1e6 / seconds
+    return {"mb_per_s": round(mb_per_s, 1), "entries_per_s": round(mb_per_s * 1e6 / np.prod(FRAME), 1)}
+
+
 def _run_procs(workers: _Workers, ctx, target, argsets: list[tuple], timeout: float) -> list[dict]:
     """Start one process per argument tuple (each gets `ready` and `result` appended), let
     them go together, and gather their results."""
@@ -226,6 +248,8 @@ def format_table(res: dict) -> str:
          f.get("sample_256_2_processes"), c.get("sample_256_1_process"), "client, 1 process", ">= 1.6x"),
         ("inserts of 113 KB, 4 actor processes (entries/s)", c.get("inserts_4_actors_per_s"),
          f.get("inserts_4_actors_per_s"), REVERB_INSERTS, "Reverb (issue's figure)", ">= 1.0x"),
+        ("  the store's disk, write + fdatasync (113 KB/s)", None, None,
+         (res.get("disk") or {}).get("entries_per_s"), "1 GiB, 1 MiB writes", ""),
         ("dataset epoch, 10 KB items, 4 readers, cold (items/s)",
          ((res.get("dataset") or {}).get("client") or {}).get("items_per_s"),
          ((res.get("dataset") or {}).get("files") or {}).get("items_per_s"),
@@ -297,6 +321,8 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, only: tuple
             except Exception as exc:
                 errors.append(f"113 KB {system}: {type(exc).__name__}: {exc}")
         if "frames" in phases:
+            res["disk"] = _disk_write(root)
+            print(f"  the store's disk: {res['disk']}", flush=True)
             result = ctx.Queue()
             workers = _Workers(ctx)
             try:
