@@ -141,7 +141,7 @@ def _disk_write(root: Path, nbytes: int = 1 << 30) -> dict:
         os.close(fd)
         path.unlink()
     mb_per_s = nbytes / 1e6 / seconds
-    return {"mb_per_s": round(mb_per_s, 1), "entries_per_s": round(mb_per_s * 1e6 / np.prod(FRAME), 1)}
+    return {"mb_per_s": round(mb_per_s, 1), "entries_per_s": round(mb_per_s * 1e6 / float(np.prod(FRAME)), 1)}
 
 
 def _run_procs(workers: _Workers, ctx, target, argsets: list[tuple], timeout: float) -> list[dict]:
