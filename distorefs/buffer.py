@@ -380,7 +380,8 @@ class Buffer(RingNamespace):
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(batch.metas)
         self._record_sampled(batch.metas)
-        if presample:
+        if presample:  # this daemon reads the batch's values (not a client beside it)
+            ring.note_read()
             self._schedule_presample(n)
         return batch
 

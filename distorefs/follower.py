@@ -149,6 +149,7 @@ class ApplyInsert(Change):
                 self.ring.apply_remove(victim, "evictions")
             return
         self.ring.apply_written(self.victims, self.old, self.meta, self.priority)
+        self.ring.fetch_applied(self.meta)
 
 
 class Follower:

@@ -213,6 +213,48 @@ def test_a_learner_reads_ahead_from_the_cluster_in_pipelines(nodes):
     assert spent <= 16, (spent, stats)
 
 
+def _memory_misses(node: Mount) -> int:
+    return json.loads((node.mnt / ".distorefs" / "stats.json").read_bytes())["memory"]["cache"]["misses"]
+
+
+def test_a_reading_node_fetches_new_entries_of_other_nodes_as_they_are_applied(nodes):
+    """A node that draws batches from a shared buffer fetches the values other nodes insert
+    while their records are applied, those applied together in one pipeline (distorefs/ring.py
+    Ring.fetch_applied): its next batches find every value in its memory tier instead of
+    fetching new ones one or two at a time as they are drawn. A node that does not read the
+    buffer fetches none."""
+    a, learner, idle = nodes(), nodes(), nodes()
+    buf = make_buffer(a, "fresh")
+    first = [f"a{i:02d}" for i in range(8)]
+    for key in first:
+        put(buf, key, npy(int(key[1:])))
+    lb, ib = learner.mnt / "buffers/fresh", idle.mnt / "buffers/fresh"
+    assert wait_for(lambda: lb.is_dir() and ib.is_dir() and entries(lb) == first and entries(ib) == first)
+    with np.load(lb / "batch" / "4.npz") as z:  # the learner's node now reads this buffer
+        assert len(z["keys"]) == 4
+    for key in first:  # and has every value so far in its memory tier
+        assert np.load(lb / "entries" / key)[0] == int(key[1:])
+    later = [f"b{i:02d}" for i in range(30)]
+    for key in later:
+        put(buf, key, npy(100 + int(key[1:])))
+    assert wait_for(lambda: entries(lb) == sorted(first + later))
+    wait_for(lambda: json.loads((lb / "stats.json").read_bytes()).get("fetched_applied", 0) >= len(later), 5.0)
+    misses = _memory_misses(learner)
+    seen: set[str] = set()
+    for _ in range(12):
+        with np.load(lb / "batch" / "16.npz") as z:
+            keys = [k.decode() if isinstance(k, bytes) else str(k) for k in z["keys"]]
+            data = z["data"] if "data" in z.files else z[z.files[0]]
+            for key, row in zip(keys, data):
+                assert (row == (100 if key[0] == "b" else 0) + int(key[1:])).all(), (key, row)
+            seen.update(keys)
+    assert seen & set(later), seen
+    assert _memory_misses(learner) == misses  # every value drawn was in the memory tier
+    stats = json.loads((lb / "stats.json").read_bytes())
+    assert stats["fetched_applied"] == len(later) and stats["fetched_applied_bytes"] == len(later) * len(npy(0)), stats
+    assert json.loads((ib / "stats.json").read_bytes())["fetched_applied"] == 0
+
+
 def test_kill9_of_a_daemon_loses_nothing_and_others_go_on(nodes):
     a, b = nodes(), nodes()
     make_buffer(a, "dur")
