@@ -37,8 +37,12 @@ def put(buf: Path, key: str, data: bytes) -> None:
 
 
 
-def entries(buf: Path) -> list[str]:
-    return sorted(os.listdir(buf / "entries"))
+def entries(buf: Path) -> list[str] | None:
+    """The buffer's entry names; None while the buffer has not reached this node."""
+    try:
+        return sorted(os.listdir(buf / "entries"))
+    except FileNotFoundError:
+        return None
 
 
 def make_buffer(node: Mount, name: str, config: str | None = None) -> Path:

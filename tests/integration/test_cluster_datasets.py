@@ -151,7 +151,8 @@ def test_the_python_client_reads_a_shared_dataset_and_buffer(nodes, tmp_path):
     for i in range(8):
         with open(a.mnt / "buffers" / "rb" / "entries" / f"k{i}", "wb") as f:
             np.save(f, np.full(3, i, dtype=np.int64))
-    assert wait_for(lambda: len(os.listdir(b.mnt / "buffers" / "rb" / "entries")) == 8, 10.0)
+    bb = b.mnt / "buffers" / "rb" / "entries"
+    assert wait_for(lambda: bb.is_dir() and len(os.listdir(bb)) == 8, 10.0)  # the buffer reaches b first
     with open_buffer(b.mnt / "buffers" / "rb") as buf:
         batch = buf.sample(16)
         assert len(batch["keys"]) == 16
