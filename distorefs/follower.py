@@ -55,7 +55,9 @@ from .waiting import Outcome
 log = logging.getLogger(__name__)
 
 APPLY_WAIT_S = 10.0
-LINGER_S = 0.05
+# 0.2 s, not 0.05: a learner's node beside 2 nodes inserting 145 entries/s kept 0.89-0.94
+# of its rate with the others idle, against 0.87-0.90 (fewer reads, commits and hand-offs)
+LINGER_S = 0.2
 READ_COUNT = 512
 READ_BLOCK_MS = 500
 POSITION_KEY = b"cluster_pos"
