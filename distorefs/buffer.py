@@ -381,7 +381,7 @@ class Buffer(RingNamespace):
         self.counters["sampled_entries"] += len(batch.metas)
         self._record_sampled(batch.metas)
         if presample:  # this daemon reads the batch's values (not a client beside it)
-            ring.note_read()
+            ring.note_read(len(batch.metas))
             self._schedule_presample(n)
         return batch
 

@@ -44,10 +44,39 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A ring counts as read on this node for this long after its last batch drawn here: new
-# entries other nodes insert meanwhile are fetched as they are applied (Ring.fetch_applied).
-READING_S = 5.0
-FETCH_PENDING = 4096  # entries waiting for such a fetch at most; older ones are left to their draw
+READING_S = 5.0  # the window of _Reading
+FETCH_PENDING = 4096  # entries waiting for Ring.fetch_applied's fetch at most; older ones are left to their draw
+
+
+class _Reading:
+    """What this node drew from a ring and what other nodes added to it, over the last
+    READING_S to 2 x READING_S: new values are worth fetching as they are applied while the
+    node draws at least as many entries as are added (a learner's node). A node that draws
+    less (an evaluator now and then) fetches at most as many values as it draws, and a node
+    that does not draw fetches none."""
+
+    def __init__(self) -> None:
+        self.start = float("-inf")  # time.monotonic() the current window began
+        self.drawn = self.added = 0
+        self.before = (0, 0)  # (drawn, added) of the window before
+
+    def _roll(self) -> None:
+        now = time.monotonic()
+        if now - self.start > READING_S:
+            self.before = (self.drawn, self.added) if now - self.start <= 2 * READING_S else (0, 0)
+            self.drawn = self.added = 0
+            self.start = now
+
+    def drew(self, entries: int) -> None:
+        self._roll()
+        self.drawn += entries
+
+    def add_worth_fetching(self) -> bool:
+        """Count an entry another node added; True if its value is worth fetching now."""
+        self._roll()
+        self.added += 1
+        drawn = self.drawn + self.before[0]
+        return drawn > 0 and drawn >= self.added + self.before[1]
 
 
 class RingObserver(Protocol):
@@ -111,7 +140,7 @@ class Ring:
         self._shared_busy = False  # a task is publishing the queue
         self._shared_progress = trio.Event()  # set when a batch is published or that task stops
         self._spawn = services.spawn
-        self._read_at = float("-inf")  # time.monotonic() of the last batch drawn here
+        self._reading = _Reading()
         self._fetch_pending: list[EntryMeta] = []
         self._fetching = False  # a task fetches _fetch_pending
         self._publishing: set[bytes] = set()  # keys this node is inserting: their values are here
@@ -168,18 +197,20 @@ class Ring:
         """What ValueLayer.fetch takes to read `meta`'s value."""
         return self._cache_key(meta), meta.value, self._what(meta)
 
-    def note_read(self) -> None:
-        """A batch was drawn here, and this daemon reads its values."""
-        self._read_at = time.monotonic()
+    def note_read(self, entries: int) -> None:
+        """A batch of `entries` was drawn here, and this daemon reads its values."""
+        self._reading.drew(entries)
 
     def fetch_applied(self, meta: EntryMeta) -> None:
         """A new entry of a shared ring, applied from the cluster's log. While this node
         reads the ring, its value is fetched into the memory tier now, together with the
         others applied meanwhile (one pipeline, one thread hand-off), instead of alone when
         a batch first draws it: that costs a hand-off and a round trip per one or two values
-        and made a learner beside 2 inserting nodes lose 15-20 % of its rate. A node that
-        does not read the ring (an actor's) fetches nothing."""
-        if time.monotonic() - self._read_at > READING_S or meta.key in self._publishing:
+        and made a learner beside 2 inserting nodes lose 15-20 % of its rate. Only while
+        the node draws at least as many entries as the others add (`_Reading`): so it never
+        fetches more values than it draws, and a node that does not draw (an actor's)
+        fetches none."""
+        if meta.key in self._publishing or not self._reading.add_worth_fetching():
             return
         pending = self._fetch_pending
         pending.append(meta)

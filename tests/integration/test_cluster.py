@@ -225,23 +225,26 @@ def test_a_reading_node_fetches_new_entries_of_other_nodes_as_they_are_applied(n
     """A node that draws batches from a shared buffer fetches the values other nodes insert
     while their records are applied, those applied together in one pipeline (distorefs/ring.py
     Ring.fetch_applied): its next batches find every value in its memory tier instead of
-    fetching new ones one or two at a time as they are drawn. A node that does not read the
-    buffer fetches none."""
-    a, learner, idle = nodes(), nodes(), nodes()
+    fetching new ones one or two at a time as they are drawn. It does so while it draws at
+    least as many entries as the others insert: a node that draws fewer fetches at most what
+    it draws, and a node that does not read the buffer fetches none."""
+    a, learner, evaluator, idle = nodes(), nodes(), nodes(), nodes()
     buf = make_buffer(a, "fresh")
     first = [f"a{i:02d}" for i in range(8)]
     for key in first:
         put(buf, key, npy(int(key[1:])))
-    lb, ib = learner.mnt / "buffers/fresh", idle.mnt / "buffers/fresh"
-    assert wait_for(lambda: lb.is_dir() and ib.is_dir() and entries(lb) == first and entries(ib) == first)
-    with np.load(lb / "batch" / "4.npz") as z:  # the learner's node now reads this buffer
-        assert len(z["keys"]) == 4
-    for key in first:  # and has every value so far in its memory tier
+    lb, eb, ib = (n.mnt / "buffers/fresh" for n in (learner, evaluator, idle))
+    assert wait_for(lambda: all(entries(b) == first for b in (lb, eb, ib)))
+    with np.load(lb / "batch" / "64.npz") as z:  # the learner's node now reads this buffer
+        assert len(z["keys"]) == 64
+    with np.load(eb / "batch" / "2.npz") as z:  # the evaluator's, now and then
+        assert len(z["keys"]) == 2
+    for key in first:  # the learner has every value so far in its memory tier
         assert np.load(lb / "entries" / key)[0] == int(key[1:])
     later = [f"b{i:02d}" for i in range(30)]
     for key in later:
         put(buf, key, npy(100 + int(key[1:])))
-    assert wait_for(lambda: entries(lb) == sorted(first + later))
+    assert wait_for(lambda: all(entries(b) == sorted(first + later) for b in (lb, eb, ib)))
     wait_for(lambda: json.loads((lb / "stats.json").read_bytes()).get("fetched_applied", 0) >= len(later), 5.0)
     misses = _memory_misses(learner)
     seen: set[str] = set()
@@ -256,6 +259,7 @@ def test_a_reading_node_fetches_new_entries_of_other_nodes_as_they_are_applied(n
     assert _memory_misses(learner) == misses  # every value drawn was in the memory tier
     stats = json.loads((lb / "stats.json").read_bytes())
     assert stats["fetched_applied"] == len(later) and stats["fetched_applied_bytes"] == len(later) * len(npy(0)), stats
+    assert json.loads((eb / "stats.json").read_bytes())["fetched_applied"] <= 2
     assert json.loads((ib / "stats.json").read_bytes())["fetched_applied"] == 0
 
 
