@@ -302,7 +302,7 @@ class Ring:
 
     async def warm(self, meta: EntryMeta) -> "WarmResult":
         """Load an entry's value into the memory tier (distorefs warmup)."""
-        return await self.values.warm([(self._cache_key(meta), meta.value, self._what(meta))])
+        return await self.values.warm([self.fetch_item(meta)])
 
     def prefetch_loader(self, keys: list[tuple[int, int]]) -> list[bytes | None]:
         """The prefetcher's loader (worker thread): values not in the memory tier already,
