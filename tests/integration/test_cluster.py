@@ -170,8 +170,16 @@ def test_max_times_sampled_holds_across_nodes(nodes):
         (entries(buf), entries(b.mnt / "buffers/lim"))
 
 
+def _stats(node: Mount) -> dict:
+    return json.loads((node.mnt / ".distorefs" / "stats.json").read_bytes())
+
+
 def _cluster_stats(node: Mount) -> dict:
-    return json.loads((node.mnt / ".distorefs" / "stats.json").read_bytes())["cluster"]
+    return _stats(node)["cluster"]
+
+
+def _buffer_stats(buf: Path) -> dict:
+    return json.loads((buf / "stats.json").read_bytes())
 
 
 def test_a_node_that_only_follows_applies_in_batches(nodes):
@@ -217,10 +225,6 @@ def test_a_learner_reads_ahead_from_the_cluster_in_pipelines(nodes):
     assert spent <= 16, (spent, stats)
 
 
-def _memory_misses(node: Mount) -> int:
-    return json.loads((node.mnt / ".distorefs" / "stats.json").read_bytes())["memory"]["cache"]["misses"]
-
-
 def test_a_reading_node_fetches_new_entries_of_other_nodes_as_they_are_applied(nodes):
     """A node that draws batches from a shared buffer fetches the values other nodes insert
     while their records are applied, those applied together in one pipeline (distorefs/ring.py
@@ -245,8 +249,8 @@ def test_a_reading_node_fetches_new_entries_of_other_nodes_as_they_are_applied(n
     for key in later:
         put(buf, key, npy(100 + int(key[1:])))
     assert wait_for(lambda: all(entries(b) == sorted(first + later) for b in (lb, eb, ib)))
-    wait_for(lambda: json.loads((lb / "stats.json").read_bytes()).get("fetched_applied", 0) >= len(later), 5.0)
-    misses = _memory_misses(learner)
+    wait_for(lambda: _buffer_stats(lb).get("fetched_applied", 0) >= len(later), 5.0)
+    misses = _stats(learner)["memory"]["cache"]["misses"]
     seen: set[str] = set()
     for _ in range(12):
         with np.load(lb / "batch" / "16.npz") as z:
@@ -256,11 +260,11 @@ def test_a_reading_node_fetches_new_entries_of_other_nodes_as_they_are_applied(n
                 assert (row == (100 if key[0] == "b" else 0) + int(key[1:])).all(), (key, row)
             seen.update(keys)
     assert seen & set(later), seen
-    assert _memory_misses(learner) == misses  # every value drawn was in the memory tier
-    stats = json.loads((lb / "stats.json").read_bytes())
+    assert _stats(learner)["memory"]["cache"]["misses"] == misses  # every value drawn was in the memory tier
+    stats = _buffer_stats(lb)
     assert stats["fetched_applied"] == len(later) and stats["fetched_applied_bytes"] == len(later) * len(npy(0)), stats
-    assert json.loads((eb / "stats.json").read_bytes())["fetched_applied"] <= 2
-    assert json.loads((ib / "stats.json").read_bytes())["fetched_applied"] == 0
+    assert _buffer_stats(eb)["fetched_applied"] <= 2
+    assert _buffer_stats(ib)["fetched_applied"] == 0
 
 
 def test_kill9_of_a_daemon_loses_nothing_and_others_go_on(nodes):
