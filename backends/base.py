@@ -56,9 +56,12 @@ class ValueBackend(ABC):
     name: str  # "lmdb" or "nvme"
 
     @abstractmethod
-    def put(self, txn: Txn, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
+    def put(self, txn: Txn, vkey: bytes, data: bytes | memoryview, stream: int = 0,
+            direct: bool = False) -> bytes:
         """Store ``data``; return an opaque location (bytes). ``stream`` groups values that
-        age together (a ring's); a tier may keep each stream's values apart."""
+        age together (a ring's); a tier may keep each stream's values apart. ``direct``: the
+        bytes are read back rarely (a checkpoint's), so a tier may write them past the page
+        cache."""
 
     @abstractmethod
     def get(self, loc: bytes) -> bytes:

@@ -33,7 +33,8 @@ class LmdbValues(ValueBackend):
         env.db(DB_TIERMETA)
         self.recent_live = 0
 
-    def put(self, txn: Txn, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
+    def put(self, txn: Txn, vkey: bytes, data: bytes | memoryview, stream: int = 0,
+            direct: bool = False) -> bytes:
         if not 0 < len(vkey) <= _MAX_KEY:
             raise BadRequest(f"vkey must be 1..{_MAX_KEY} bytes, got {len(vkey)}")
         size = memoryview(data).nbytes

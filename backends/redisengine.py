@@ -300,7 +300,8 @@ class ClusterValues(ValueBackend):
         self._deleter: threading.Thread | None = None
         self._closing = False
 
-    def put(self, txn: Txn | None, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
+    def put(self, txn: Txn | None, vkey: bytes, data: bytes | memoryview, stream: int = 0,
+            direct: bool = False) -> bytes:
         return self.put_many([data])[0]
 
     def put_many(self, datas: Sequence[bytes | memoryview]) -> list[bytes]:

@@ -42,6 +42,18 @@ aborted (or never committed) are dead space. Each process start appends to
 fresh segments, so a torn tail from a crash is always at the end of a file and
 a scan stops there cleanly.
 
+Direct writes: a put marked `direct` (bytes read back rarely, a checkpoint's) of at least
+``DIRECT_MIN`` bytes is written with O_DIRECT, past the page cache: it fills no cache, is on
+the device when put returns (its write cache aside: ``sync()`` still flushes), and costs the
+writer no page allocation (on a VM whose fresh memory is slow to touch, buffered writes of
+new bytes ran at 0.35 GB/s, direct ones at 2 GB/s). Such a record starts on a
+``DIRECT_ALIGN`` boundary and its end is padded to the next one; each gap is filled with a
+pad record (an empty name and zero data: nothing refers to it, so it is dead space a scan
+walks over like an aborted put's). A record of that size that starts on the boundary is
+read back the same way, through one of a few aligned buffers (a buffered record that lies
+so by chance is read right too). A file system that refuses O_DIRECT (tmpfs before 6.6)
+gets buffered writes, logged once, and buffered reads.
+
 Spools: a client beside the mount may append records itself, to a segment of its own
 (``open_spool``), in the record format above (``record_header``). Its records become values
 only when the daemon adopts them (``adopt``, in the caller's transaction: the header is
@@ -60,6 +72,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import re
 import struct
@@ -82,6 +95,11 @@ _SEG_KEY = struct.Struct(">I")  # big-endian so the db iterates in segment order
 _SEG_VAL = struct.Struct("<QQQI")  # live bytes, total bytes, live records, stream
 _NAME = re.compile(r"^seg-(\d+)\.dat$")
 _MAX_VKEY = 0xFFFF
+DIRECT_ALIGN = 4096  # the file offset, length and memory alignment O_DIRECT asks of a write
+DIRECT_MIN = 1 << 20  # smaller values go through the page cache: a copy costs them little
+_STAGE_BYTES = 8 << 20  # the aligned buffer direct writes go through
+_READ_STAGES = 4  # aligned buffers direct reads go through (more readers at once read buffered)
+_READ_STAGE_MAX = 64 << 20  # a bigger record is read buffered
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +140,21 @@ class SegmentInfo:
 
 
 class _Stream:
-    """The segment one stream appends to."""
+    """The segment one stream appends to (`dfd`: its O_DIRECT fd, -1 until a direct put)."""
 
-    __slots__ = ("seg", "fd", "offset")
+    __slots__ = ("seg", "fd", "offset", "dfd")
 
     def __init__(self, seg: int, fd: int, offset: int) -> None:
         self.seg = seg
         self.fd = fd
         self.offset = offset
+        self.dfd = -1
+
+    def close_direct(self) -> None:
+        # Nothing waits in the page cache for this fd: an fsync of `fd` covers its bytes.
+        if self.dfd >= 0:
+            os.close(self.dfd)
+            self.dfd = -1
 
 
 def record_header(vkey: bytes, data: bytes | memoryview, crc: int | None = None) -> bytes:
@@ -175,6 +200,43 @@ def _pwrite_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> No
             bufs[0] = bufs[0][n:]
 
 
+def _pad_length(offset: int) -> int:
+    """The length of the pad record from `offset` to an aligned one (0: aligned already; a
+    gap too short for a header takes the next boundary)."""
+    gap = -offset % DIRECT_ALIGN
+    return gap + DIRECT_ALIGN if 0 < gap < HEADER.size else gap
+
+
+def _pad_header(length: int) -> bytes:
+    return HEADER.pack(MAGIC, 0, length - HEADER.size, crc32(bytes(length - HEADER.size)))
+
+
+def _write_pad(fd: int, offset: int) -> int:
+    """Fill from `offset` to the next aligned offset with a pad record; its length."""
+    length = _pad_length(offset)
+    _pwrite_all(fd, (_pad_header(length), bytes(length - HEADER.size)), offset)
+    return length
+
+
+def _stage_write(fd: int, stage: memoryview, parts: Sequence[bytes | memoryview], offset: int) -> None:
+    """Write `parts` (their total a multiple of DIRECT_ALIGN) at the aligned `offset` of the
+    O_DIRECT `fd`, copied through the page-aligned `stage` a buffer at a time."""
+    fill = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            n = min(view.nbytes, stage.nbytes - fill)
+            stage[fill:fill + n] = view[:n]
+            fill += n
+            view = view[n:]
+            if fill == stage.nbytes:
+                _pwrite_all(fd, (stage,), offset)
+                offset += fill
+                fill = 0
+    if fill:
+        _pwrite_all(fd, (stage[:fill],), offset)
+
+
 def _pread_all(fd: int, size: int, offset: int) -> bytes:
     """pread up to ``size`` bytes; short only at end of file (Linux caps one call near 2 GiB)."""
     data = os.pread(fd, size, offset)
@@ -211,16 +273,45 @@ def read_record(fd: int, seg: int, off: int, size: int) -> tuple[bytes, int]:
     return data, crc
 
 
+def read_direct(fd: int, seg: int, off: int, size: int, stage: mmap.mmap) -> tuple[bytes, int]:
+    """`read_record` of a record written direct (it starts on a DIRECT_ALIGN boundary),
+    through the O_DIRECT `fd` into the page-aligned `stage` (as large as the padded record):
+    no page cache filled on the way, as none was on the way in."""
+    start = off - HEADER.size
+    span = -(-(HEADER.size + size) // DIRECT_ALIGN) * DIRECT_ALIGN
+    view = memoryview(stage)
+    try:
+        got = os.preadv(fd, [view[:span]], start)
+        if got < HEADER.size + size:
+            raise Damaged(f"segment {seg} offset {off}: short read ({got} of {HEADER.size + size})")
+        magic, _klen, dlen, crc = HEADER.unpack_from(view)
+        if magic != MAGIC or dlen != size:
+            raise Damaged(f"segment {seg} offset {off}: bad record header")
+        data = bytes(view[HEADER.size:HEADER.size + size])
+    finally:
+        view.release()
+    if crc32(data) != crc:
+        raise Damaged(f"segment {seg} offset {off}: checksum mismatch")
+    return data, crc
+
+
 class _Reader:
     """A cached read fd, reference-counted so that collect() never closes an fd
-    another thread is about to pread (the number could be reused)."""
+    another thread is about to pread (the number could be reused); `dfd`: its O_DIRECT
+    twin, for records written direct (-1 until one is read)."""
 
-    __slots__ = ("fd", "refs", "retired")
+    __slots__ = ("fd", "refs", "retired", "dfd")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.refs = 0
         self.retired = False
+        self.dfd = -1
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.dfd >= 0:
+            os.close(self.dfd)
 
 
 class SegmentValues(ValueBackend):
@@ -288,6 +379,10 @@ class SegmentValues(ValueBackend):
         # has no records at all, refuse to judge (it may be the wrong env).
         self._orphans = set(self._dir_of) - set(rows) if rows else set()
         self._closed = False
+        self._direct = True  # False once the file system refused O_DIRECT
+        self._stage: mmap.mmap | None = None  # page-aligned; used under _lock
+        self._read_stages: list[mmap.mmap] = []  # free ones (under _readers_lock)
+        self._read_staged = 0  # how many exist
 
     # -- paths ---------------------------------------------------------------
 
@@ -334,39 +429,80 @@ class SegmentValues(ValueBackend):
 
     # -- writes --------------------------------------------------------------
 
-    def put(self, txn: Txn, vkey: bytes, data: bytes | memoryview, stream: int = 0) -> bytes:
+    def put(self, txn: Txn, vkey: bytes, data: bytes | memoryview, stream: int = 0,
+            direct: bool = False) -> bytes:
         if len(vkey) > _MAX_VKEY:
             raise BadRequest(f"vkey longer than {_MAX_VKEY} bytes")
         view = memoryview(data).cast("B")
         size = view.nbytes
+        direct = direct and size >= DIRECT_MIN and self._direct
         record = HEADER.size + size + len(vkey)
+        room = record + (2 * (DIRECT_ALIGN + HEADER.size) if direct else 0)  # the pads around it
         with self._lock:
             if self._closed:
                 raise RuntimeError("SegmentValues is closed")
             st = self._streams.get(stream)
-            if st is None or (st.offset > 0 and st.offset + record > self.segment_bytes) \
-                    or self._room(self._dir_of[st.seg]) < record:
-                st = self._roll(stream, record)
+            if st is None or (st.offset > 0 and st.offset + room > self.segment_bytes) \
+                    or self._room(self._dir_of[st.seg]) < room:
+                st = self._roll(stream, room)
             seg, start = st.seg, st.offset
             try:
-                write_record(st.fd, start, vkey, view)
+                if direct:
+                    start, end = self._write_direct(st, vkey, view)
+                else:
+                    end = start + write_record(st.fd, start, vkey, view)
             except OSError as exc:
                 # Drop the torn record so the file stays walkable; the offset
                 # is not advanced, so the next put overwrites whatever remains.
                 try:
-                    os.ftruncate(st.fd, start)
+                    os.ftruncate(st.fd, st.offset)
                 except OSError:
                     pass
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise Full(f"{self._path(seg).parent}: no space for a {size}-byte value") from exc
                 raise
-            st.offset = start + record
-            self._dir_used[self._dir_of[seg]] += record
+            self._dir_used[self._dir_of[seg]] += end - st.offset
+            st.offset = end
             self._dirty.add(seg)
         # Accounting goes into the caller's txn: it commits or aborts together
         # with the reference to the location.
         self._account(txn, seg, size, 1, grow_total=True, stream=stream)
         return LOCATION.pack(seg, start + HEADER.size, size)
+
+    def _write_direct(self, st: _Stream, vkey: bytes, view: memoryview) -> tuple[int, int]:
+        """Write the record of `view` past the page cache at the stream's next aligned offset,
+        with pad records before and after it (caller holds _lock): (its start, its padded
+        end). Buffered instead if the file system refuses O_DIRECT."""
+        off = st.offset
+        if off % DIRECT_ALIGN:
+            off += _write_pad(st.fd, off)
+        if st.dfd < 0:
+            try:
+                st.dfd = os.open(self._path(st.seg), os.O_WRONLY | os.O_DIRECT)
+            except OSError as exc:
+                return off, off + self._refuse_direct(st, off, vkey, view, exc)
+        end = off + HEADER.size + view.nbytes + len(vkey)
+        tail = _pad_length(end)
+        parts: list[bytes | memoryview] = [record_header(vkey, view), view, vkey]
+        if tail:
+            parts += [_pad_header(tail), bytes(tail - HEADER.size)]
+        if self._stage is None:
+            self._stage = mmap.mmap(-1, _STAGE_BYTES)
+        try:
+            _stage_write(st.dfd, memoryview(self._stage), parts, off)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            return off, off + self._refuse_direct(st, off, vkey, view, exc)
+        return off, end + tail
+
+    def _refuse_direct(self, st: _Stream, off: int, vkey: bytes, view: memoryview, exc: OSError) -> int:
+        """The file system refused O_DIRECT: this record and every later one go buffered."""
+        log.warning("%s: direct writes refused (%s); values are written through the page cache",
+                    self._path(st.seg).parent, exc)
+        self._direct = False
+        st.close_direct()
+        return write_record(st.fd, off, vkey, view)
 
     def _roll(self, stream: int, record: int) -> _Stream:
         """Start the stream's next segment in the directory with the most room (caller holds
@@ -379,6 +515,7 @@ class SegmentValues(ValueBackend):
                           f"({', '.join(f'{self.dirs[j].path}: {r} bytes' for r, j in rooms)})")
         old = self._streams.pop(stream, None)
         if old is not None:
+            old.close_direct()
             self._retired[old.seg] = old.fd
         seg = self._next_seg
         self._next_seg += 1
@@ -490,9 +627,40 @@ class SegmentValues(ValueBackend):
             raise Damaged(f"segment location {loc.hex()} points inside a header")
         reader = self._acquire(seg)
         try:
+            if size >= DIRECT_MIN and self._direct and (off - HEADER.size) % DIRECT_ALIGN == 0:
+                stage = self._take_stage(HEADER.size + size)
+                if stage is not None:
+                    try:
+                        if reader.dfd < 0:
+                            reader.dfd = os.open(self._path(seg), os.O_RDONLY | os.O_DIRECT)
+                        return read_direct(reader.dfd, seg, off, size, stage)
+                    except OSError:
+                        pass  # refused (or failing): the buffered read below says what is wrong
+                    finally:
+                        self._give_stage(stage)
             return read_record(reader.fd, seg, off, size)
         finally:
             self._release(reader)
+
+    def _take_stage(self, need: int) -> mmap.mmap | None:
+        """An aligned buffer of at least `need` bytes for a direct read (None: read buffered)."""
+        if need > _READ_STAGE_MAX:
+            return None
+        with self._readers_lock:
+            for i, stage in enumerate(self._read_stages):
+                if len(stage) >= need:
+                    return self._read_stages.pop(i)
+            if self._read_staged < _READ_STAGES:
+                self._read_staged += 1
+            elif self._read_stages:
+                self._read_stages.pop(0).close()  # too small: replaced by one that fits
+            else:
+                return None
+        return mmap.mmap(-1, -(-need // _STAGE_BYTES) * _STAGE_BYTES)
+
+    def _give_stage(self, stage: mmap.mmap) -> None:
+        with self._readers_lock:
+            self._read_stages.append(stage)
 
     def _acquire(self, seg: int) -> _Reader:
         with self._readers_lock:
@@ -515,7 +683,7 @@ class SegmentValues(ValueBackend):
         with self._readers_lock:
             reader.refs -= 1
             if reader.retired and reader.refs == 0:
-                os.close(reader.fd)
+                reader.close()
 
     def _retire_reader(self, seg: int) -> None:
         with self._readers_lock:
@@ -523,13 +691,13 @@ class SegmentValues(ValueBackend):
             if reader is not None:
                 reader.retired = True
                 if reader.refs == 0:
-                    os.close(reader.fd)
+                    reader.close()
 
     def _evict_readers(self) -> None:
         """Keep at most max_open_readers cached fds (caller holds _readers_lock)."""
         excess = len(self._readers) - self._max_readers
         for seg in [s for s, r in self._readers.items() if r.refs == 0][: max(0, excess)]:
-            os.close(self._readers.pop(seg).fd)
+            self._readers.pop(seg).close()
 
     def records(self, seg: int) -> list[tuple[bytes, bytes]]:
         """(vkey, location) of every record physically in segment `seg`, live or dead, in file
@@ -597,6 +765,7 @@ class SegmentValues(ValueBackend):
         with self._lock:
             st = self._streams.pop(stream, None)
             if st is not None:
+                st.close_direct()
                 self._retired[st.seg] = st.fd
 
     def segment_of(self, loc: bytes) -> int | None:
@@ -713,6 +882,8 @@ class SegmentValues(ValueBackend):
             if self._closed:
                 return
             self._closed = True
+            for st in self._streams.values():
+                st.close_direct()
             fds = (list(self._retired.values()) + [st.fd for st in self._streams.values()]
                    + [sp.fd for sp in self._spools.values()])
             self._retired.clear()
@@ -724,5 +895,5 @@ class SegmentValues(ValueBackend):
             for reader in self._readers.values():
                 reader.retired = True
                 if reader.refs == 0:
-                    os.close(reader.fd)
+                    reader.close()
             self._readers.clear()

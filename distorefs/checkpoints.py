@@ -1531,7 +1531,8 @@ class PersistChunk(_CkptChange):
         txn.put(_GEN_KEY, _ID.pack(gen), db=self.db)
         # every stored chunk has its own value key: the LMDB tier's location *is* the key
         vkey = b"k" + _ID.pack(self.f.id) + _IDX.pack(self.index) + _ID.pack(gen)
-        self.chunk = values.put(txn, vkey, self.enc)
+        # a checkpoint is read back at a resume, if ever: its bytes skip the page cache
+        self.chunk = values.put(txn, vkey, self.enc, direct=True)
         txn.put(_ckey(self.f.id, self.index), self.chunk.pack(), db=self.db)
         if self.old is not None:
             self.tree.free(txn, self.old)

@@ -184,12 +184,14 @@ class ValueLayer:
 
     # ----- writes: inside a commit's transaction -------------------------------------
 
-    def put(self, txn: Txn, vkey: bytes, enc: codec.Encoded, *, stream: int = 0, cold: bool = False) -> StoredValue:
+    def put(self, txn: Txn, vkey: bytes, enc: codec.Encoded, *, stream: int = 0, cold: bool = False,
+            direct: bool = False) -> StoredValue:
         """Store one encoded value in the tier placement picks. `stream` groups values that
-        age together (a ring's); `cold`: it belongs behind its ring's demotion front."""
+        age together (a ring's); `cold`: it belongs behind its ring's demotion front;
+        `direct`: it is read back rarely (a checkpoint's chunk), so it skips the page cache."""
         stored = enc.stored
         tier = choose_tier(self.config, self.lmdb.live_bytes_in(txn), len(stored), cold)
-        loc = self.tiers[tier].put(txn, vkey, stored, stream=stream)
+        loc = self.tiers[tier].put(txn, vkey, stored, stream=stream, direct=direct)
         return StoredValue(enc.size, len(stored), enc.checksum, enc.codec, tier, loc)
 
     def adopt(self, txn: Txn, spooled: Spooled) -> StoredValue:

@@ -404,3 +404,121 @@ class TestSegmentValues(BackendConformance):
 
     def test_directory_mode(self, backend):
         assert backend.directory.stat().st_mode & 0o777 == 0o700
+
+    # -- direct writes (past the page cache) ---------------------------------
+
+    @staticmethod
+    def _put_direct(backend, vkey: bytes, data: bytes) -> bytes:
+        return backend.env.write(lambda txn: backend.put(txn, vkey, data, direct=True))
+
+    def test_direct_puts_between_buffered_ones_read_back_and_survive_a_reopen(self, tmp_path):
+        backend = self.make_backend(tmp_path, segment_bytes=64 << 20)
+        sizes = [("s1", 1000, False), ("d1", (3 << 20) + 5, True), ("s2", 777, False),
+                 ("d2", segments_mod.DIRECT_MIN, True), ("d3", (1 << 20) + 4096 - 18 - 2 - 5, True),
+                 ("small-direct", 5000, True), ("s3", 10, False)]
+        values = {name.encode(): os.urandom(size) for name, size, _ in sizes}
+        locs = {}
+        try:
+            for name, _, direct in sizes:
+                key = name.encode()
+                locs[key] = (self._put_direct if direct else self.put)(backend, key, values[key])
+            for key, loc in locs.items():
+                assert backend.get(loc) == values[key]
+                assert self.raw_read(backend, loc) == values[key]
+            for name, size, direct in sizes:
+                off = LOCATION.unpack(locs[name.encode()])[1] - HEADER.size
+                if direct and size >= segments_mod.DIRECT_MIN:
+                    assert off % segments_mod.DIRECT_ALIGN == 0, name
+            # the walk sees every record, the gaps as pad records with no name
+            seg = LOCATION.unpack(locs[b"s1"])[0]
+            walked = backend.records(seg)
+            named = [(vkey, loc) for vkey, loc in walked if vkey]
+            assert named == [(name.encode(), locs[name.encode()]) for name, _, _ in sizes]
+            pads = [loc for vkey, loc in walked if not vkey]
+            assert pads and all(set(self.raw_read(backend, loc)) <= {0} for loc in pads)
+            end = LOCATION.unpack(walked[-1][1])
+            assert end[1] + end[2] + len(walked[-1][0]) == _segment_path(backend.directory, seg).stat().st_size
+            assert backend.usage().live_bytes == sum(len(v) for v in values.values())
+            backend.sync()
+        finally:
+            self.close(backend)
+        backend = self.make_backend(tmp_path, segment_bytes=64 << 20)
+        try:
+            for key, loc in locs.items():
+                assert backend.get(loc) == values[key]
+        finally:
+            self.close(backend)
+
+    def test_a_direct_put_and_its_reads_leave_nothing_in_the_page_cache(self, tmp_path):
+        if _fs_type(tmp_path) == "tmpfs":
+            pytest.skip("tmpfs is the page cache: direct writes land there too")
+        backend = self.make_backend(tmp_path, segment_bytes=64 << 20)
+        try:
+            data = os.urandom(4 << 20)
+            direct = self._put_direct(backend, b"direct", data)
+            buffered = self.put(backend, b"buffered", data)
+            assert backend.get(direct) == data
+            assert backend.get(buffered) == data
+            assert _resident_pages(backend, direct) == 0
+            assert _resident_pages(backend, buffered) > 0  # the check can see cached pages
+        finally:
+            self.close(backend)
+
+    def test_a_file_system_refusing_direct_writes_gets_buffered_ones(self, tmp_path, monkeypatch):
+        backend = self.make_backend(tmp_path, segment_bytes=64 << 20)
+        real_open = os.open
+
+        def no_direct(path, flags, *args, **kwargs):
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(segments_mod.os, "open", no_direct)
+        try:
+            first = self.put(backend, b"a", b"a" * 100)
+            data = os.urandom(2 << 20)
+            loc = self._put_direct(backend, b"big", data)
+            again = self._put_direct(backend, b"big2", data)
+            assert backend.get(loc) == data and backend.get(again) == data
+            assert backend.get(first) == b"a" * 100
+            assert not backend._direct
+            seg = LOCATION.unpack(loc)[0]
+            assert [v for v, _ in backend.records(seg) if v] == [b"a", b"big", b"big2"]
+        finally:
+            self.close(backend)
+
+
+def _fs_type(path: Path) -> str:
+    """The type of the file system `path` is on (the longest mount point above it)."""
+    best, kind = "", ""
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[1].replace("\\040", " ")
+            if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
+def _resident_pages(backend: SegmentValues, loc: bytes) -> int:
+    """Pages of the value at `loc` in the page cache (mincore of a private map of its file)."""
+    import ctypes
+    import mmap
+
+    seg, off, size = LOCATION.unpack(loc)
+    page = mmap.PAGESIZE
+    path = _segment_path(backend.directory, seg)
+    first, last = off // page * page, min(-(-(off + size) // page) * page, path.stat().st_size)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), last - first, access=mmap.ACCESS_COPY, offset=first)
+    try:
+        vec = (ctypes.c_ubyte * -(-(last - first) // page))()
+        buf = ctypes.c_char.from_buffer(mm)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        assert libc.mincore(ctypes.addressof(buf), last - first, vec) == 0, ctypes.get_errno()
+        del buf
+        return sum(v & 1 for v in vec)
+    finally:
+        mm.close()
