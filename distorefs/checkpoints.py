@@ -101,6 +101,9 @@ _ID = struct.Struct(">Q")
 _IDX = struct.Struct(">I")
 _GEN_KEY = b"g"
 SEAL_TICK = 0.05
+# Chunks the persister works on at once: one joined and encoded in a worker thread while
+# another is written in the committer's transaction, so neither waits for the other.
+PERSIST_AHEAD = 3
 
 
 # ----- CRC-32 of a file from its chunks' CRCs ----------------------------------------------
@@ -474,7 +477,10 @@ class Checkpoints:
         self.committed = 0  # last file commit processed
         self.durable = 0  # every commit up to this ticket is on disk
         self._wanted: dict[int, int] = {}  # ticket -> fsync callers waiting for it to be durable
-        self._working = False  # the persister is on an item
+        self._working = False  # the persister is on a file commit, a sync or a recheck
+        self._inflight = 0  # chunks being persisted (at most PERSIST_AHEAD)
+        self._persisting: dict[CFile, int] = {}  # their files, with how many of each
+        self._landed = trio.Event()  # set (and replaced) each time one of them is done
         self._recheck = False  # a step was sealed: see whether it is complete
         self._unsealed: set[CStep] = set()
         self._sealed: set[CStep] = set()
@@ -560,7 +566,7 @@ class Checkpoints:
             if step.writers == 0:
                 self._seal(step)
         last, since = None, time.monotonic()
-        while self._queue or self._working or self._recheck or self.committed > self.durable:
+        while self._queue or self._working or self._inflight or self._recheck or self.committed > self.durable:
             now = (len(self._queue), self.committed, self.durable)
             if now != last:
                 last, since = now, time.monotonic()
@@ -575,32 +581,40 @@ class Checkpoints:
         self._wake.set()
 
     async def _persister(self) -> None:
-        """Takes the queue in order; syncs once what an fsync waits for is committed, when a
-        closed step only waits for a sync, or when the queue runs dry."""
-        while True:
-            try:
-                if self.committed > self.durable and (not self._queue or self._sync_helps()
-                                                      or min(self._wanted, default=self.committed + 1) <= self.committed):
-                    await self._sync()
-                elif self._recheck:
-                    await self._complete_steps()
-                elif self._queue:
-                    kind, file, arg = self._queue.popleft()
-                    self._working = True
-                    try:
+        """Takes the queue in order, up to PERSIST_AHEAD chunks at once; a file's commit
+        waits for its chunks. Syncs once what an fsync waits for is committed, when a closed
+        step only waits for a sync, or when the queue runs dry."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    dry = not self._queue and not self._inflight
+                    if self.committed > self.durable and (dry or self._sync_helps()
+                                                          or min(self._wanted, default=self.committed + 1)
+                                                          <= self.committed):
+                        await self._sync()
+                    elif self._recheck:
+                        await self._complete_steps()
+                    elif self._queue and (self._queue[0][0] != "chunk" or self._inflight < PERSIST_AHEAD):
+                        kind, file, arg = self._queue.popleft()
                         file.pending -= 1
                         if kind == "chunk":
-                            await self._persist_chunk(file, arg)
+                            self._inflight += 1
+                            self._persisting[file] = self._persisting.get(file, 0) + 1
+                            nursery.start_soon(self._persist_chunk, file, arg)
                         else:
-                            await self._commit_file(file, arg)
-                    finally:
-                        self._working = False
-                elif not (self.budget.waiting and self._evict()):
-                    await self._wake.wait()
-                    self._wake = trio.Event()
-            except Exception:  # never lose the daemon to a bug here
-                log.exception("checkpoint persister")
-                await trio.sleep(0.1)
+                            self._working = True
+                            try:
+                                while self._persisting.get(file):
+                                    await self._landed.wait()
+                                await self._commit_file(file, arg)
+                            finally:
+                                self._working = False
+                    elif not (self.budget.waiting and not self._queue and self._evict()):
+                        await self._wake.wait()  # (queued chunks free the budget once taken)
+                        self._wake = trio.Event()
+                except Exception:  # never lose the daemon to a bug here
+                    log.exception("checkpoint persister")
+                    await trio.sleep(0.1)
 
     def _sync_helps(self) -> bool:
         """A closed step has every file committed and waits only for a sync."""
@@ -1241,6 +1255,22 @@ class Checkpoints:
         return bool(freed or victims)
 
     async def _persist_chunk(self, f: CFile, index: int) -> None:
+        """A task of the persister's: one chunk into its tier; then the persister may take
+        the next."""
+        try:
+            await self._persist_one(f, index)
+        except Exception:  # never lose the persister to a bug here
+            log.exception("persisting chunk %d of %s", index, self.path_of(f))
+        finally:
+            left = self._persisting.pop(f) - 1
+            if left:
+                self._persisting[f] = left
+            self._inflight -= 1
+            self._landed.set()
+            self._landed = trio.Event()
+            self._kick()
+
+    async def _persist_one(self, f: CFile, index: int) -> None:
         buf = f.mem.get(index)
         if buf is None or not buf.queued or not f.attached:
             return
@@ -1253,6 +1283,12 @@ class Checkpoints:
         else:
             change = PersistChunk(self, f, index, memoryview(buf.data)[:buf.length])
         try:
+            # joined and encoded here, so that the committer's transaction (the write) of the
+            # chunk before runs meanwhile
+            try:
+                await trio.to_thread.run_sync(change.encode)
+            except Exception as exc:
+                raise exc if isinstance(exc, DistorefsError) else DistorefsError(f"encoding failed: {exc}")
             await self.committer.submit(change)
             self.counters["chunks_persisted"] += 1
             self.counters["bytes_persisted"] += buf.length
@@ -1513,7 +1549,9 @@ class PersistChunk(_CkptChange):
         self.old = self.f.stored.get(self.index)
         self.record = None if self.f.recorded else self.f.record()  # a new file: its record too
 
-    def prepare(self) -> None:
+    def encode(self) -> None:
+        """Join and encode the chunk (worker thread, before the change is submitted). The
+        buffer stays unchanged until `release`, so a chunk stored raw is written from it."""
         if self.join is not None:  # a chunk of pieces: one buffer first, without the GIL
             pieces, length, target = self.join
             self.view = join_pieces(pieces, length, target)
@@ -1522,7 +1560,7 @@ class PersistChunk(_CkptChange):
         if config.compression == "none":
             self.enc = codec.Encoded(view, codec.RAW, len(view), codec.checksum(view))  # type: ignore[arg-type]
         else:
-            self.enc = codec.encode(view, config.compression)
+            self.enc = codec.encode(view, config.compression, copy=False)
 
     def txn(self, txn) -> None:
         values = self.tree.values

@@ -58,7 +58,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 class Encoded:
     """A value as stored: its stored bytes, the codec used, raw size and checksum."""
 
-    stored: bytes
+    stored: bytes | memoryview  # a view only from encode(copy=False)
     codec: int
     size: int
     checksum: int
@@ -160,10 +160,16 @@ def checksums(data: bytes | memoryview, regions: list[tuple[int, int]]) -> tuple
 
 
 def encode(raw: bytes | bytearray | memoryview, compression: str = "zstd", level: int = 1,
-           crc: int | None = None) -> Encoded:
+           crc: int | None = None, copy: bool = True) -> Encoded:
     """Encode `raw` for storage (`crc`: its CRC-32, when known already). Runs in a worker
-    thread for large values."""
-    plain = raw if isinstance(raw, bytes) else bytes(raw)
+    thread for large values. `copy=False`: the caller keeps `raw` unchanged while the result
+    is used, so a value stored raw is not copied into bytes first (its `stored` is then a
+    view of `raw`)."""
+    plain: bytes | memoryview
+    if isinstance(raw, bytes):
+        plain = raw
+    else:
+        plain = bytes(raw) if copy else memoryview(raw)
     view = memoryview(plain)
     crc = checksum(view) if crc is None else crc
     size = len(view)

@@ -335,3 +335,38 @@ def test_big_chunks_use_recycled_buffers(tmp_path):
         assert ck.budget.used == 0 and ck.budget.used + ck.pool.free_bytes <= ck.budget.capacity
 
     run(tmp_path / "s", body)
+
+
+def test_the_persister_takes_several_chunks_at_once_and_commits_a_file_after_its_chunks(tmp_path):
+    files = {b"f%d" % i: payload(5 * 65536 + 1000 * i, 20 + i) for i in range(6)}
+
+    async def body(store):
+        ck, r, s = await new_step(store, b'{"chunk_bytes": 65536, "writeback_bytes": 8388608, "seal_after": 0}')
+        at_once = {"now": 0, "most": 0}
+        commits = []
+        persist_one, commit_file = ck._persist_one, ck._commit_file
+
+        async def counted(f, index):
+            at_once["now"] += 1
+            at_once["most"] = max(at_once["most"], at_once["now"])
+            try:
+                await persist_one(f, index)
+            finally:
+                at_once["now"] -= 1
+
+        async def commit(f, ticket):
+            commits.append((f.name, dict(f.mem), sorted(f.stored)))  # what its commit sees
+            await commit_file(f, ticket)
+
+        ck._persist_one, ck._commit_file = counted, commit
+        made = [await save(ck, s.id, name, data) for name, data in files.items()]
+        await ck.sync_dir(s)
+        assert at_once["most"] > 1  # one chunk joined and encoded while another is written
+        assert {name for name, _, _ in commits} == set(files)
+        for name, in_memory, stored in commits:
+            assert not in_memory and stored == list(range(-(-len(files[name]) // 65536))), name
+        assert ck.latest(r) is s and ck.budget.used == 0
+        for f in made:
+            assert await read_all(ck, f) == files[f.name]
+
+    run(tmp_path / "s", body)
