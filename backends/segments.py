@@ -265,12 +265,18 @@ def read_record(fd: int, seg: int, off: int, size: int) -> tuple[bytes, int]:
     if len(head) != HEADER.size or len(data) != size:
         raise Damaged(f"segment {seg} offset {off}: short read ({len(head) + len(data)} of "
                       f"{HEADER.size + size})")
+    return data, _checked(seg, off, size, head, data)
+
+
+def _checked(seg: int, off: int, size: int, head: bytes | memoryview, data: bytes) -> int:
+    """The CRC-32 of a record read whole (`head`: its header, `data`: its `size` bytes at
+    `off`) once both are checked; Damaged otherwise."""
     magic, _klen, dlen, crc = HEADER.unpack(head)
     if magic != MAGIC or dlen != size:
         raise Damaged(f"segment {seg} offset {off}: bad record header")
     if crc32(data) != crc:
         raise Damaged(f"segment {seg} offset {off}: checksum mismatch")
-    return data, crc
+    return crc
 
 
 def read_direct(fd: int, seg: int, off: int, size: int, stage: mmap.mmap) -> tuple[bytes, int]:
@@ -284,15 +290,10 @@ def read_direct(fd: int, seg: int, off: int, size: int, stage: mmap.mmap) -> tup
         got = os.preadv(fd, [view[:span]], start)
         if got < HEADER.size + size:
             raise Damaged(f"segment {seg} offset {off}: short read ({got} of {HEADER.size + size})")
-        magic, _klen, dlen, crc = HEADER.unpack_from(view)
-        if magic != MAGIC or dlen != size:
-            raise Damaged(f"segment {seg} offset {off}: bad record header")
-        data = bytes(view[HEADER.size:HEADER.size + size])
+        head, data = bytes(view[:HEADER.size]), bytes(view[HEADER.size:HEADER.size + size])
     finally:
         view.release()
-    if crc32(data) != crc:
-        raise Damaged(f"segment {seg} offset {off}: checksum mismatch")
-    return data, crc
+    return data, _checked(seg, off, size, head, data)
 
 
 class _Reader:

@@ -464,6 +464,25 @@ class TestSegmentValues(BackendConformance):
         finally:
             self.close(backend)
 
+    @pytest.mark.parametrize("where", [pytest.param(lambda off: off - HEADER.size, id="magic"),
+                                       pytest.param(lambda off: off + (1 << 20), id="data")])
+    def test_a_damaged_direct_record_raises_corrupt_value(self, tmp_path, where):
+        backend = self.make_backend(tmp_path, segment_bytes=64 << 20)
+        try:
+            loc = self._put_direct(backend, b"d", os.urandom(2 << 20))
+            seg, off, _ = LOCATION.unpack(loc)
+            with open(_segment_path(backend.directory, seg), "r+b") as f:
+                f.seek(where(off))
+                byte = f.read(1)
+                f.seek(where(off))
+                f.write(bytes([byte[0] ^ 0xFF]))
+                f.flush()
+                os.fsync(f.fileno())
+            with pytest.raises(Damaged):
+                backend.get(loc)
+        finally:
+            self.close(backend)
+
     def test_a_file_system_refusing_direct_writes_gets_buffered_ones(self, tmp_path, monkeypatch):
         backend = self.make_backend(tmp_path, segment_bytes=64 << 20)
         real_open = os.open
