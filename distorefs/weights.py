@@ -419,6 +419,12 @@ class WeightsTree:
         if node.kind != FILE:
             raise NotPermitted("not a file")
         version = self.version_at(node, gen)
+        if version is None and not node.attached:
+            # Replaced (a rename over it, here or on another node) or removed between the
+            # reader's lookup and this open, with no handle holding a version of it: an
+            # empty read would be a torn one. The kernel looks the name up again and opens
+            # what it names now.
+            raise Stale("the file was replaced or removed after it was looked up")
         # The page cache of inode `gen` holds its published content unless a draft is being
         # written through that very inode: readers then read past the cache (direct I/O).
         page_cache = not (node.draft is not None and node.draft_gen == gen)

@@ -54,3 +54,27 @@ def test_publish_read_versions_rename_and_persist(tmp_path):
         assert tree.stats()["versions"] == 2
 
     run(tmp_path / "s", read)
+
+
+def test_an_open_of_a_file_replaced_since_its_lookup_asks_for_the_name_again(tmp_path):
+    """tmp + rename from another process (or node) between a reader's lookup and its open:
+    the replaced file's versions are gone, so the open is Stale (the kernel then looks the
+    name up again and opens the new file) rather than an empty read."""
+    from distorefs.errors import Stale
+    import pytest
+
+    async def body(store):
+        tree = store.weights
+        model = await tree.mkdir(ROOT_ID, b"m", DIR)
+        old = await publish(tree, model.id, b"w.bin", DATA)
+        gen = old.gen  # what the reader's lookup found
+        await publish(tree, model.id, b"tmp", b"new" * 1000)
+        await tree.rename(model.id, b"tmp", model.id, b"w.bin")
+        await store.committer.drain()
+        with pytest.raises(Stale):
+            tree.open_read(old, gen)
+        new = tree.child(model.id, b"w.bin")
+        handle = tree.open_read(new, new.gen)  # what the second lookup finds
+        assert handle.version is not None and handle.version.size == 3000
+
+    run(tmp_path / "s", body)
