@@ -26,7 +26,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from tqdm import tqdm
 
@@ -191,25 +191,40 @@ def stage(src: str, dest: str, *, jobs: int = 8, seal: bool = True, progress: bo
     sealed `dest` is compared with `src` instead (report.identical, report.differs)."""
     dest_path = check_destination(dest)
     refused: list[str] = []
-    sources = read_list(src, allow_outside) if os.path.isfile(src) else list(walk(src, refused=refused))
+    # a tree is staged while it is listed: its first batches are copied meanwhile
+    listed = read_list(src, allow_outside) if os.path.isfile(src) else walk(src, refused=refused)
+    return stage_sources(_following(listed, follow_symlinks), dest_path, jobs=jobs, seal=seal,
+                         progress=progress, refused=refused)
+
+
+def _following(sources: Iterable[Source], follow: bool) -> Iterator[Source]:
     for s in sources:
-        s.follow = follow_symlinks
-    return stage_sources(sources, dest_path, jobs=jobs, seal=seal, progress=progress, refused=refused)
+        s.follow = follow
+        yield s
 
 
-def stage_sources(sources: list[Source], dest_path: Path, *, jobs: int = 8, seal: bool = True,
+def stage_sources(sources: Iterable[Source], dest_path: Path, *, jobs: int = 8, seal: bool = True,
                   progress: bool = True, refused: list[str] | None = None) -> StageReport:
-    """Stage `sources` (listed already) into the dataset directory `dest_path` (checked by
-    `check_destination`), then seal it; see `stage`."""
+    """Stage `sources` (a list, or a listing still under way) into the dataset directory
+    `dest_path` (checked by `check_destination`), then seal it; see `stage`. `refused`: what
+    the listing refused, read once it is over."""
     dest = str(dest_path)
     if not dest_path.exists():
         os.mkdir(dest_path)
     sealed = is_sealed(dest)
-    report = StageReport(files=len(sources), bytes=sum(s.size for s in sources), errors=list(refused or []))
+    report = StageReport()  # files and bytes counted as the sources come
     control = str(dest_path / ".stage")
     lock = threading.Lock()
-    bar = tqdm(total=report.bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                desc=f"staging {dest_path.name}", dynamic_ncols=True)
+
+    def counted() -> Iterator[Source]:
+        for s in sources:
+            with lock:
+                report.files += 1
+                report.bytes += s.size
+                bar.total += s.size
+            yield s
 
     def send(batch: list[Source]) -> None:
         fd = os.open(control, os.O_RDWR)
@@ -240,16 +255,17 @@ def stage_sources(sources: list[Source], dest_path: Path, *, jobs: int = 8, seal
 
     try:
         with ThreadPoolExecutor(jobs) as pool:
-            for future in [pool.submit(send, b) for b in batches(sources)]:
+            for future in [pool.submit(send, b) for b in batches(counted())]:
                 future.result()
     finally:
         bar.close()
+    report.errors[:0] = refused or []
     if sealed:
         items = int(os.getxattr(dest, "user.distorefs.items") or 0)
         report.sealed = True
-        report.identical = not report.errors and not report.differs and items == len(sources)
-        if items != len(sources) and not report.differs:
-            report.differs.append(f"the dataset holds {items} items, the source {len(sources)} files")
+        report.identical = not report.errors and not report.differs and items == report.files
+        if items != report.files and not report.differs:
+            report.differs.append(f"the dataset holds {items} items, the source {report.files} files")
         return report
     if seal and not report.errors:
         seal_dataset(dest)

@@ -250,3 +250,29 @@ def test_list_file_with_metadata_and_loader(fs, tmp_path):
     opens = {k: after[k] - before[k] for k in ("hits", "late", "page_cache", "misses")}
     assert sum(opens.values()) == reads, json.dumps(after)  # every open is accounted for once
     assert opens["hits"] + opens["late"] + opens["page_cache"] >= 0.95 * reads, json.dumps(after)
+
+
+def test_a_tree_is_staged_while_it_is_listed(fs, tmp_path):
+    from distorefs.tools.stage import check_destination, stage_sources, walk
+
+    src = tmp_path / "src"
+    files = make_tree(src, 600, seed=5)
+    ds = fs.mnt / "datasets" / "streamed"
+    dest = check_destination(str(ds))
+    first = 256  # one batch
+
+    def listing():
+        """The tree's listing, which goes on only once its first batch was staged."""
+        for i, source in enumerate(walk(str(src))):
+            if i == first:
+                deadline = time.monotonic() + 30
+                while not ((ds / "stats.json").exists() and stats(ds)["staged"] >= first):
+                    assert time.monotonic() < deadline, "nothing was staged while the tree was listed"
+                    time.sleep(0.02)
+            yield source
+
+    report = stage_sources(listing(), dest, progress=False)
+    assert (report.files, report.ok, report.errors, report.sealed) == (len(files), len(files), [], True)
+    assert report.bytes == sum(len(d) for d in files.values())
+    for rel, data in list(files.items())[::11]:
+        assert (ds / "items" / rel).read_bytes() == data
