@@ -478,8 +478,7 @@ class Checkpoints:
         self.durable = 0  # every commit up to this ticket is on disk
         self._wanted: dict[int, int] = {}  # ticket -> fsync callers waiting for it to be durable
         self._working = False  # the persister is on a file commit, a sync or a recheck
-        self._inflight = 0  # chunks being persisted (at most PERSIST_AHEAD)
-        self._persisting: dict[CFile, int] = {}  # their files, with how many of each
+        self._persisting: dict[CFile, int] = {}  # files with chunks being persisted: how many
         self._landed = trio.Event()  # set (and replaced) each time one of them is done
         self._recheck = False  # a step was sealed: see whether it is complete
         self._unsealed: set[CStep] = set()
@@ -598,7 +597,6 @@ class Checkpoints:
                         kind, file, arg = self._queue.popleft()
                         file.pending -= 1
                         if kind == "chunk":
-                            self._inflight += 1
                             self._persisting[file] = self._persisting.get(file, 0) + 1
                             nursery.start_soon(self._persist_chunk, file, arg)
                         else:
@@ -615,6 +613,11 @@ class Checkpoints:
                 except Exception:  # never lose the daemon to a bug here
                     log.exception("checkpoint persister")
                     await trio.sleep(0.1)
+
+    @property
+    def _inflight(self) -> int:
+        """Chunks being persisted (at most PERSIST_AHEAD)."""
+        return sum(self._persisting.values())
 
     def _sync_helps(self) -> bool:
         """A closed step has every file committed and waits only for a sync."""
@@ -1265,7 +1268,6 @@ class Checkpoints:
             left = self._persisting.pop(f) - 1
             if left:
                 self._persisting[f] = left
-            self._inflight -= 1
             self._landed.set()
             self._landed = trio.Event()
             self._kick()
@@ -1287,8 +1289,10 @@ class Checkpoints:
             # chunk before runs meanwhile
             try:
                 await trio.to_thread.run_sync(change.encode)
+            except DistorefsError:
+                raise
             except Exception as exc:
-                raise exc if isinstance(exc, DistorefsError) else DistorefsError(f"encoding failed: {exc}")
+                raise DistorefsError(f"encoding failed: {exc}") from exc
             await self.committer.submit(change)
             self.counters["chunks_persisted"] += 1
             self.counters["bytes_persisted"] += buf.length
