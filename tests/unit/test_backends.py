@@ -203,6 +203,19 @@ def _segment_path(directory: Path, seg: int) -> Path:
     return directory / f"seg-{seg:08d}.dat"
 
 
+def _flip_byte(backend, loc: bytes, where) -> None:
+    """Invert the byte at where(offset of the value's data) in its segment file, on disk (a
+    direct read goes past the page cache)."""
+    seg, off, _ = LOCATION.unpack(loc)
+    with open(_segment_path(backend.directory, seg), "r+b") as f:
+        f.seek(where(off))
+        byte = f.read(1)
+        f.seek(where(off))
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class TestSegmentValues(BackendConformance):
     def make_backend(self, tmp_path, map_size=None, segment_bytes=SEGMENT_BYTES):
         return SegmentValues(_open_env(tmp_path, map_size), tmp_path / "nvme", segment_bytes=segment_bytes)
@@ -282,12 +295,7 @@ class TestSegmentValues(BackendConformance):
     )
     def test_corrupt_record_raises_corrupt_value(self, backend, where):
         loc = self.put(backend, b"c", b"payload" * 100)
-        seg, off, _ = LOCATION.unpack(loc)
-        with open(_segment_path(backend.directory, seg), "r+b") as f:
-            f.seek(where(off))
-            byte = f.read(1)
-            f.seek(where(off))
-            f.write(bytes([byte[0] ^ 0xFF]))
+        _flip_byte(backend, loc, where)
         with pytest.raises(Damaged):
             backend.get(loc)
 
@@ -470,14 +478,7 @@ class TestSegmentValues(BackendConformance):
         backend = self.make_backend(tmp_path, segment_bytes=64 << 20)
         try:
             loc = self._put_direct(backend, b"d", os.urandom(2 << 20))
-            seg, off, _ = LOCATION.unpack(loc)
-            with open(_segment_path(backend.directory, seg), "r+b") as f:
-                f.seek(where(off))
-                byte = f.read(1)
-                f.seek(where(off))
-                f.write(bytes([byte[0] ^ 0xFF]))
-                f.flush()
-                os.fsync(f.fileno())
+            _flip_byte(backend, loc, where)
             with pytest.raises(Damaged):
                 backend.get(loc)
         finally:
