@@ -207,14 +207,16 @@ def _pad_length(offset: int) -> int:
     return gap + DIRECT_ALIGN if 0 < gap < HEADER.size else gap
 
 
-def _pad_header(length: int) -> bytes:
-    return HEADER.pack(MAGIC, 0, length - HEADER.size, crc32(bytes(length - HEADER.size)))
+def _pad(length: int) -> tuple[bytes, bytes]:
+    """A pad record `length` bytes long: its header and its zero data (it has no name)."""
+    zeros = bytes(length - HEADER.size)
+    return record_header(b"", zeros), zeros
 
 
 def _write_pad(fd: int, offset: int) -> int:
     """Fill from `offset` to the next aligned offset with a pad record; its length."""
     length = _pad_length(offset)
-    _pwrite_all(fd, (_pad_header(length), bytes(length - HEADER.size)), offset)
+    _pwrite_all(fd, _pad(length), offset)
     return length
 
 
@@ -486,7 +488,7 @@ class SegmentValues(ValueBackend):
         tail = _pad_length(end)
         parts: list[bytes | memoryview] = [record_header(vkey, view), view, vkey]
         if tail:
-            parts += [_pad_header(tail), bytes(tail - HEADER.size)]
+            parts += _pad(tail)
         if self._stage is None:
             self._stage = mmap.mmap(-1, _STAGE_BYTES)
         try:
