@@ -32,6 +32,7 @@ from distorefs.ratelimit import InsertTicket
 from .callers import abandoned_by, process_of
 from .handles import (BytesReader, ClientHandle, ConfigWriter, EntryWriter, Handle, PrioritiesWriter,
                       SampleReader, wants_read, wants_write)
+from .notify import drop_attributes
 
 if TYPE_CHECKING:
     from .operations import Filesystem
@@ -494,11 +495,7 @@ class DrawFile(Node):
             # only if the size the kernel learns next is the one it has (it drops them all
             # on a size change, and the READs then come as before).
             handle.keep_cache = pusher.store_at_open(self.ino, content.read(0, content.size, SampleReader.scratch))
-        try:  # attributes only: takes no page or inode lock, so it is safe (and quick) inline,
-            # while this OPEN is pending; the next stat or seek asks for the new batch's size
-            pyfuse3.invalidate_inode(self.ino, True)
-        except OSError:
-            pass  # the kernel does not know the inode (yet): nothing cached to drop
+        drop_attributes(self.ino)  # while this OPEN is pending: the next stat or seek asks for the new batch's size
         return handle
 
 
@@ -652,8 +649,10 @@ class EntryNode(Node):
         if self.writers:
             w = self.writers[-1]
             o = w.owner
-            # The kernel tracks the size of what it writes itself.
-            return make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, time.time_ns(), NO_CACHE,
+            # The kernel tracks the size of what it writes itself, and drops the size and
+            # mtime it holds at each write: cached, these attributes answer the open's
+            # permission check and the writer's fstat without a GETATTR each.
+            return make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, time.time_ns(), timeout,
                               entry_timeout=NO_CACHE if self.private else timeout)
         if self.private and self.version is None:  # a writer's inode before its open: what it rewrites
             meta = self.base
@@ -687,6 +686,10 @@ class EntryNode(Node):
         # another writer's close first: the last close wins), as a queue of values would.
         meta = await self.buf.insert(self.name, data, owner)
         self.version, self.base = meta, None
+        # The kernel holds the writer's attributes (see attributes): the version's mtime
+        # replaces them now, before an open pushes its pages (a later mtime change would
+        # drop those pages again).
+        drop_attributes(self.ino)
         if self.private and self.key is not None:  # the rewrite is the name's version now
             self.fs.inodes.rekey(self.key, self.parent.name_key(self.name))
 

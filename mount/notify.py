@@ -5,9 +5,10 @@ max_times_sampled) and drop cached pages when an entry is rewritten; prefetched 
 are pushed into its page cache. pyfuse3's invalidation and store calls can block until
 a related request finishes (a READ waiting for the very value being pushed, say), so
 they never run on the event loop or inside a handler: they are queued here, sent in
-order, and nothing a request waits for depends on them. The one exception is
+order, and nothing a request waits for depends on them. The exceptions are
 `PageCachePusher.store_at_open`, made inside an OPEN of an inode no handle has open
-(so no READ of it can be in flight).
+(so no READ of it can be in flight), and `drop_attributes`, which takes no page or
+inode lock.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ class _Sender:
             finally:
                 if done is not None:
                     done()
+
+
+def drop_attributes(ino: int) -> None:
+    """Make the kernel ask for an inode's attributes again, now (inside a handler): only
+    the attributes go, so it waits for no page or inode lock, and it is quick."""
+    try:
+        pyfuse3.invalidate_inode(ino, True)
+    except OSError:
+        pass  # the kernel does not know the inode (yet): nothing cached to drop
 
 
 class Invalidator(_Sender):

@@ -150,6 +150,31 @@ def test_one_process_with_two_batches_open_reads_each_whole(buf):
             assert all((row == row[0]).all() for row in data)
 
 
+def getattrs_during(fs, fn) -> int:
+    """GETATTR requests the daemon answered while `fn` ran (less what reading the counts costs)."""
+    def count(f) -> int:
+        before = requests(fs).get("getattr", 0)
+        f()
+        return requests(fs).get("getattr", 0) - before
+    return count(fn) - count(lambda: None)
+
+
+def test_an_insert_asks_for_the_new_entrys_attributes_no_more(fs, buf):
+    """A writer's new inode answers its open's permission check and Python's fstat from
+    the attributes CREATE returned: the kernel tracks what it writes itself. What is left
+    is the entries/ directory's, which the kernel drops on every create in it."""
+    data = npy(np.arange(100))
+    write_entry(buf, "attrs-first", data)
+
+    def insert() -> None:
+        with open(buf / "entries" / "attrs-second", "wb") as f:  # fstat, write, close
+            f.write(data)
+    assert getattrs_during(fs, insert) <= 1
+    st = os.stat(buf / "entries" / "attrs-second")
+    assert st.st_size == len(data)
+    assert read_entry(buf, "attrs-second") == data
+
+
 def staged(fs, tmp_path, name: str, prefix: str, count: int, size: int) -> tuple:
     """`count` files of random bytes (`size` + i bytes) staged into datasets/NAME (sealed):
     (the dataset's path, {file name: its bytes})."""
