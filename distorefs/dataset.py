@@ -147,6 +147,17 @@ class Item:
         return (head + b"".join(c.pack() for c in self.chunks) + self.name + self.meta
                 + _TIMES.pack(self.atime_ns or self.mtime_ns, self.ctime_ns or self.mtime_ns))
 
+    @staticmethod
+    def indexed(data) -> tuple[int, int, bytes]:
+        """(size, checksum, metadata) of a packed item: what its index row needs, read
+        without building the item (a seal reads every item)."""
+        (size, crc, _, _, _, _, _, _, nchunks, name_len, meta_len) = _ITEM.unpack_from(data)
+        off = _ITEM.size
+        for _ in range(nchunks):
+            off = StoredValue.skip(data, off)
+        off += name_len
+        return size, crc, bytes(data[off:off + meta_len])
+
     @classmethod
     def unpack(cls, item_id: int, data, tag: bytes) -> "Item":
         (size, crc, mode, uid, gid, mtime, src_mtime, parent, nchunks, name_len, meta_len) = _ITEM.unpack_from(data)
@@ -1304,9 +1315,10 @@ class Seal(_DsChange):
             elif event[0] == FILE:
                 _, _, _, item_id, path = event
                 longest = max(longest, len(path))
-                item = ds._item_txn(txn, STAGING, item_id)
-                if item is not None and item.meta:
-                    for key, value in json.loads(item.meta).items():
+                raw = txn.get(ds._ikey(STAGING, item_id), db=self.db)
+                meta = Item.indexed(raw)[2] if raw is not None else b""
+                if meta:
+                    for key, value in json.loads(meta).items():
                         metas.setdefault(key, []).append(value)
         fields = _meta_fields(metas)
         dtype = np.dtype([("item", "<i8"), ("path", f"S{longest}"), ("size", "<i8"), ("checksum", "<u4")]
@@ -1329,16 +1341,19 @@ class Seal(_DsChange):
                     ordinal = ordinals.get(parent, 0)
                     ordinals[parent] = ordinal + 1
                     if kind == FILE:
-                        item = ds._item_txn(txn, STAGING, node_id)
-                        if item is None:
+                        staged = ds._ikey(STAGING, node_id)
+                        raw = txn.get(staged, db=self.db)
+                        if raw is None:
                             continue
-                        txn.delete(ds._ikey(STAGING, node_id), db=self.db)
-                        item.id, item.tag = n, SEALED
-                        txn.put(ds._ikey(SEALED, n), item.pack(), db=self.db)
+                        # the record does not hold its own id or tag: it moves as it is
+                        raw = bytes(raw)
+                        size, checksum, packed_meta = Item.indexed(raw)
+                        txn.delete(staged, db=self.db)
+                        txn.put(ds._ikey(SEALED, n), raw, db=self.db)
                         node_id = n
                         row = rows[fill]
-                        row["item"], row["path"], row["size"], row["checksum"] = n, path, item.size, item.checksum
-                        meta = json.loads(item.meta) if item.meta else {}
+                        row["item"], row["path"], row["size"], row["checksum"] = n, path, size, checksum
+                        meta = json.loads(packed_meta) if packed_meta else {}
                         for fname, dt, missing, key in fields:
                             value = meta.get(key, missing)
                             row[fname] = str(value).encode() if dt.startswith("S") and value != b"" else value

@@ -67,6 +67,11 @@ class StoredValue:
         off += _VALUE.size
         return cls(size, stored, crc, cdc, tier, bytes(data[off:off + loc_len])), off + loc_len
 
+    @staticmethod
+    def skip(data, off: int = 0) -> int:
+        """The offset after the value packed at `off` (read past, nothing built)."""
+        return off + _VALUE.size + _VALUE.unpack_from(data, off)[5]
+
     @property
     def tier_name(self) -> str:
         return TIER_NAMES[self.tier]

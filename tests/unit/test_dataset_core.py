@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import trio
 
-from distorefs.dataset import FILE, ROOT_DIR
+from distorefs.dataset import FILE, ROOT_DIR, Item
 from distorefs.errors import InvalidArgument, NotEmpty, ReadOnly
 from distorefs.owner import Owner
+from distorefs.values import StoredValue
 from store_runner import run
 
 OWNER = Owner(0o40755, 0, 0)
@@ -159,3 +160,15 @@ def test_reads_of_one_open_side_by_side_count_it_once(tmp_path):
         assert ds.prefetcher.counters.get("page_cache", 0) == before.get("page_cache", 0)
 
     run(tmp_path / "store", body)
+
+
+def test_an_items_index_fields_read_without_building_it():
+    """What a seal reads of every item (size, checksum, metadata) is what the item holds."""
+    chunks = [StoredValue(1 << 20, 700_000, 0xDEAD, 1, 0, b"loc-one"), StoredValue(5, 5, 7, 0, 1, b"")]
+    item = Item(3, (1 << 20) + 5, 0xBEEF, 0o100644, 1, 2, 10, 20, 4, chunks, b"name.bin", b'{"label": 2}')
+    raw = item.pack()
+    assert Item.indexed(raw) == (item.size, item.checksum, item.meta)
+    back = Item.unpack(9, raw, item.tag)
+    assert (back.size, back.checksum, back.meta, back.chunks) == (item.size, item.checksum, item.meta, chunks)
+    bare = Item(4, 0, 0, 0o100644, 0, 0, 0, 0, 1, [], b"empty", b"")
+    assert Item.indexed(bare.pack()) == (0, 0, b"")
