@@ -112,12 +112,18 @@ class _Pending(Outcome):
         self.waited = waited
 
 
+def _prepare_all(changes: list[Change]) -> None:
+    for change in changes:
+        change.prepare()
+
+
 class Committer:
     def __init__(self, write_txn) -> None:
         """`write_txn(fn)` runs fn(txn) in one write transaction of the engine (a `Txn`,
         backends/base.py), blocking."""
         self._write_txn = write_txn
-        self._pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="distorefs-prepare")
+        self._workers = max(2, os.cpu_count() or 2)
+        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="distorefs-prepare")
         self._send, self._recv = trio.open_memory_channel[_Pending](math.inf)
         self._held: list[_Pending] = []
         self.groups = 0
@@ -249,8 +255,9 @@ class Committer:
         def work() -> None:
             # One thread hop per group: prepare spreads over the pool when several changes
             # have some, then the transaction runs here.
-            if len(preparing) > 1:
-                for future in [self._pool.submit(c.prepare) for c in preparing]:
+            if len(preparing) > 1:  # one share per pool thread: a future per change costs more than a small one's work
+                shares = min(len(preparing), self._workers)
+                for future in [self._pool.submit(_prepare_all, preparing[i::shares]) for i in range(shares)]:
                     future.result()
             elif preparing:
                 preparing[0].prepare()

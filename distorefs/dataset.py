@@ -1052,6 +1052,9 @@ class PutItem(_DsChange):
         self.encoded: list[codec.Encoded] | None = source.encoded if source else None
         self.item: Item | None = None
 
+    def prepares(self) -> bool:
+        return self.encoded is None and self.data is not None  # a staged source came encoded
+
     def prepare(self) -> None:
         if self.encoded is None and self.data is not None:
             step, cfg = self.ds.config.chunk_bytes, self.ds.config
