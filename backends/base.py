@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, Sequence
+
+from .errors import Missing
 
 
 class Txn(Protocol):
@@ -66,6 +68,19 @@ class ValueBackend(ABC):
     @abstractmethod
     def get(self, loc: bytes) -> bytes:
         """The value at ``loc``; raises ``Missing`` if absent, ``Damaged`` if it does not verify."""
+
+    def get_many(self, locs: Sequence[bytes]) -> list[bytes | None]:
+        """The values at ``locs`` (None where absent) at once, where the tier can do that
+        cheaper than one by one (one read transaction, one round trip). ``batched`` says so."""
+        out: list[bytes | None] = []
+        for loc in locs:
+            try:
+                out.append(self.get(loc))
+            except Missing:
+                out.append(None)
+        return out
+
+    batched = False  # get_many costs less than a get per value
 
     def get_checked(self, loc: bytes) -> tuple[bytes, int | None]:
         """The value at ``loc`` and the CRC-32 the tier verified it against (None if the

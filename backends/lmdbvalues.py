@@ -9,7 +9,7 @@ never drift from the data.
 from __future__ import annotations
 
 import struct
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from .base import TierUsage, Txn, ValueBackend, capacity_of
 from .errors import BadRequest, Missing
@@ -59,6 +59,17 @@ class LmdbValues(ValueBackend):
         if value is None:
             raise Missing(f"no value at location {loc.hex()}")
         return value
+
+    batched = True  # one read transaction for them all
+
+    def get_many(self, locs: Sequence[bytes]) -> list[bytes | None]:
+        def fn(txn: Txn) -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for loc in locs:
+                view = txn.get(loc, db=DB_VALUES) if 0 < len(loc) <= _MAX_KEY else None
+                out.append(None if view is None else bytes(view))  # copies out of the map
+            return out
+        return self.env.read(fn)
 
     def delete(self, txn: Txn, loc: bytes) -> None:
         if not 0 < len(loc) <= _MAX_KEY:

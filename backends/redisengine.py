@@ -316,6 +316,8 @@ class ClusterValues(ValueBackend):
             raise Missing(f"no value at {loc.decode(errors='replace')} in the cluster")
         return data
 
+    batched = True  # a round trip per master
+
     def get_many(self, locs: Sequence[bytes]) -> list[bytes | None]:
         return self.engine.get_many(locs)
 

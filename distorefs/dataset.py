@@ -71,6 +71,7 @@ _DIR = struct.Struct("<QIIIqQ")
 _CHILD = struct.Struct("<BQQ")
 _POS = struct.Struct("<BQ")
 _ITEM = struct.Struct("<QIIIIqqQHHI")
+VERIFY_RUN_BYTES = 8 << 20  # staged values read back together to verify them
 _TIMES = struct.Struct("<qq")  # atime, ctime (after a record's older fields)
 
 
@@ -897,19 +898,44 @@ class Dataset:
             s.encoded = []
 
     def _verify_all(self, pairs: list) -> list[bool]:
-        return [self._verify(item, crc) for item, crc in pairs]
+        """Whether each staged item reads back whole with the CRC its source had: the
+        values of up to VERIFY_RUN_BYTES at a time, fetched together (one read transaction
+        for those in LMDB)."""
+        out: list[bool] = []
+        run: list = []
+        run_bytes = 0
+        for pair in pairs:
+            size = sum(c.stored_size for c in pair[0].chunks) if pair[0] is not None else 0
+            if run and run_bytes + size > VERIFY_RUN_BYTES:
+                out.extend(self._verify_run(run))
+                run, run_bytes = [], 0
+            run.append(pair)
+            run_bytes += size
+        out.extend(self._verify_run(run))
+        return out
 
-    def _verify(self, item: Item | None, crc: int) -> bool:
-        if item is None:
-            return False
-        try:
-            total = 0
+    def _verify_run(self, pairs: list) -> list[bool]:
+        wanted = [(chunk, f"datasets/{self.name} item {item.id}")
+                  for item, _ in pairs if item is not None for chunk in item.chunks]
+        results = iter(self.values.read_all(wanted)) if wanted else iter(())
+        out = []
+        for item, crc in pairs:
+            if item is None:
+                out.append(False)
+                continue
+            total, failed = 0, None
             for chunk in item.chunks:
-                total = crc32(self.values.read(chunk, f"datasets/{self.name} item {item.id}"), total)
-            return total == crc == item.checksum
-        except DistorefsError as exc:
-            log.warning("datasets/%s: verifying item %d: %s", self.name, item.id, exc)
-            return False
+                data = next(results)
+                if isinstance(data, DistorefsError):
+                    failed = failed or data
+                else:
+                    total = crc32(data, total)
+            if failed is not None:
+                log.warning("datasets/%s: verifying item %d: %s", self.name, item.id, failed)
+                out.append(False)
+            else:
+                out.append(total == crc == item.checksum)
+        return out
 
     # ----- reporting ------------------------------------------------------------------
 

@@ -481,7 +481,7 @@ class _Reads:
 
     def _read_blocking(self, batch: list[_Req]) -> list:
         read = self.layer.read
-        prefetched = self._from_cluster(batch)
+        prefetched = self._fetched(batch)
         out: list = []
         for i, req in enumerate(batch):
             try:
@@ -493,15 +493,21 @@ class _Reads:
                 out.append(DistorefsError(f"{req.what}: read failed: {exc}"))
         return out
 
-    def _from_cluster(self, batch: list[_Req]) -> dict[int, bytes]:
-        """The stored bytes of the batch's values in the cluster, in one pipeline (a round
-        trip per master, not per value); what it misses is read alone (and fails alone)."""
-        wanted = [i for i, req in enumerate(batch) if req.value.tier == TIER_CLUSTER]
-        if len(wanted) < 2:
-            return {}
-        try:
-            found = self.layer.tiers[TIER_CLUSTER].get_many(  # type: ignore[attr-defined]
-                [batch[i].value.loc for i in wanted])
-        except BackendError:
-            return {}
-        return {i: data for i, data in zip(wanted, found) if data is not None}
+    def _fetched(self, batch: list[_Req]) -> dict[int, bytes]:
+        """The stored bytes of the batch's values in tiers that fetch many at once for less
+        (the cluster: a round trip per master, not per value; LMDB: one read transaction);
+        what they miss is read alone (and fails alone)."""
+        by_tier: dict[int, list[int]] = {}
+        for i, req in enumerate(batch):
+            by_tier.setdefault(req.value.tier, []).append(i)
+        out: dict[int, bytes] = {}
+        for tier, wanted in by_tier.items():
+            backend = self.layer.tiers[tier]
+            if len(wanted) < 2 or not backend.batched:
+                continue
+            try:
+                found = backend.get_many([batch[i].value.loc for i in wanted])
+            except BackendError:
+                continue
+            out.update((i, data) for i, data in zip(wanted, found) if data is not None)
+        return out

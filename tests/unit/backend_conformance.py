@@ -93,6 +93,14 @@ class BackendConformance:
         loc = self.put(backend, b"mv", memoryview(data)[10:900])
         assert backend.get(loc) == bytes(data[10:900])
 
+    def test_get_many_reads_what_get_reads_and_none_where_nothing_is(self, backend):
+        datas = [os.urandom(n) for n in (1, 3000, 70_000)]
+        locs = [self.put(backend, b"many%d" % i, d) for i, d in enumerate(datas)]
+        got = backend.get_many([locs[2], self.missing_location(), locs[0], locs[1]])
+        assert got == [datas[2], None, datas[0], datas[1]]
+        assert all(type(g) is bytes for g in got if g is not None)
+        assert backend.get_many([]) == []
+
     def test_get_missing_raises_not_found(self, backend):
         with pytest.raises(Missing):
             backend.get(self.missing_location())
