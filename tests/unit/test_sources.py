@@ -5,11 +5,12 @@ is left to the parallel path, and the rules that refuse a source hold on both pa
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
-from distorefs.sources import (CachedFirst, NotCached, SourceRefused, open_root, open_source, read_bounded,
-                               read_cached)
+from distorefs.sources import (CachedFirst, NotCached, SourceRefused, open_root, open_source, read_ahead,
+                               read_bounded, read_cached)
 
 
 def _drop_pages(path) -> None:
@@ -58,6 +59,29 @@ def test_what_would_wait_for_the_disk_is_not_read_from_the_cache(tree):
         with pytest.raises(NotCached):
             read_cached(src)
         assert b"".join(read_bounded(src, str(path))) == data  # the parallel path reads it
+    finally:
+        src.close()
+
+
+def test_a_source_read_ahead_comes_into_the_cache_without_a_read(tree):
+    """What `read_ahead` asks for is read by the kernel on its own: a read that must not
+    wait for the disk then finds it (a stage reads a batch's uncached files this way)."""
+    path = tree / "d" / "a.bin"
+    data = path.read_bytes()
+    _drop_pages(path)
+    src = _open(tree, "d/a.bin", cached=False)
+    try:
+        with pytest.raises(NotCached):
+            read_cached(src)
+        read_ahead(src)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert read_cached(src) == data
+                break
+            except NotCached:
+                assert time.monotonic() < deadline, "the pages asked for never came"
+                time.sleep(0.01)
     finally:
         src.close()
 
