@@ -50,26 +50,14 @@ def test_a_cached_source_is_opened_and_read_whole(tree):
         src.close()
 
 
-def test_what_would_wait_for_the_disk_is_not_read_from_the_cache(tree):
+def test_what_would_wait_for_the_disk_is_not_read_from_the_cache_until_read_ahead(tree):
+    """An uncached source is NotCached for a read that must not wait; what `read_ahead`
+    asks for is then read by the kernel on its own, and that read finds it (a stage reads
+    a batch's uncached files this way)."""
     path = tree / "d" / "a.bin"
     data = path.read_bytes()
     _drop_pages(path)
     src = _open(tree, "d/a.bin", cached=True)
-    try:
-        with pytest.raises(NotCached):
-            read_cached(src)
-        assert b"".join(read_bounded(src, str(path))) == data  # the parallel path reads it
-    finally:
-        src.close()
-
-
-def test_a_source_read_ahead_comes_into_the_cache_without_a_read(tree):
-    """What `read_ahead` asks for is read by the kernel on its own: a read that must not
-    wait for the disk then finds it (a stage reads a batch's uncached files this way)."""
-    path = tree / "d" / "a.bin"
-    data = path.read_bytes()
-    _drop_pages(path)
-    src = _open(tree, "d/a.bin", cached=False)
     try:
         with pytest.raises(NotCached):
             read_cached(src)
@@ -82,6 +70,7 @@ def test_a_source_read_ahead_comes_into_the_cache_without_a_read(tree):
             except NotCached:
                 assert time.monotonic() < deadline, "the pages asked for never came"
                 time.sleep(0.01)
+        assert b"".join(read_bounded(src, str(path))) == data
     finally:
         src.close()
 
