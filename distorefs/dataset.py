@@ -64,6 +64,7 @@ STAGING, SEALED = b"i", b"s"
 LINKS = b"l"  # symlinks: an Item record whose `meta` is the target (never numbered, sealed or not)
 PREPARE_MAX = 8 << 20  # files up to this size are read and compressed in parallel before the commit
 READ_AHEAD_BYTES = 64 << 20  # of uncached sources the kernel is asked to read ahead of the one being read
+VERIFY_RUN_BYTES = 8 << 20  # staged values read back together to verify them
 
 _DS = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -72,7 +73,6 @@ _DIR = struct.Struct("<QIIIqQ")
 _CHILD = struct.Struct("<BQQ")
 _POS = struct.Struct("<BQ")
 _ITEM = struct.Struct("<QIIIIqqQHHI")
-VERIFY_RUN_BYTES = 8 << 20  # staged values read back together to verify them
 _TIMES = struct.Struct("<qq")  # atime, ctime (after a record's older fields)
 
 
