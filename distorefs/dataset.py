@@ -62,7 +62,7 @@ ROOT_DIR = 1
 DIR, FILE, LINK = 0, 1, 2
 STAGING, SEALED = b"i", b"s"
 LINKS = b"l"  # symlinks: an Item record whose `meta` is the target (never numbered, sealed or not)
-PREPARE_MAX = 8 << 20  # files up to this size are read and compressed in parallel before the commit
+PREPARE_MAX = 8 << 20  # files up to this size are read and compressed before the commit (bigger ones stream in it)
 READ_AHEAD_BYTES = 64 << 20  # of uncached sources the kernel is asked to read ahead of the one being read
 VERIFY_RUN_BYTES = 8 << 20  # staged values read back together to verify them
 
