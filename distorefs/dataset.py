@@ -816,11 +816,12 @@ class Dataset:
         if slow:
             await trio.to_thread.run_sync(self._read_sources_blocking, slow)
         changes = []
+        batch = _BatchRecords()
         for s in todo:
             if s.error:
                 results.append(StageResult(s.path, "error", s.error))
                 continue
-            changes.append(PutItem(self, ROOT_DIR, s.parts, owner, source=s))
+            changes.append(PutItem(self, ROOT_DIR, s.parts, owner, source=s, batch=batch))
         errors = await self.committer.submit_all(changes)
         verified = await trio.to_thread.run_sync(
             self._verify_all, [(c.item, c.source.crc) for c, e in zip(changes, errors) if e is None])
@@ -1075,14 +1076,35 @@ class _DsChange(Change):
             self.ds.counters = self.after
 
 
+class _BatchRecords:
+    """The dataset's counters and the directory records a staged batch's changes read,
+    kept between them within one transaction. A batch's changes are queued together, so
+    in a group they run one after another, and each writes what it changes through to the
+    transaction: the next one takes them from here instead of reading and unpacking them
+    again. Another transaction (the next group, or a rerun after the map grew) starts
+    afresh."""
+
+    def __init__(self) -> None:
+        self._txn: object = None
+        self.counters: Counters | None = None
+        self.dirs: dict[int, DirRec] = {}
+        self.children: dict[tuple[int, bytes], tuple[int, int]] = {}  # directories only
+
+    def within(self, txn) -> "_BatchRecords":
+        if self._txn is not txn:
+            self._txn, self.counters, self.dirs, self.children = txn, None, {}, {}
+        return self
+
+
 class PutItem(_DsChange):
     """Create or replace one file (a write through the mount, or one staged source file)."""
 
     def __init__(self, ds: Dataset, dir_id: int, parts: list[bytes], owner: Owner, *, data: bytes | None = None,
                  source: _Source | None = None, times: tuple[int | None, int | None] = (None, None),
-                 draft: Draft | None = None, new_id: int | None = None) -> None:
+                 draft: Draft | None = None, new_id: int | None = None, batch: _BatchRecords | None = None) -> None:
         super().__init__(ds)
         self.dir_id, self.parts, self.owner, self.times = dir_id, parts, owner, times
+        self.batch = batch
         self.new_id = new_id
         self.data, self.source, self.draft = data, source, draft
         self.layout = draft.plan() if draft is not None else None
@@ -1101,24 +1123,29 @@ class PutItem(_DsChange):
 
     def txn(self, txn) -> None:
         ds = self.ds
-        c = self.counters(txn)
+        kept = self.batch.within(txn) if self.batch is not None else _BatchRecords()
+        if kept.counters is None:
+            kept.counters = self.counters(txn)
+        c = kept.counters
         self.prepare()
-        parent = self.dir_txn(txn, self.dir_id)
+        parent = self._dir(txn, kept, self.dir_id)
         dirs = self.source.dirs if self.source else []
         owner = self.source.owner if self.source and self.source.owner else self.owner
         for i, part in enumerate(self.parts[:-1]):  # missing directories on the way are made
-            found = ds._child_txn(txn, parent.id, part)
+            found = kept.children.get((parent.id, part)) or ds._child_txn(txn, parent.id, part)
             if found is None:
                 d = dirs[i] if i < len(dirs) else Owner(0o40755, owner.uid, owner.gid)
                 rec = DirRec(c.next_dir, parent.id, d.mode, d.uid, d.gid, time.time_ns(), 0, part)
                 c.next_dir += 1
                 self.add_child(txn, parent, part, DIR, rec.id)
                 txn.put(ds._dkey(rec.id), rec.pack(), db=self.db)
+                kept.dirs[rec.id], kept.children[(parent.id, part)] = rec, (DIR, rec.id)
                 parent = rec
             elif found[0] != DIR:
                 raise AlreadyExists(f"{os.fsdecode(part)} is a file, not a directory")
             else:
-                parent = self.dir_txn(txn, found[1])
+                kept.children[(parent.id, part)] = found
+                parent = self._dir(txn, kept, found[1])
         name = self.parts[-1]
         found = ds._child_txn(txn, parent.id, name)
         old = None
@@ -1159,6 +1186,12 @@ class PutItem(_DsChange):
         c.bytes += size
         c.stored_bytes += self.item.stored_size
         self.save(txn, c)
+
+    def _dir(self, txn, kept: _BatchRecords, dir_id: int) -> DirRec:
+        rec = kept.dirs.get(dir_id)
+        if rec is None:
+            rec = kept.dirs[dir_id] = self.dir_txn(txn, dir_id)
+        return rec
 
     def _from_draft(self, txn, base: bytes) -> tuple[list[StoredValue], int, int]:
         """The draft's chunks: those written stored (one at a time from its spool), the others

@@ -172,3 +172,40 @@ def test_an_items_index_fields_read_without_building_it():
     assert (back.size, back.checksum, back.meta, back.chunks) == (item.size, item.checksum, item.meta, chunks)
     bare = Item(4, 0, 0, 0o100644, 0, 0, 0, 0, 1, [], b"empty", b"")
     assert Item.indexed(bare.pack()) == (0, 0, b"")
+
+
+def test_a_staged_batch_over_several_groups_with_a_failing_file_builds_the_whole_tree(tmp_path):
+    """A batch's changes share the counters and directory records they read within one
+    transaction. A batch bigger than a group, and one whose group fails on one file (each
+    change then committed alone, each in a new transaction), must still build the tree
+    whole: every other file staged under directories that exist, and the one refused."""
+    src = tmp_path / "src"
+    files = {"b": b"a file where a directory is wanted later"}
+    for d in ("a", "c/deep"):
+        for i in range(300):
+            files[f"{d}/x{i:03d}.bin"] = os.urandom(64 + i)
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    (src / "bdir").mkdir()
+    (src / "bdir" / "y").write_bytes(b"y")
+    reqs = requests(src, files)
+    reqs.insert(400, {"src": str(src / "bdir" / "y"), "path": "b/y", "size": 1, "mtime_ns": 0})
+
+    async def body(store):
+        ds = await store.create("datasets", "groups", OWNER)
+        results = {r.path: r for r in await ds.stage(reqs, FOWNER)}
+        assert results["b/y"].status == "error"
+        assert all(results[rel].status == "ok" for rel in files), [r for r in results.values() if r.status != "ok"]
+        assert ds.counters.items == len(files)
+        for rel, data in files.items():
+            kind, item_id = ds.resolve(rel.encode())
+            assert kind == FILE
+            assert await ds.read_item(ds.item(item_id)) == data
+        assert sorted(c[0] for c in ds.children(ROOT_DIR, 0, 100)) == [b"a", b"b", b"c"]  # each once
+        kind, deep = ds.resolve(b"c/deep")
+        names = [c[0] for c in ds.children(deep, 0, 1000)]
+        assert sorted(names) == sorted(f"x{i:03d}.bin".encode() for i in range(300))
+        await ds.seal()  # numbering walks the whole tree: every record must be there
+        assert ds.counters.items == len(files)
+    run(tmp_path / "store", body)
