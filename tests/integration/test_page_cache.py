@@ -20,15 +20,19 @@ def requests(fs) -> dict:
     return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]["requests"]
 
 
-def _reads(fs, fn) -> int:
-    before = requests(fs).get("read", 0)
+def _counted(fs, kind: str, fn) -> int:
+    before = requests(fs).get(kind, 0)
     fn()
-    return requests(fs).get("read", 0) - before
+    return requests(fs).get(kind, 0) - before
+
+
+def requests_during(fs, kind: str, fn) -> int:
+    """`kind` requests the daemon answered while `fn` ran (less what reading the counts costs)."""
+    return _counted(fs, kind, fn) - _counted(fs, kind, lambda: None)
 
 
 def reads_during(fs, fn) -> int:
-    """READ requests the daemon answered while `fn` ran (less what reading the counts costs)."""
-    return _reads(fs, fn) - _reads(fs, lambda: None)
+    return requests_during(fs, "read", fn)
 
 
 def npy(a) -> bytes:
@@ -150,15 +154,6 @@ def test_one_process_with_two_batches_open_reads_each_whole(buf):
             assert all((row == row[0]).all() for row in data)
 
 
-def getattrs_during(fs, fn) -> int:
-    """GETATTR requests the daemon answered while `fn` ran (less what reading the counts costs)."""
-    def count(f) -> int:
-        before = requests(fs).get("getattr", 0)
-        f()
-        return requests(fs).get("getattr", 0) - before
-    return count(fn) - count(lambda: None)
-
-
 def test_an_insert_asks_for_the_new_entrys_attributes_no_more(fs, buf):
     """A writer's new inode answers its open's permission check and Python's fstat from
     the attributes CREATE returned: the kernel tracks what it writes itself. What is left
@@ -169,7 +164,7 @@ def test_an_insert_asks_for_the_new_entrys_attributes_no_more(fs, buf):
     def insert() -> None:
         with open(buf / "entries" / "attrs-second", "wb") as f:  # fstat, write, close
             f.write(data)
-    assert getattrs_during(fs, insert) <= 1
+    assert requests_during(fs, "getattr", insert) <= 1
     st = os.stat(buf / "entries" / "attrs-second")
     assert st.st_size == len(data)
     assert read_entry(buf, "attrs-second") == data
@@ -203,12 +198,7 @@ def test_reads_of_sealed_items_cost_no_attribute_requests(fs, tmp_path):
             finally:
                 os.close(fd)
     read_all()  # looked up, attributes and pages cached
-
-    def getattrs(fn) -> int:
-        before = requests(fs).get("getattr", 0)
-        fn()
-        return requests(fs).get("getattr", 0) - before
-    assert getattrs(read_all) - getattrs(lambda: None) == 0
+    assert requests_during(fs, "getattr", read_all) == 0
 
 
 def test_prefetched_items_are_read_without_read_requests(fs, tmp_path):
