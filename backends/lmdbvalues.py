@@ -50,12 +50,7 @@ class LmdbValues(ValueBackend):
     def get(self, loc: bytes) -> bytes:
         if not 0 < len(loc) <= _MAX_KEY:
             raise Missing(f"no value at location {loc!r}")
-
-        def fn(txn: Txn) -> bytes | None:
-            view = txn.get(loc, db=DB_VALUES)
-            return None if view is None else bytes(view)  # copy out of the map
-
-        value = self.env.read(fn)
+        value = self.get_many([loc])[0]
         if value is None:
             raise Missing(f"no value at location {loc.hex()}")
         return value
