@@ -278,23 +278,15 @@ def demo(mountpoint, actors, seconds) -> None:
 def demo_cluster(workdir) -> None:
     """Two nodes on one shared store on a Redis Cluster started for the demo (what `make run`
     shows next): inserts on one node sampled on the other, weights and a dataset shared."""
-    import signal
     from . import bench_buffers
     from .cluster_demo import run_cluster_demo
+    from .interrupts import ends_on_signal
 
-    def interrupted(signum, frame):
-        raise SystemExit(128 + signum)  # unwinds through the demo's own cleanup
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, interrupted)
-    try:
-        run_cluster_demo(Path(workdir) if workdir else None)
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        raise click.ClickException(str(exc))
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
-        bench_buffers.unmount_all()
+    with ends_on_signal(bench_buffers.unmount_all):  # a signal unwinds through the demo's own cleanup
+        try:
+            run_cluster_demo(Path(workdir) if workdir else None)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            raise click.ClickException(str(exc))
 
 
 @main.command("stage")
@@ -457,23 +449,14 @@ BENCH_PHASES = {"rl": ("dqn", "frames", "limiter"), "client": ("dqn", "frames", 
 def _bench_command(name: str, doc: str, quick_help: str, workdir_help: str) -> None:
     def command(out, quick, workdir, drop_caches, only=()) -> None:
         import importlib
-        import signal
         from . import bench_buffers
+        from .interrupts import ends_on_signal
         bench_buffers.DROP_CACHES = drop_caches
 
-        def interrupted(signum, frame):
-            raise SystemExit(128 + signum)  # unwinds through the benchmark's own cleanup
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, interrupted)
-        module = importlib.import_module(f"{__package__}.bench_{name}")
-        try:
+        with ends_on_signal(bench_buffers.unmount_all):  # a signal unwinds through the benchmark's own cleanup
+            module = importlib.import_module(f"{__package__}.bench_{name}")
             module.run(Path(out), quick=quick, workdir=Path(workdir) if workdir else None,
                        **({"only": tuple(only)} if only else {}))
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
-            bench_buffers.unmount_all()
 
     command.__doc__ = doc
     if name in BENCH_PHASES:
