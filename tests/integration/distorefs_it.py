@@ -180,6 +180,15 @@ def wait_for(cond, timeout: float = 15.0):
         time.sleep(0.05)
 
 
+def reclaimed() -> int:
+    """What the kernel has reclaimed since boot: page-cache pages taken (pgsteal_*) and slab
+    objects its shrinkers scanned (they drop unused inodes, their pages with them). This
+    machine's memory can be taken back by its host at any time, so a test can hold the
+    kernel to keeping pages only over a window in which this did not move."""
+    with open("/proc/vmstat") as f:
+        return sum(int(v) for k, v in (line.split() for line in f) if k.startswith("pgsteal_") or k == "slabs_scanned")
+
+
 def set_config(buf: Path, config: dict) -> None:
     with open(buf / "config.json", "w") as f:
         f.write(json.dumps(config))
