@@ -28,6 +28,7 @@ import io
 import json
 import logging
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -51,9 +52,10 @@ from .names import check_name
 from .owner import Owner
 from .prefetcher import PrefetchStreams
 from .services import Services
+from .stagewire import INLINE_MAX
 from .values import StoredValue, WarmResult
-from .sources import (CachedFirst, Credentials, NotCached, OpenSource, SourceRefused, acting_as, dir_owners,
-                      open_root, open_source, read_ahead, read_bounded, read_cached)
+from .sources import (CachedFirst, Credentials, NotCached, OpenSource, SourceRefused, SourceRoots, acting_as,
+                      read_ahead, read_bounded, read_cached)
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +206,8 @@ class _Source:
     root: str | None = None  # the tree (or list directory) the source must stay beneath; None: anywhere
     follow: bool = False  # --follow-symlinks: links are followed wherever they lead
     opened: OpenSource | None = None  # open with the caller's rights; size and mtime from its fstat
+    data: bytes | None = None  # the bytes themselves, read and sent by the stager (see `stage`)
+    sent: bool = False  # its bytes came with the request
     owner: Owner | None = None  # the item's mode and owner, from the source
     dirs: list[Owner] = field(default_factory=list)  # the directories on its path, from the source tree
 
@@ -237,8 +241,8 @@ class Dataset:
         self.file_ids_taken = 0  # ids handed to files created through the mount, not committed yet, are below it
         self.generation = 0  # bumped by every change of the tree: a record read at this generation is current
         self.order = np.zeros(0, dtype=np.int64)
-        self.stats_counters = {"reads": 0, "read_bytes": 0, "staged": 0, "staged_bytes": 0, "skipped": 0,
-                               "stage_errors": 0, "verify_failures": 0, "orders": 0}
+        self.stats_counters = {"reads": 0, "read_bytes": 0, "staged": 0, "staged_bytes": 0, "staged_sent": 0,
+                               "skipped": 0, "stage_errors": 0, "verify_failures": 0, "orders": 0}
         # one plan per declaring stream (a DDP rank): see declare_order
         self.prefetcher: PrefetchStreams[int] = PrefetchStreams(services.prefetch_budget, self._fetch_blocking,
                                                                 spawn=services.spawn, elsewhere=self._read_directly)
@@ -706,15 +710,24 @@ class Dataset:
         or list directory src must stay beneath (absent: anywhere), "follow": follow
         symlinks, "meta": {...}} ("size" and "mtime_ns" are informative: the source's own
         fstat decides). Sources are opened with `cred`'s rights and must be regular files
-        (distorefs/sources.py). Items keep the source's permission bits; their owner is the
-        source's when root stages, else the stager's (`owner`). Every file is verified
-        after its commit (its stored chunks read back and checked against the checksum of
-        the source bytes).
+        (distorefs/sources.py). Or the stager read the file itself, as the user it is, and
+        sent it: "data" holds its bytes (at most INLINE_MAX), "crc" their CRC-32, "mode",
+        "uid", "gid" and "mtime_ns" its fstat and "dirs" the (mode, uid, gid) of the
+        directories above it in its tree; nothing is opened here then. Items keep the
+        source's permission bits; their owner is the source's when root stages, else the
+        stager's (`owner`). Every file is verified after its commit (its stored chunks read
+        back and checked against the checksum of the source bytes).
         """
         self._writable()
         sources, results = _parse_requests(requests)
+        keep_owner = cred is not None and cred.is_root
+        for s in sources:
+            if s.sent:
+                assert s.owner is not None  # the source's own, sent with it
+                s.owner = _item_owner(s.owner, owner, keep_owner)
+                s.dirs = [_dir_owner(d, owner, keep_owner) for d in s.dirs]
         try:
-            await self._open_sources(sources, owner, cred)
+            await self._open_sources([s for s in sources if not s.sent], owner, cred)
             for s in sources:
                 if s.error:
                     results.append(StageResult(s.path, "error", s.error))
@@ -761,34 +774,23 @@ class Dataset:
         """Open each source with the caller's rights (worker thread); errors go to s.error.
         `cached`: only those the kernel resolves from its caches (the others stay unopened)."""
         keep_owner = cred is not None and cred.is_root
-        roots: dict[str, int] = {}
+        roots = SourceRoots()
         with acting_as(cred):
             try:
                 for s in sources:
                     try:
-                        root_fd = None
-                        if s.root is not None and not s.follow:
-                            root_fd = roots.get(s.root)
-                            if root_fd is None:
-                                root_fd = roots[s.root] = open_root(s.root)
                         try:
-                            s.opened = o = open_source(root_fd, s.root or "/", s.src, s.follow, cached)
+                            s.opened = o = roots.open(s.src, s.root, s.follow, cached)
                         except NotCached:
                             continue
-                        uid, gid = (o.uid, o.gid) if keep_owner else (stager.uid, stager.gid)
-                        s.owner = Owner(0o100000 | (o.mode & 0o777), uid, gid)
+                        s.owner = _item_owner(Owner(o.mode, o.uid, o.gid), stager, keep_owner)
                         s.size, s.mtime_ns = o.size, o.mtime_ns
-                        if root_fd is not None and s.root is not None:
-                            rel = os.path.relpath(s.src, s.root)
-                            if [os.fsencode(p) for p in rel.split(os.sep)] == s.parts:  # a tree: keep its dirs
-                                s.dirs = [Owner(0o40000 | (m & 0o777), u if keep_owner else stager.uid,
-                                                g if keep_owner else stager.gid)
-                                          for m, u, g in dir_owners(root_fd, rel)]
+                        s.dirs = [_dir_owner(Owner(*d), stager, keep_owner)
+                                  for d in roots.tree_dirs(s.src, s.root, s.follow, s.path)]  # a tree: keep its dirs
                     except SourceRefused as exc:
                         s.error = str(exc)
             finally:
-                for fd in roots.values():
-                    os.close(fd)
+                roots.close()
 
     async def _stage_opened(self, sources: list[_Source], owner: Owner) -> list[StageResult]:
         results: list[StageResult] = []
@@ -808,7 +810,10 @@ class Dataset:
         # Read and compress small files: what the page cache holds in one thread, the rest
         # read ahead all at once and taken in another (distorefs/sources.py); big ones
         # stream inside the commit.
-        small = [s for s in todo if s.size <= PREPARE_MAX]  # the size fstat gave: the request's is not trusted
+        sent = [s for s in todo if s.sent]
+        if sent:
+            await trio.to_thread.run_sync(self._encode_sent, sent)
+        small = [s for s in todo if not s.sent and s.size <= PREPARE_MAX]  # fstat's size, not the request's
         slow = small
         if self._cached_reads.worth_trying():
             slow = await trio.to_thread.run_sync(self._read_cached_blocking, small, limiter=CACHED_LANE)
@@ -839,6 +844,7 @@ class Dataset:
                 continue
             self.stats_counters["staged"] += 1
             self.stats_counters["staged_bytes"] += s.size
+            self.stats_counters["staged_sent"] += s.sent
             results.append(StageResult(s.path, "ok", size=s.size))
         return results
 
@@ -899,6 +905,17 @@ class Dataset:
                 s.error = f"cannot read {s.src}: {exc.strerror or exc}"
                 continue
             self._encode_source(s, raw)
+
+    def _encode_sent(self, sources: list[_Source]) -> None:
+        """Encode the sources the stager sent (worker thread), each checked against the
+        CRC it was sent with: what the stager read is what is stored."""
+        for s in sources:
+            assert s.data is not None
+            raw, s.data = s.data, b""
+            sent_crc = s.crc
+            self._encode_source(s, raw)
+            if s.crc != sent_crc:
+                s.error = f"{s.src}: the bytes received do not match the checksum they were sent with"
 
     def _encode_source(self, s: _Source, raw: bytes) -> None:
         s.size = len(raw)
@@ -980,8 +997,42 @@ def _parse_request(r) -> _Source:
         raise InvalidArgument(f"stage request for {src}: root must be an absolute path, got {root!r}")
     if not os.path.isabs(src):
         raise InvalidArgument(f"stage request: src must be an absolute path, got {src!r}")
-    return _Source(path, parts, src, size, mtime_ns, json.dumps(meta).encode() if meta else b"",
-                   root=root, follow=bool(r.get("follow", False)))
+    s = _Source(path, parts, src, size, mtime_ns, json.dumps(meta).encode() if meta else b"",
+                root=root, follow=bool(r.get("follow", False)))
+    if "data" in r:
+        _parse_sent(s, r)
+    return s
+
+
+def _parse_sent(s: _Source, r: dict) -> None:
+    """The fields of a source the stager read and sent (see Dataset.stage)."""
+    data = r["data"]
+    if not isinstance(data, bytes) or len(data) > INLINE_MAX:
+        raise InvalidArgument(f"stage request for {s.src}: the bytes sent must be at most {INLINE_MAX}")
+    try:
+        mode, uid, gid, crc = (int(r[k]) for k in ("mode", "uid", "gid", "crc"))
+        dirs = [tuple(int(v) for v in d) for d in r.get("dirs", [])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad stage request for {s.src}: {exc}") from None
+    if not stat.S_ISREG(mode) or any(len(d) != 3 or not stat.S_ISDIR(d[0]) for d in dirs) \
+            or len(dirs) > len(s.parts) - 1:
+        raise InvalidArgument(f"stage request for {s.src}: mode or directories that are not a file's")
+    s.data, s.size, s.crc, s.sent = data, len(data), crc & 0xFFFFFFFF, True
+    s.owner = Owner(mode, uid, gid)
+    s.dirs = [Owner(*d) for d in dirs]
+
+
+def _item_owner(source: Owner, stager: Owner, keep_owner: bool) -> Owner:
+    """A staged file's mode and owner: the source's permission bits; the source's owner
+    when root stages (`keep_owner`), else the stager's."""
+    uid, gid = (source.uid, source.gid) if keep_owner else (stager.uid, stager.gid)
+    return Owner(0o100000 | (source.mode & 0o777), uid, gid)
+
+
+def _dir_owner(source: Owner, stager: Owner, keep_owner: bool) -> Owner:
+    """A directory on a staged file's path, from the source tree's (as `_item_owner`)."""
+    uid, gid = (source.uid, source.gid) if keep_owner else (stager.uid, stager.gid)
+    return Owner(0o40000 | (source.mode & 0o777), uid, gid)
 
 
 def _parse_requests(requests: list) -> tuple[list[_Source], list[StageResult]]:

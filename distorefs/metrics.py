@@ -23,7 +23,7 @@ COUNTERS = frozenset({
     "sampled_entries", "presampled_used", "priority_updates", "priority_unknown_keys", "exhausted",
     "corrupt_reads", "disk_reads", "disk_read_bytes", "syncs", "segment_bytes_freed", "groups", "changes",
     "failures", "hits", "misses", "late", "skipped", "pushed", "publishes", "versions_collected",
-    "bytes_published", "renames", "invalidations", "staged", "staged_bytes", "stage_errors", "verify_failures",
+    "bytes_published", "renames", "invalidations", "staged", "staged_bytes", "staged_sent", "stage_errors", "verify_failures",
     "orders", "evicted", "puts", "bytes_written", "bytes_persisted", "chunks_persisted", "file_commits",
     "steps_completed", "steps_removed", "steps_reopened", "chunk_reloads", "abandoned_files", "persist_failures",
     "stale_readers_cleared", "spooled_inserts", "elsewhere",

@@ -1,4 +1,5 @@
-"""Opening and reading the source files of `distorefs stage` safely, for the daemon.
+"""Opening and reading the source files of `distorefs stage` safely: by the daemon, and by
+the stager itself for the small files it reads and sends (distorefs/stagewire.py).
 
 The daemon usually runs as root and serves every user of the mount, so a request to stage
 `/some/path` must not become a way to read what the asking user could not read himself.
@@ -289,6 +290,44 @@ def dir_owners(root_fd: int, rel: str) -> list[tuple[int, int, int]]:
     return out
 
 
+class SourceRoots:
+    """Opening a batch's sources under these rules: the descriptor of each source tree's
+    root, opened once for all its files (with the rights in force: call inside `acting_as`
+    where the daemon opens). close() closes them."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, root: str | None, follow: bool) -> int | None:
+        if root is None or follow:
+            return None
+        fd = self._fds.get(root)
+        if fd is None:
+            fd = self._fds[root] = open_root(root)
+        return fd
+
+    def open(self, src: str, root: str | None, follow: bool, cached: bool = False) -> OpenSource:
+        """`src` opened as `open_source` does: beneath `root` (None: a list's file that may
+        lie anywhere) unless `follow`."""
+        return open_source(self._fd(root, follow), root or "/", src, follow, cached)
+
+    def tree_dirs(self, src: str, root: str | None, follow: bool, path: str) -> list[tuple[int, int, int]]:
+        """`dir_owners` of the directories above `src` when it is staged at its place in
+        its tree (`path` is its path below `root`); [] for a list's file."""
+        fd = self._fd(root, follow)
+        if fd is None or root is None:
+            return []
+        rel = os.path.relpath(src, root)
+        if rel.split(os.sep) != [p for p in path.split("/") if p]:
+            return []
+        return dir_owners(fd, rel)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 class CachedFirst:
     """Whether trying the kernel's caches first pays off: after a batch where most sources
     were not cached (a cold tree: every try fails, and costs a syscall), the next
@@ -353,4 +392,4 @@ def read_bounded(src: OpenSource, what: str, chunk: int = 8 << 20) -> Iterator[b
 
 
 __all__ = ["Credentials", "OpenSource", "SourceRefused", "NotCached", "CachedFirst", "read_cached", "acting_as", "run_as",
-           "open_root", "open_source", "read_ahead", "read_bounded", "dir_owners", "relative_to_root", "check_can_act_for"]
+           "SourceRoots", "open_root", "open_source", "read_ahead", "read_bounded", "dir_owners", "relative_to_root", "check_can_act_for"]

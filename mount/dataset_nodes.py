@@ -9,7 +9,6 @@ holds. Items of an unsealed dataset can be rewritten, so their readers use direc
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -27,6 +26,7 @@ from distorefs.fileattrs import apply_setattr, dir_nlink
 from distorefs.names import check_name
 from distorefs.owner import Owner
 from distorefs.sources import Credentials, check_can_act_for
+from distorefs.stagewire import StageStream
 from distorefs.values import WarmResult
 
 from .callers import lineage, process_gone, process_of
@@ -639,14 +639,16 @@ class IndexReader(Handle):
 
 
 class StageFile(Node):
-    """.stage: `distorefs stage` writes JSON lines naming source files; the daemon copies
-    them in and each write returns once they are committed and verified. Reading the
-    handle gives one result line per file: "ok|skip|error<TAB>path<TAB>size<TAB>message";
-    on a sealed dataset nothing is written and each line says "same" or "differs".
+    """.stage: `distorefs stage` writes requests naming source files, small ones with their
+    bytes (distorefs/stagewire.py); the daemon copies them in and each write returns once
+    they are committed and verified. Reading the handle gives one result line per file:
+    "ok|skip|error<TAB>path<TAB>size<TAB>message"; on a sealed dataset nothing is written
+    and each line says "same" or "differs".
 
     Who may stage: whoever may open .stage for writing (the dataset's owner, or root: the
-    kernel checks its 0600 mode). The daemon opens the sources with that caller's uid, gid
-    and groups (distorefs/sources.py), never with its own rights."""
+    kernel checks its 0600 mode). The daemon opens the sources it reads with that caller's
+    uid, gid and groups (distorefs/sources.py), never with its own rights; the bytes a
+    stager sends it read itself, as the user it is."""
 
     def __init__(self, fs: "Filesystem", ds: Dataset) -> None:
         super().__init__(fs)
@@ -669,20 +671,11 @@ class StageHandle(Handle):
         self.ds = ds
         self.owner = owner
         self.cred = cred
-        self.partial = b""
+        self.stream = StageStream()
         self.results = bytearray()
 
     async def write(self, off: int, buf: bytes) -> int:
-        text = self.partial + bytes(buf)
-        cut = text.rfind(b"\n") + 1
-        self.partial = text[cut:]
-        requests = []
-        for line in text[:cut].splitlines():
-            if line.strip():
-                try:
-                    requests.append(json.loads(line))
-                except (ValueError, RecursionError):
-                    raise InvalidArgument(f"stage: not a JSON line: {line[:200]!r}") from None
+        requests = self.stream.feed(buf)
         if requests:
             stage = self.ds.compare_sealed if self.ds.sealed else self.ds.stage
             for r in await stage(requests, self.owner, self.cred):

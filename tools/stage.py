@@ -2,24 +2,26 @@
 
 The source is listed here (a directory tree walked in parallel, or a text file of paths,
 or a CSV/TSV file with a `path` column whose other columns become per-item metadata in
-index.npy). The copying itself is done by the daemon, which reads the source files with
-its own threads: this process writes batches of JSON lines (source, relative path, size,
-mtime) to the dataset's `.stage` control file and reads back one result per file once
-the batch is committed and verified. Several batches are in flight at once (`jobs`).
+index.npy). The copying itself is done by the daemon: this process writes batches of
+requests (source, relative path, size, mtime) to the dataset's `.stage` control file and
+reads back one result per file once the batch is committed and verified. Several batches
+are in flight at once (`jobs`). Small files (up to INLINE_MAX) this process reads itself
+and sends with their request: the daemon takes one batch at a time, and the jobs waiting
+their turn do the opening and the reading from disk meanwhile. Bigger files the daemon
+reads, with its own threads (distorefs/stagewire.py).
 A rerun skips what is staged already and intact, so an interrupted stage resumes; a rerun
 against a sealed dataset compares instead ("already staged, identical", or what differs).
 
-What is read, and as whom (the daemon enforces it, distorefs/sources.py): sources are
-opened with the rights of the user running this command; a symlink is followed only if
-it stays inside the source tree (`follow_symlinks` follows every link); only regular files
-are staged. A list file may name only files below its own directory unless
+What is read, and as whom (distorefs/sources.py, the same rules for what the daemon
+reads and for what this process reads and sends): sources are opened with the rights of
+the user running this command; a symlink is followed only if it stays inside the source
+tree (`follow_symlinks` follows every link); only regular files are staged. A list file may name only files below its own directory unless
 `allow_outside` is given.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import os
 import queue
 import threading
@@ -29,6 +31,10 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from tqdm import tqdm
+
+from distorefs.codec import checksum
+from distorefs.sources import OpenSource, SourceRefused, SourceRoots, read_ahead, read_bounded
+from distorefs.stagewire import INLINE_MAX, encode
 
 SEAL_XATTR = "user.distorefs.sealed"
 STATE_XATTR = "user.distorefs.state"
@@ -48,7 +54,7 @@ class Source:
     root: str | None = None  # the tree or list directory the daemon keeps the source beneath
     follow: bool = False
 
-    def line(self) -> bytes:
+    def request(self) -> dict:
         r = {"src": self.src, "path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
         if self.meta:
             r["meta"] = self.meta
@@ -56,7 +62,11 @@ class Source:
             r["root"] = self.root
         if self.follow:
             r["follow"] = True
-        return (json.dumps(r) + "\n").encode()
+        return r
+
+    def line(self) -> bytes:
+        """The request naming this file: the daemon opens and reads it."""
+        return encode(self.request())
 
 
 @dataclass
@@ -172,6 +182,57 @@ def batches(sources, max_files: int = 256, max_bytes: int = 64 << 20) -> Iterato
         yield batch
 
 
+def batch_bytes(batch: list[Source], send_small: bool = True) -> bytes:
+    """What a batch writes to `.stage`: each file's request, with the bytes of each file up
+    to INLINE_MAX read here (`send_small`). The disk is asked for those files all at once
+    before the first is read. A file not read here (bigger, refused, changed while read)
+    goes by its path alone: the daemon reads it, or says why it does not."""
+    if not send_small:
+        return b"".join(s.line() for s in batch)
+    roots = SourceRoots()
+    opened: list[OpenSource | None] = []
+    try:
+        for s in batch:
+            opened.append(_open_small(s, roots) if s.size <= INLINE_MAX else None)
+        for o in opened:
+            if o is not None:
+                read_ahead(o)
+        return b"".join(s.line() if o is None else _with_bytes(s, o, roots) for s, o in zip(batch, opened))
+    finally:
+        for o in opened:
+            if o is not None:
+                o.close()
+        roots.close()
+
+
+def _open_small(s: Source, roots: SourceRoots) -> OpenSource | None:
+    """`s` opened as the daemon would open it (None if refused, or not small after all)."""
+    try:
+        o = roots.open(s.src, s.root, s.follow)
+    except (SourceRefused, OSError):
+        return None
+    if o.size > INLINE_MAX:
+        o.close()
+        return None
+    return o
+
+
+def _with_bytes(s: Source, o: OpenSource, roots: SourceRoots) -> bytes:
+    try:
+        data = b"".join(read_bounded(o, s.src))
+        dirs = roots.tree_dirs(s.src, s.root, s.follow, s.path)  # a tree: its directories' modes go too
+    except (SourceRefused, OSError):
+        return s.line()
+    return encode({**s.request(), "size": o.size, "mtime_ns": o.mtime_ns, "mode": o.mode, "uid": o.uid,
+                   "gid": o.gid, "crc": checksum(data), "dirs": dirs}, data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def check_destination(dest: str) -> Path:
     """`dest` must be MNT/datasets/NAME of a distorefs mount (StageError saying what it is
     instead): anything else would get a stray `.stage` file."""
@@ -227,9 +288,10 @@ def stage_sources(sources: Iterable[Source], dest_path: Path, *, jobs: int = 8, 
             yield s
 
     def send(batch: list[Source]) -> None:
+        data = batch_bytes(batch, send_small=not sealed)  # (a sealed dataset only compares: no bytes)
         fd = os.open(control, os.O_RDWR)
         try:
-            os.write(fd, b"".join(s.line() for s in batch))
+            _write_all(fd, data)
             results = b""
             while True:
                 chunk = os.pread(fd, 1 << 20, len(results))

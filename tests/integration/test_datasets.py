@@ -80,6 +80,7 @@ def test_stage_copies_every_byte(staged):
     s = stats(ds)
     assert s["sealed"] and s["items"] == 3000 and s["bytes"] == sum(map(len, files.values()))
     assert s["verify_failures"] == 0 and s["stage_errors"] == 0
+    assert s["staged_sent"] == 3000 - 3  # the stager read and sent every small file; the daemon read the 5 MB ones
 
 
 def test_index_npy(staged):

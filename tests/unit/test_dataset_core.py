@@ -3,6 +3,7 @@ sealing (numbering in path order, index.npy), the declared order and the prefetc
 
 import io
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import trio
 from distorefs.dataset import FILE, ROOT_DIR, Item
 from distorefs.errors import InvalidArgument, NotEmpty, ReadOnly
 from distorefs.owner import Owner
+from distorefs.sources import Credentials
 from distorefs.values import StoredValue
 from store_runner import run
 
@@ -208,4 +210,48 @@ def test_a_staged_batch_over_several_groups_with_a_failing_file_builds_the_whole
         assert sorted(names) == sorted(f"x{i:03d}.bin".encode() for i in range(300))
         await ds.seal()  # numbering walks the whole tree: every record must be there
         assert ds.counters.items == len(files)
+    run(tmp_path / "store", body)
+
+
+def sent(src, rel, data, **fields):
+    """A request for a file the stager read itself: its bytes and its fstat go with it."""
+    r = {"src": str(src / rel), "path": rel, "size": len(data), "mtime_ns": 1_700_000_000_000_000_000,
+         "mode": 0o100640, "uid": 1234, "gid": 4321, "crc": zlib.crc32(data), "dirs": [], "data": data}
+    r.update(fields)
+    return r
+
+
+def test_files_sent_with_their_bytes_are_stored_as_sent_without_being_opened(tmp_path):
+    """The daemon stores the bytes that came with a request (the stager read them, with its
+    own rights): the path is not opened, not even looked at. The mode bits are the
+    source's; the owner the stager's unless root stages; directories made on the way take
+    the modes sent for them; bytes that do not match the CRC sent with them are refused."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"what the disk holds now")
+    reqs = [sent(src, "a.bin", b"what the stager read"),
+            sent(src, "never/on/disk.bin", b"x" * 5000, dirs=[[0o40700, 1, 2], [0o40751, 1, 2]]),
+            sent(src, "bad.bin", b"flipped", crc=zlib.crc32(b"flipper")),
+            sent(src, "notafile.bin", b"", mode=0o20644),
+            sent(src, "empty.bin", b"")]
+    stager = Owner(0o100644, 77, 88)
+
+    async def body(store):
+        ds = await store.create("datasets", "sent", OWNER)
+        results = {r.path: r for r in await ds.stage(reqs, stager, Credentials(77, 88))}
+        assert {p: r.status for p, r in results.items()} == {
+            "a.bin": "ok", "never/on/disk.bin": "ok", "bad.bin": "error", "notafile.bin": "error", "empty.bin": "ok"}
+        assert "checksum" in results["bad.bin"].message
+        assert ds.stats_counters["staged_sent"] == 3
+        _, a = ds.resolve(b"a.bin")
+        item = ds.item(a)
+        assert await ds.read_item(item) == b"what the stager read"
+        assert (item.mode, item.uid, item.gid, item.src_mtime_ns) == (0o100640, 77, 88, 1_700_000_000_000_000_000)
+        assert [ds.dir(ds.resolve(p)[1]).mode for p in (b"never", b"never/on")] == [0o40700, 0o40751]
+        again = await ds.stage(reqs[:1], stager, Credentials(77, 88))  # a rerun skips what is staged and intact
+        assert [r.status for r in again] == ["skip"] and ds.counters.items == 3
+        root_staged = await ds.stage([sent(src, "root.bin", b"r")], stager, Credentials(0, 0))
+        assert root_staged[0].status == "ok"
+        item = ds.item(ds.resolve(b"root.bin")[1])
+        assert (item.uid, item.gid) == (1234, 4321)  # root keeps the source's owner
     run(tmp_path / "store", body)
