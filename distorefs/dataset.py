@@ -206,7 +206,7 @@ class _Source:
     root: str | None = None  # the tree (or list directory) the source must stay beneath; None: anywhere
     follow: bool = False  # --follow-symlinks: links are followed wherever they lead
     opened: OpenSource | None = None  # open with the caller's rights; size and mtime from its fstat
-    data: bytes | None = None  # the bytes themselves, read and sent by the stager (see `stage`)
+    data: bytes | memoryview | None = None  # the bytes themselves, read and sent by the stager (see `stage`)
     sent: bool = False  # its bytes came with the request
     owner: Owner | None = None  # the item's mode and owner, from the source
     dirs: list[Owner] = field(default_factory=list)  # the directories on its path, from the source tree
@@ -917,7 +917,7 @@ class Dataset:
             if s.crc != sent_crc:
                 s.error = f"{s.src}: the bytes received do not match the checksum they were sent with"
 
-    def _encode_source(self, s: _Source, raw: bytes) -> None:
+    def _encode_source(self, s: _Source, raw: bytes | memoryview) -> None:
         s.size = len(raw)
         s.crc = codec.checksum(raw)
         step = self.config.chunk_bytes
@@ -986,16 +986,14 @@ def _parse_request(r) -> _Source:
         mtime_ns = int(r.get("mtime_ns", 0))
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"bad stage request {str(r)[:200]}: {exc}") from None
-    parts = [os.fsencode(p) for p in path.split("/") if p]
+    parts = [check_name(p) for p in os.fsencode(path).split(b"/") if p]
     if not parts:
         raise InvalidArgument(f"empty path in stage request for {src}")
-    for p in parts:
-        check_name(p)
     meta = r.get("meta")
     root = r.get("root")
-    if root is not None and not (isinstance(root, str) and os.path.isabs(root)):
+    if root is not None and not (isinstance(root, str) and root.startswith("/")):
         raise InvalidArgument(f"stage request for {src}: root must be an absolute path, got {root!r}")
-    if not os.path.isabs(src):
+    if not src.startswith("/"):
         raise InvalidArgument(f"stage request: src must be an absolute path, got {src!r}")
     s = _Source(path, parts, src, size, mtime_ns, json.dumps(meta).encode() if meta else b"",
                 root=root, follow=bool(r.get("follow", False)))
@@ -1007,19 +1005,18 @@ def _parse_request(r) -> _Source:
 def _parse_sent(s: _Source, r: dict) -> None:
     """The fields of a source the stager read and sent (see Dataset.stage)."""
     data = r["data"]
-    if not isinstance(data, bytes) or len(data) > INLINE_MAX:
+    if not isinstance(data, (bytes, memoryview)) or len(data) > INLINE_MAX:
         raise InvalidArgument(f"stage request for {s.src}: the bytes sent must be at most {INLINE_MAX}")
     try:
-        mode, uid, gid, crc = (int(r[k]) for k in ("mode", "uid", "gid", "crc"))
-        dirs = [tuple(int(v) for v in d) for d in r.get("dirs", [])]
+        mode, uid, gid, crc = int(r["mode"]), int(r["uid"]), int(r["gid"]), int(r["crc"])
+        dirs = [Owner(int(m), int(u), int(g)) for m, u, g in r["dirs"]] if r.get("dirs") else []
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"bad stage request for {s.src}: {exc}") from None
-    if not stat.S_ISREG(mode) or any(len(d) != 3 or not stat.S_ISDIR(d[0]) for d in dirs) \
-            or len(dirs) > len(s.parts) - 1:
+    if not stat.S_ISREG(mode) or any(not stat.S_ISDIR(d.mode) for d in dirs) or len(dirs) > len(s.parts) - 1:
         raise InvalidArgument(f"stage request for {s.src}: mode or directories that are not a file's")
     s.data, s.size, s.crc, s.sent = data, len(data), crc & 0xFFFFFFFF, True
     s.owner = Owner(mode, uid, gid)
-    s.dirs = [Owner(*d) for d in dirs]
+    s.dirs = dirs
 
 
 def _item_owner(source: Owner, stager: Owner, keep_owner: bool) -> Owner:
