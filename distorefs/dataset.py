@@ -67,6 +67,7 @@ LINKS = b"l"  # symlinks: an Item record whose `meta` is the target (never numbe
 PREPARE_MAX = 8 << 20  # files up to this size are read and compressed before the commit (bigger ones stream in it)
 READ_AHEAD_BYTES = 64 << 20  # of uncached sources the kernel is asked to read ahead of the one being read
 VERIFY_RUN_BYTES = 8 << 20  # staged values read back together to verify them
+ROWS_AT_ONCE = 4096  # index rows the seal converts and writes at once
 
 _DS = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -1454,38 +1455,39 @@ class Seal(_DsChange):
             with os.fdopen(fd, "wb") as out:
                 np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
                                                            "fortran_order": False, "shape": (c.items,)})
-                rows = np.zeros(4096, dtype=dtype)
-                n = fill = 0
+                rows: list[tuple] = []  # made into the array ROWS_AT_ONCE at a time (one conversion, not a field each)
+                n = 0
                 ordinals: dict[int, int] = {}
-                for event in self._walk(txn):
-                    kind, parent, name, node_id, path = event
+                staging, sealed = ds._key(STAGING), ds._key(SEALED)
+                names, positions = ds._key(b"n"), ds._key(b"o")
+                db, get, put, delete, pack = self.db, txn.get, txn.put, txn.delete, _U64.pack
+                for kind, parent, name, node_id, path in self._walk(txn):
                     ordinal = ordinals.get(parent, 0)
                     ordinals[parent] = ordinal + 1
                     if kind == FILE:
-                        staged = ds._ikey(STAGING, node_id)
-                        raw = txn.get(staged, db=self.db)
+                        staged = staging + pack(node_id)
+                        raw = get(staged, db=db)
                         if raw is None:
                             continue
                         # the record does not hold its own id or tag: it moves as it is
                         raw = bytes(raw)
                         size, checksum, packed_meta = Item.indexed(raw)
-                        txn.delete(staged, db=self.db)
-                        txn.put(ds._ikey(SEALED, n), raw, db=self.db)
+                        delete(staged, db=db)
+                        put(sealed + pack(n), raw, db=db)
                         node_id = n
-                        row = rows[fill]
-                        row["item"], row["path"], row["size"], row["checksum"] = n, path, size, checksum
-                        meta = json.loads(packed_meta) if packed_meta else {}
-                        for fname, dt, missing, key in fields:
-                            value = meta.get(key, missing)
-                            row[fname] = str(value).encode() if dt.startswith("S") and value != b"" else value
+                        row: tuple = (n, path, size, checksum)
+                        if fields:
+                            meta = json.loads(packed_meta) if packed_meta else {}
+                            row += tuple(_index_value(meta.get(key, missing), dt) for _, dt, missing, key in fields)
+                        rows.append(row)
                         n += 1
-                        fill += 1
-                        if fill == len(rows):
-                            out.write(rows.tobytes())
-                            fill = 0
-                    txn.put(ds._nkey(parent, name), _CHILD.pack(kind, node_id, ordinal), db=self.db)
-                    txn.put(ds._okey(parent, ordinal), _POS.pack(kind, node_id) + name, db=self.db)
-                out.write(rows[:fill].tobytes())
+                        if len(rows) == ROWS_AT_ONCE:
+                            out.write(np.array(rows, dtype=dtype).tobytes())
+                            rows = []
+                    key = pack(parent)
+                    put(names + key + name, _CHILD.pack(kind, node_id, ordinal), db=db)
+                    put(positions + key + pack(ordinal), _POS.pack(kind, node_id) + name, db=db)
+                out.write(np.array(rows, dtype=dtype).tobytes())
             for d, count in ordinals.items():
                 rec = self.dir_txn(txn, d)
                 rec.next_ordinal = count
@@ -1565,6 +1567,11 @@ def _listable_by(dir_mode: int, mode: int) -> int:
         if (dir_mode >> shift) & 0o5 != 0o5:
             mode &= ~(0o4 << shift)
     return mode
+
+
+def _index_value(value, dt: str):
+    """A metadata value as its index field holds it (text fields hold bytes)."""
+    return str(value).encode() if dt.startswith("S") and value != b"" else value
 
 
 def _meta_fields(metas: dict[str, list]) -> list[tuple[str, str, object, str]]:

@@ -79,6 +79,8 @@ def test_stage_resume_seal_index_order(tmp_path):
             path = row["path"].decode()
             kind, item_id = ds.resolve(row["path"])
             assert item_id == row["item"] and row["size"] == len(files[path])
+            assert row["checksum"] == zlib.crc32(files[path]) and row["label"] == len(path) % 5
+            assert row["split"] == (b"train" if len(files[path]) % 2 else b"val")
             item = ds.item(item_id)
             data = await ds.read_item(item) if ds.whole_in_memory(item) else await ds.read_range(item, 0, item.size)
             assert data == files[path]
