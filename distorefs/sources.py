@@ -198,9 +198,27 @@ def open_root(root: str) -> int:
 
 def relative_to_root(src: str, root: str) -> str:
     """`src` as a path below `root`; SourceRefused if it is not below it."""
+    rel = _plainly_below(src, root)
+    if rel is not None:
+        return rel
     rel = os.path.relpath(os.path.normpath(src), os.path.normpath(root))
     if rel == os.curdir or rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
         raise SourceRefused(f"{src} is outside the source tree {root}")
+    return rel
+
+
+def _plainly_below(src: str, root: str) -> str | None:
+    """`src` below `root` when it plainly is: `root`, a slash, then components none of them
+    empty, `.` or `..` (what a listing of the tree gives); None to work it out in full.
+    os.path.relpath costs more than the open it prepares."""
+    prefix = root if root.endswith("/") else root + "/"
+    if not src.startswith(prefix) or not root.startswith("/"):
+        return None
+    rel = src[len(prefix):]
+    if not rel or rel.startswith("/") or rel.endswith("/") or "//" in rel or rel in (".", "..") \
+            or rel.startswith(("./", "../")) \
+            or "/./" in rel or "/../" in rel or rel.endswith(("/.", "/..")):
+        return None
     return rel
 
 
@@ -317,7 +335,7 @@ class SourceRoots:
         fd = self._fd(root, follow)
         if fd is None or root is None:
             return []
-        rel = os.path.relpath(src, root)
+        rel = _plainly_below(src, root) or os.path.relpath(src, root)
         if rel.split(os.sep) != [p for p in path.split("/") if p]:
             return []
         return dir_owners(fd, rel)

@@ -81,6 +81,9 @@ class StageReport:
     differs: list[str] = field(default_factory=list)  # a sealed dataset: sources it does not match
 
 
+LISTED_AT_ONCE = 256
+
+
 def walk(root: str, workers: int = 8, refused: list[str] | None = None) -> Iterator[Source]:
     """Every regular file under `root` (and every symlink that does not name a directory:
     the daemon follows it only if it stays inside the tree), listing directories in
@@ -93,6 +96,10 @@ def walk(root: str, workers: int = 8, refused: list[str] | None = None) -> Itera
     lock = threading.Lock()
 
     def scan(directory: str) -> None:
+        # Files go to the consumer LISTED_AT_ONCE at a time: a queue operation per file
+        # hands the GIL back and forth with the jobs reading files, and the listing falls behind.
+        found: list[Source] = []
+        rel_dir = "" if directory == root else os.path.relpath(directory, root)  # once a directory, not a file
         try:
             with os.scandir(directory) as it:
                 for entry in it:
@@ -103,8 +110,11 @@ def walk(root: str, workers: int = 8, refused: list[str] | None = None) -> Itera
                             pool.submit(scan, entry.path)
                         elif entry.is_file(follow_symlinks=False) or (entry.is_symlink() and not entry.is_dir()):
                             st = entry.stat(follow_symlinks=False)
-                            out.put(Source(entry.path, os.path.relpath(entry.path, root), st.st_size,
-                                           st.st_mtime_ns, root=root))
+                            found.append(Source(entry.path, f"{rel_dir}/{entry.name}" if rel_dir else entry.name,
+                                                st.st_size, st.st_mtime_ns, root=root))
+                            if len(found) == LISTED_AT_ONCE:
+                                out.put(found)
+                                found = []
                         elif not entry.is_symlink() and refused is not None:
                             with lock:
                                 refused.append(f"{entry.path}: not a regular file: refused")
@@ -113,6 +123,8 @@ def walk(root: str, workers: int = 8, refused: list[str] | None = None) -> Itera
         except OSError as exc:
             out.put(exc)
         finally:
+            if found:
+                out.put(found)
             with lock:
                 pending[0] -= 1
                 if pending[0] == 0:
@@ -126,7 +138,7 @@ def walk(root: str, workers: int = 8, refused: list[str] | None = None) -> Itera
                 break
             if isinstance(item, OSError):
                 raise item
-            yield item
+            yield from item
 
 
 def read_list(list_file: str, allow_outside: bool = False) -> list[Source]:

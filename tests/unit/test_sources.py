@@ -10,7 +10,7 @@ import time
 import pytest
 
 from distorefs.sources import (CachedFirst, NotCached, SourceRefused, open_root, open_source, read_ahead,
-                               read_bounded, read_cached)
+                               read_bounded, read_cached, relative_to_root)
 
 
 def _drop_pages(path) -> None:
@@ -120,3 +120,26 @@ def test_an_empty_source_is_read_from_the_cache_and_one_that_grew_is_not(tree):
             read_cached(src)
     finally:
         src.close()
+
+
+@pytest.mark.parametrize("root", ["/data/tree", "/data/tree/", "/"])
+@pytest.mark.parametrize("src", [
+    "/data/tree/a", "/data/tree/d/e/f.bin", "/data/tree", "/data/tree/", "/data/tree/./a", "/data/tree/../x",
+    "/data/tree/d/../../x", "/data/tree//a", "/data/treex/a", "/data/tree/a/", "/data/tree/..", "/data/tree/.",
+    "/data/tree/d/.", "/data/tree/d/..", "/data/tree/.hidden", "/data/tree/..a", "/data/tree/a..", "/elsewhere/a",
+    "/data/tree/d/.../e",
+])
+def test_the_quick_way_below_the_root_agrees_with_relpath(root, src):
+    """relative_to_root takes a path that plainly lies below the root without os.path.relpath
+    (which cost more than the open it prepares); whatever it takes must be what relpath says,
+    and what is not below the root is refused either way."""
+    def slow():
+        rel = os.path.relpath(os.path.normpath(src), os.path.normpath(root))
+        if rel in (os.curdir, os.pardir) or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+            return None
+        return rel
+    try:
+        quick = relative_to_root(src, root)
+    except SourceRefused:
+        quick = None
+    assert quick == slow()
