@@ -799,7 +799,8 @@ class Dataset:
         staged = await trio.to_thread.run_sync(self._existing, sources)
         same = [(s, item) for s, item in zip(sources, staged)
                 if item is not None and item.size == s.size and item.src_mtime_ns == s.mtime_ns]
-        intact = await trio.to_thread.run_sync(self._verify_all, [(item, item.checksum) for _, item in same])
+        intact = await trio.to_thread.run_sync(self._verify_all, [(item, item.checksum) for _, item in same]) \
+            if same else []
         skip = {id(s) for (s, item), ok in zip(same, intact) if ok}
         todo = []
         for source in sources:
@@ -816,7 +817,7 @@ class Dataset:
             await trio.to_thread.run_sync(self._encode_sent, sent)
         small = [s for s in todo if not s.sent and s.size <= PREPARE_MAX]  # fstat's size, not the request's
         slow = small
-        if self._cached_reads.worth_trying():
+        if small and self._cached_reads.worth_trying():  # (none when the stager sent them all: no thread hop)
             slow = await trio.to_thread.run_sync(self._read_cached_blocking, small, limiter=CACHED_LANE)
             self._cached_reads.tried(len(small) - len(slow), len(small))
         if slow:
