@@ -43,8 +43,8 @@ from .backends.crc import crc32
 from .committer import Change, Overlay
 from .config import DatasetConfig
 from .catalog import DB_NS
-from .errors import (AlreadyExists, DistorefsError, InvalidArgument, IsADirectory, NotADirectory, NotEmpty,
-                     NotFound, ReadOnly, TooLarge)
+from .errors import (AlreadyExists, CorruptValue, DistorefsError, InvalidArgument, IsADirectory, NotADirectory,
+                     NotEmpty, NotFound, ReadOnly, TooLarge)
 from .codec import crc32_combine
 from .draft import Draft
 from .fileattrs import AttrChange, apply_setattr
@@ -209,6 +209,7 @@ class _Source:
     opened: OpenSource | None = None  # open with the caller's rights; size and mtime from its fstat
     data: bytes | memoryview | None = None  # the bytes themselves, read and sent by the stager (see `stage`)
     sent: bool = False  # its bytes came with the request
+    codec: int | None = None  # ... encoded so by the stager (None: as read)
     owner: Owner | None = None  # the item's mode and owner, from the source
     dirs: list[Owner] = field(default_factory=list)  # the directories on its path, from the source tree
 
@@ -714,7 +715,9 @@ class Dataset:
         (distorefs/sources.py). Or the stager read the file itself, as the user it is, and
         sent it: "data" holds its bytes (at most INLINE_MAX), "crc" their CRC-32, "mode",
         "uid", "gid" and "mtime_ns" its fstat and "dirs" the (mode, uid, gid) of the
-        directories above it in its tree; nothing is opened here then. Items keep the
+        directories above it in its tree; nothing is opened here then. With "codec" the
+        stager encoded them as the dataset stores them ("size": the file's size): they are
+        checked, not encoded again. Items keep the
         source's permission bits; their owner is the source's when root stages, else the
         stager's (`owner`). Every file is verified after its commit (its stored chunks read
         back and checked against the checksum of the source bytes).
@@ -910,12 +913,29 @@ class Dataset:
 
     def _encode_sent(self, sources: list[_Source]) -> None:
         """Encode the sources the stager sent (worker thread), each checked against the
-        CRC it was sent with: what the stager read is what is stored."""
+        CRC it was sent with: what the stager read is what is stored. One it encoded
+        already, as the dataset stores it, is only checked (decoded, its CRC computed here:
+        a zstd frame's own checksum is the stager's word) and stored as sent."""
+        step = self.config.chunk_bytes
         for s in sources:
             assert s.data is not None
-            raw, s.data = s.data, b""
+            sent, s.data = s.data, b""
             sent_crc = s.crc
-            self._encode_source(s, raw)
+            if s.codec is None:
+                self._encode_source(s, sent)
+            else:
+                try:
+                    raw = codec.decode(sent, s.codec, s.size, sent_crc, s.src)
+                    intact = s.codec == codec.RAW or codec.checksum(raw) == sent_crc  # (decode checked a raw one)
+                except CorruptValue:
+                    intact = False
+                if not intact:
+                    s.error = f"{s.src}: the bytes received do not match the checksum they were sent with"
+                    continue
+                if s.size > step:  # more than one chunk: stored as the daemon splits a file
+                    self._encode_source(s, raw)
+                else:
+                    s.encoded = [codec.Encoded(bytes(sent), s.codec, s.size, sent_crc)] if s.size else []
             if s.crc != sent_crc:
                 s.error = f"{s.src}: the bytes received do not match the checksum they were sent with"
 
@@ -1012,11 +1032,15 @@ def _parse_sent(s: _Source, r: dict) -> None:
     try:
         mode, uid, gid, crc = int(r["mode"]), int(r["uid"]), int(r["gid"]), int(r["crc"])
         dirs = [Owner(int(m), int(u), int(g)) for m, u, g in r["dirs"]] if r.get("dirs") else []
+        s.codec = None if r.get("codec") is None else int(r["codec"])
+        size = len(data) if s.codec in (None, codec.RAW) else int(r["size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"bad stage request for {s.src}: {exc}") from None
     if not stat.S_ISREG(mode) or any(not stat.S_ISDIR(d.mode) for d in dirs) or len(dirs) > len(s.parts) - 1:
         raise InvalidArgument(f"stage request for {s.src}: mode or directories that are not a file's")
-    s.data, s.size, s.crc, s.sent = data, len(data), crc & 0xFFFFFFFF, True
+    if s.codec is not None and (s.codec not in codec.CODEC_NAMES or not 0 <= size <= INLINE_MAX):
+        raise InvalidArgument(f"stage request for {s.src}: codec {s.codec} for {size} bytes")
+    s.data, s.size, s.crc, s.sent = data, size, crc & 0xFFFFFFFF, True
     s.owner = Owner(mode, uid, gid)
     s.dirs = dirs
 

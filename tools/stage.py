@@ -22,6 +22,7 @@ tree (`follow_symlinks` follows every link); only regular files are staged. A li
 from __future__ import annotations
 
 import csv
+import json
 import os
 import queue
 import threading
@@ -32,7 +33,7 @@ from typing import Iterable, Iterator
 
 from tqdm import tqdm
 
-from distorefs.codec import checksum
+from distorefs import codec
 from distorefs.sources import OpenSource, SourceRefused, SourceRoots, read_ahead, read_bounded
 from distorefs.stagewire import INLINE_MAX, encode
 
@@ -194,11 +195,31 @@ def batches(sources, max_files: int = 256, max_bytes: int = 64 << 20) -> Iterato
         yield batch
 
 
-def batch_bytes(batch: list[Source], send_small: bool = True) -> bytes:
+@dataclass(frozen=True)
+class Encoding:
+    """How the dataset stores a file (its config.json): the stager encodes what it sends the
+    same way, so the daemon only checks it (a decode and a CRC cost less than the encode)."""
+
+    compression: str
+    level: int
+    chunk_bytes: int
+
+    @classmethod
+    def of(cls, dest: Path) -> "Encoding | None":
+        """The dataset's, or None (unreadable: the daemon encodes what is sent)."""
+        try:
+            config = json.loads((dest / "config.json").read_bytes())
+            return cls(str(config["compression"]), int(config["compression_level"]), int(config["chunk_bytes"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def batch_bytes(batch: list[Source], send_small: bool = True, encoding: Encoding | None = None) -> bytes:
     """What a batch writes to `.stage`: each file's request, with the bytes of each file up
-    to INLINE_MAX read here (`send_small`). The disk is asked for those files all at once
-    before the first is read. A file not read here (bigger, refused, changed while read)
-    goes by its path alone: the daemon reads it, or says why it does not."""
+    to INLINE_MAX read here (`send_small`), encoded as `encoding` says when given. The disk
+    is asked for those files all at once before the first is read. A file not read here
+    (bigger, refused, changed while read) goes by its path alone: the daemon reads it, or
+    says why it does not."""
     if not send_small:
         return b"".join(s.line() for s in batch)
     roots = SourceRoots()
@@ -209,7 +230,7 @@ def batch_bytes(batch: list[Source], send_small: bool = True) -> bytes:
         for o in opened:
             if o is not None:
                 read_ahead(o)
-        return b"".join(s.line() if o is None else _with_bytes(s, o, roots) for s, o in zip(batch, opened))
+        return b"".join(s.line() if o is None else _with_bytes(s, o, roots, encoding) for s, o in zip(batch, opened))
     finally:
         for o in opened:
             if o is not None:
@@ -229,14 +250,18 @@ def _open_small(s: Source, roots: SourceRoots) -> OpenSource | None:
     return o
 
 
-def _with_bytes(s: Source, o: OpenSource, roots: SourceRoots) -> bytes:
+def _with_bytes(s: Source, o: OpenSource, roots: SourceRoots, encoding: Encoding | None) -> bytes:
     try:
         data = b"".join(read_bounded(o, s.src))
         dirs = roots.tree_dirs(s.src, s.root, s.follow, s.path)  # a tree: its directories' modes go too
     except (SourceRefused, OSError):
         return s.line()
-    return encode({**s.request(), "size": o.size, "mtime_ns": o.mtime_ns, "mode": o.mode, "uid": o.uid,
-                   "gid": o.gid, "crc": checksum(data), "dirs": dirs}, data)
+    request = {**s.request(), "size": o.size, "mtime_ns": o.mtime_ns, "mode": o.mode, "uid": o.uid, "gid": o.gid,
+               "crc": codec.checksum(data), "dirs": dirs}
+    if encoding is None or len(data) > encoding.chunk_bytes:  # (one chunk only: the daemon splits bigger ones)
+        return encode(request, data)
+    enc = codec.encode(data, encoding.compression, encoding.level, crc=request["crc"])
+    return encode({**request, "codec": enc.codec}, bytes(enc.stored))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -285,6 +310,7 @@ def stage_sources(sources: Iterable[Source], dest_path: Path, *, jobs: int = 8, 
     if not dest_path.exists():
         os.mkdir(dest_path)
     sealed = is_sealed(dest)
+    encoding = Encoding.of(dest_path)
     report = StageReport()  # files and bytes counted as the sources come
     control = str(dest_path / ".stage")
     lock = threading.Lock()
@@ -300,7 +326,7 @@ def stage_sources(sources: Iterable[Source], dest_path: Path, *, jobs: int = 8, 
             yield s
 
     def send(batch: list[Source]) -> None:
-        data = batch_bytes(batch, send_small=not sealed)  # (a sealed dataset only compares: no bytes)
+        data = batch_bytes(batch, send_small=not sealed, encoding=encoding)  # (a sealed dataset only compares)
         fd = os.open(control, os.O_RDWR)
         try:
             _write_all(fd, data)

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import trio
 
+from distorefs import codec
 from distorefs.dataset import FILE, ROOT_DIR, Item
-from distorefs.errors import InvalidArgument, NotEmpty, ReadOnly
+from distorefs.errors import InvalidArgument, NotEmpty, NotFound, ReadOnly
 from distorefs.owner import Owner
 from distorefs.sources import Credentials
 from distorefs.values import StoredValue
@@ -256,4 +257,40 @@ def test_files_sent_with_their_bytes_are_stored_as_sent_without_being_opened(tmp
         assert root_staged[0].status == "ok"
         item = ds.item(ds.resolve(b"root.bin")[1])
         assert (item.uid, item.gid) == (1234, 4321)  # root keeps the source's owner
+    run(tmp_path / "store", body)
+
+
+def test_files_sent_encoded_are_checked_and_stored_as_sent(tmp_path):
+    """The stager may encode what it sends as the dataset stores it: the daemon then only
+    decodes it and computes its CRC (a zstd frame's own checksum is the stager's word), and
+    refuses a file whose decoded bytes are not the ones the CRC was sent for."""
+    src = tmp_path / "src"
+    src.mkdir()
+    text = b"compressible " * 800
+    other = b"Compressible " * 800  # as long as `text`: only the CRC tells them apart
+    packed = codec.encode(text, "zstd", 1)
+    assert packed.codec == codec.ZSTD
+    lying = codec.encode(other, "zstd", 1)  # a valid frame, with its own valid checksum, of other bytes
+    raw = os.urandom(3000)
+    reqs = [sent(src, "z.bin", packed.stored, codec=codec.ZSTD, size=len(text), crc=zlib.crc32(text)),
+            sent(src, "lying.bin", lying.stored, codec=codec.ZSTD, size=len(text), crc=zlib.crc32(text)),
+            sent(src, "short.bin", packed.stored, codec=codec.ZSTD, size=len(text) - 1, crc=zlib.crc32(text)),
+            sent(src, "raw.bin", raw, codec=codec.RAW),
+            sent(src, "rawbad.bin", raw, codec=codec.RAW, crc=zlib.crc32(raw) ^ 1),
+            sent(src, "codec7.bin", raw, codec=7),
+            sent(src, "zempty.bin", b"", codec=codec.RAW)]
+
+    async def body(store):
+        ds = await store.create("datasets", "encoded", OWNER)
+        results = {r.path: r.status for r in await ds.stage(reqs, FOWNER)}
+        assert results == {"z.bin": "ok", "lying.bin": "error", "short.bin": "error", "raw.bin": "ok",
+                           "rawbad.bin": "error", "codec7.bin": "error", "zempty.bin": "ok"}
+        for refused in ("lying.bin", "short.bin", "rawbad.bin", "codec7.bin"):  # never stored
+            with pytest.raises(NotFound):
+                ds.resolve(refused.encode())
+        item = ds.item(ds.resolve(b"z.bin")[1])
+        assert [c.codec for c in item.chunks] == [codec.ZSTD] and item.chunks[0].stored_size == len(packed.stored)
+        assert await ds.read_item(item) == text and item.checksum == zlib.crc32(text)
+        assert await ds.read_item(ds.item(ds.resolve(b"raw.bin")[1])) == raw
+        assert await ds.read_item(ds.item(ds.resolve(b"zempty.bin")[1])) == b""
     run(tmp_path / "store", body)
