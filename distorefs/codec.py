@@ -196,7 +196,13 @@ def decode(stored: bytes | memoryview, codec: int, size: int, expected_crc: int,
             return raw
     elif codec == ZSTD:
         try:
-            verified = zstandard.get_frame_parameters(stored).has_checksum
+            frame = zstandard.get_frame_parameters(stored)
+            # A frame that records its content size is decoded to that size, whatever
+            # max_output_size says: one of another size than the value's is refused
+            # before it is decoded (a small frame can claim gigabytes).
+            if frame.content_size not in (size, zstandard.CONTENTSIZE_UNKNOWN):
+                raise CorruptValue(f"{what}: zstd frame holds {frame.content_size} bytes, expected {size}")
+            verified = frame.has_checksum
             raw = _decompressor().decompress(stored, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise CorruptValue(f"{what}: zstd frame is corrupt ({exc})") from None

@@ -52,6 +52,18 @@ def test_corruption_detected(flip):
             codec.decode(bytes(bad), enc.codec, enc.size, enc.checksum)
 
 
+
+def test_a_frame_that_says_it_holds_more_than_the_value_is_refused_before_it_is_decoded():
+    """A zstd frame records its content size, and zstandard then sizes its output from the
+    frame, not from max_output_size: a 16 KB frame of a client's (a stager's sent file, a
+    spooled value) could make the daemon allocate 512 MiB or more. Such a frame is corrupt
+    for a value of another size, and refused before anything is decoded."""
+    bomb = codec.encode(b"\0" * (64 << 20), "zstd", 1)
+    assert bomb.codec == codec.ZSTD and len(bomb.stored) < 8 << 10
+    with pytest.raises(CorruptValue, match="frame"):
+        codec.decode(bomb.stored, codec.ZSTD, 10_000, bomb.checksum)
+    assert codec.decode(bomb.stored, codec.ZSTD, bomb.size, bomb.checksum) == b"\0" * (64 << 20)
+
 @pytest.mark.parametrize("level", [-100, -5, -1, 1, 3, 22])
 def test_zstd_levels_fast_and_normal(level):
     """zstd's fast (negative) levels are accepted and round-trip; a faster level stores more."""
