@@ -15,8 +15,8 @@ against a sealed dataset compares instead ("already staged, identical", or what 
 What is read, and as whom (distorefs/sources.py, the same rules for what the daemon
 reads and for what this process reads and sends): sources are opened with the rights of
 the user running this command; a symlink is followed only if it stays inside the source
-tree (`follow_symlinks` follows every link); only regular files are staged. A list file may name only files below its own directory unless
-`allow_outside` is given.
+tree (`follow_symlinks` follows every link); only regular files are staged. A list file
+may name only files below its own directory unless `allow_outside` is given.
 """
 
 from __future__ import annotations
