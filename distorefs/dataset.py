@@ -717,10 +717,10 @@ class Dataset:
         "uid", "gid" and "mtime_ns" its fstat and "dirs" the (mode, uid, gid) of the
         directories above it in its tree; nothing is opened here then. With "codec" the
         stager encoded them as the dataset stores them ("size": the file's size): they are
-        checked, not encoded again. Items keep the
-        source's permission bits; their owner is the source's when root stages, else the
-        stager's (`owner`). Every file is verified after its commit (its stored chunks read
-        back and checked against the checksum of the source bytes).
+        checked, not encoded again. Items keep the source's permission bits; their owner is
+        the source's when root stages, else the stager's (`owner`). Every file is verified
+        after its commit (its stored chunks read back and checked against the checksum of
+        the source bytes).
         """
         self._writable()
         sources, results = _parse_requests(requests)
@@ -812,9 +812,9 @@ class Dataset:
                 self.stats_counters["skipped"] += 1
             else:
                 todo.append(source)
-        # Read and compress small files: what the page cache holds in one thread, the rest
-        # read ahead all at once and taken in another (distorefs/sources.py); big ones
-        # stream inside the commit.
+        # Encode (or check) what the stager sent. Read and compress the other small files:
+        # what the page cache holds in one thread, the rest read ahead all at once and
+        # taken in another (distorefs/sources.py); big ones stream inside the commit.
         sent = [s for s in todo if s.sent]
         if sent:
             await trio.to_thread.run_sync(self._encode_sent, sent)
@@ -849,7 +849,7 @@ class Dataset:
                 continue
             self.stats_counters["staged"] += 1
             self.stats_counters["staged_bytes"] += s.size
-            self.stats_counters["staged_sent"] += s.sent
+            self.stats_counters["staged_sent"] += int(s.sent)
             results.append(StageResult(s.path, "ok", size=s.size))
         return results
 
@@ -923,20 +923,18 @@ class Dataset:
             sent_crc = s.crc
             if s.codec is None:
                 self._encode_source(s, sent)
+                intact = s.crc == sent_crc
             else:
                 try:
                     raw = codec.decode(sent, s.codec, s.size, sent_crc, s.src)
                     intact = s.codec == codec.RAW or codec.checksum(raw) == sent_crc  # (decode checked a raw one)
                 except CorruptValue:
                     intact = False
-                if not intact:
-                    s.error = f"{s.src}: the bytes received do not match the checksum they were sent with"
-                    continue
-                if s.size > step:  # more than one chunk: stored as the daemon splits a file
+                if intact and s.size > step:  # more than one chunk: stored as the daemon splits a file
                     self._encode_source(s, raw)
-                else:
+                elif intact:
                     s.encoded = [codec.Encoded(bytes(sent), s.codec, s.size, sent_crc)] if s.size else []
-            if s.crc != sent_crc:
+            if not intact:
                 s.error = f"{s.src}: the bytes received do not match the checksum they were sent with"
 
     def _encode_source(self, s: _Source, raw: bytes | memoryview) -> None:

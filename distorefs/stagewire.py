@@ -2,7 +2,8 @@
 into requests (Dataset.stage says what a request holds).
 
 A request is a JSON object on one line. A request for a file the stager read itself
-carries "data": N, and the file's N bytes follow that line's newline. The requests of one
+carries "data": N, and N bytes follow that line's newline: the file's, or with "codec"
+the file encoded as the dataset stores it. The requests of one
 write() are taken together, as one batch: the kernel cuts a write bigger than its largest
 WRITE request into several, so the requests read are handed on only when a WRITE ends
 exactly where a request ends (one that ends inside a line or inside a file's bytes leaves
