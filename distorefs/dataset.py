@@ -294,17 +294,18 @@ class Dataset:
     def _key(self, tag: bytes, *parts: bytes) -> bytes:
         return self._prefix + tag + b"".join(parts)
 
+    # (the keys of every record, several per staged file: built directly, not through _key)
     def _dkey(self, dir_id: int) -> bytes:
-        return self._key(b"d", _U64.pack(dir_id))
+        return self._prefix + b"d" + _U64.pack(dir_id)
 
     def _nkey(self, dir_id: int, name: bytes) -> bytes:
-        return self._key(b"n", _U64.pack(dir_id), name)
+        return self._prefix + b"n" + _U64.pack(dir_id) + name
 
     def _okey(self, dir_id: int, ordinal: int) -> bytes:
-        return self._key(b"o", _U64.pack(dir_id), _U64.pack(ordinal))
+        return self._prefix + b"o" + _U64.pack(dir_id) + _U64.pack(ordinal)
 
     def _ikey(self, tag: bytes, item_id: int) -> bytes:
-        return self._key(tag, _U64.pack(item_id))
+        return self._prefix + tag + _U64.pack(item_id)
 
     # ----- metadata reads (LMDB, metadata pages only) ------------------------------------
 
@@ -1481,22 +1482,19 @@ class Seal(_DsChange):
                 rows: list[tuple] = []  # made into the array ROWS_AT_ONCE at a time (one conversion, not a field each)
                 n = 0
                 ordinals: dict[int, int] = {}
-                staging, sealed = ds._key(STAGING), ds._key(SEALED)
-                names, positions = ds._key(b"n"), ds._key(b"o")
-                db, get, put, delete, pack = self.db, txn.get, txn.put, txn.delete, _U64.pack
                 for kind, parent, name, node_id, path in self._walk(txn):
                     ordinal = ordinals.get(parent, 0)
                     ordinals[parent] = ordinal + 1
                     if kind == FILE:
-                        staged = staging + pack(node_id)
-                        raw = get(staged, db=db)
+                        staged = ds._ikey(STAGING, node_id)
+                        raw = txn.get(staged, db=self.db)
                         if raw is None:
                             continue
                         # the record does not hold its own id or tag: it moves as it is
                         raw = bytes(raw)
                         size, checksum, packed_meta = Item.indexed(raw)
-                        delete(staged, db=db)
-                        put(sealed + pack(n), raw, db=db)
+                        txn.delete(staged, db=self.db)
+                        txn.put(ds._ikey(SEALED, n), raw, db=self.db)
                         node_id = n
                         row: tuple = (n, path, size, checksum)
                         if fields:
@@ -1507,9 +1505,8 @@ class Seal(_DsChange):
                         if len(rows) == ROWS_AT_ONCE:
                             out.write(np.array(rows, dtype=dtype).tobytes())
                             rows = []
-                    key = pack(parent)
-                    put(names + key + name, _CHILD.pack(kind, node_id, ordinal), db=db)
-                    put(positions + key + pack(ordinal), _POS.pack(kind, node_id) + name, db=db)
+                    txn.put(ds._nkey(parent, name), _CHILD.pack(kind, node_id, ordinal), db=self.db)
+                    txn.put(ds._okey(parent, ordinal), _POS.pack(kind, node_id) + name, db=self.db)
                 out.write(np.array(rows, dtype=dtype).tobytes())
             for d, count in ordinals.items():
                 rec = self.dir_txn(txn, d)
