@@ -729,8 +729,8 @@ class Dataset:
         for s in sources:
             if s.sent:
                 assert s.owner is not None  # the source's own, sent with it
-                s.owner = _item_owner(s.owner, owner, keep_owner)
-                s.dirs = [_dir_owner(d, owner, keep_owner) for d in s.dirs]
+                s.owner = _staged_owner(stat.S_IFREG, s.owner, owner, keep_owner)
+                s.dirs = [_staged_owner(stat.S_IFDIR, d, owner, keep_owner) for d in s.dirs]
         try:
             await self._open_sources([s for s in sources if not s.sent], owner, cred)
             for s in sources:
@@ -788,9 +788,9 @@ class Dataset:
                             s.opened = o = roots.open(s.src, s.root, s.follow, cached)
                         except NotCached:
                             continue
-                        s.owner = _item_owner(Owner(o.mode, o.uid, o.gid), stager, keep_owner)
+                        s.owner = _staged_owner(stat.S_IFREG, Owner(o.mode, o.uid, o.gid), stager, keep_owner)
                         s.size, s.mtime_ns = o.size, o.mtime_ns
-                        s.dirs = [_dir_owner(Owner(*d), stager, keep_owner)
+                        s.dirs = [_staged_owner(stat.S_IFDIR, Owner(*d), stager, keep_owner)
                                   for d in roots.tree_dirs(s.src, s.root, s.follow, s.path)]  # a tree: keep its dirs
                     except SourceRefused as exc:
                         s.error = str(exc)
@@ -1044,17 +1044,12 @@ def _parse_sent(s: _Source, r: dict) -> None:
     s.dirs = dirs
 
 
-def _item_owner(source: Owner, stager: Owner, keep_owner: bool) -> Owner:
-    """A staged file's mode and owner: the source's permission bits; the source's owner
-    when root stages (`keep_owner`), else the stager's."""
+def _staged_owner(kind: int, source: Owner, stager: Owner, keep_owner: bool) -> Owner:
+    """A staged file's or directory's mode and owner (`kind`: stat.S_IFREG or S_IFDIR): the
+    source's permission bits; the source's owner when root stages (`keep_owner`), else the
+    stager's."""
     uid, gid = (source.uid, source.gid) if keep_owner else (stager.uid, stager.gid)
-    return Owner(0o100000 | (source.mode & 0o777), uid, gid)
-
-
-def _dir_owner(source: Owner, stager: Owner, keep_owner: bool) -> Owner:
-    """A directory on a staged file's path, from the source tree's (as `_item_owner`)."""
-    uid, gid = (source.uid, source.gid) if keep_owner else (stager.uid, stager.gid)
-    return Owner(0o40000 | (source.mode & 0o777), uid, gid)
+    return Owner(kind | (source.mode & 0o777), uid, gid)
 
 
 def _parse_requests(requests: list) -> tuple[list[_Source], list[StageResult]]:
