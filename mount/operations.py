@@ -20,6 +20,7 @@ import pyfuse3
 
 from distorefs.errors import DistorefsError, NotFound, OperationNotPermitted, Stale
 
+from . import openreply
 from .badinput import BAD_INPUT, bad_input_log
 from distorefs.ring import Ring
 from distorefs.catalog import EntryMeta
@@ -98,7 +99,7 @@ class Filesystem(pyfuse3.Operations):
         s = self.store.stats()
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
-                      "requests": dict(self.requests)}
+                      "requests": dict(self.requests), "opens_without_flush": openreply.replies()}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes
             s["memory"]["held_bytes"] += self.pusher.queued_bytes
@@ -157,13 +158,13 @@ class Filesystem(pyfuse3.Operations):
         self.inodes.looked_up(node.ino)
         return attrs
 
-    def _open_handle(self, node: Node, handle: Handle) -> pyfuse3.FileInfo:
+    def _open_handle(self, node: Node, handle: Handle, *, noflush: bool = False) -> pyfuse3.FileInfo:
         fh = next(self._fh)
         handle.node = handle.node or node
         self.handles[fh] = handle
         node.open_handles += 1
-        return pyfuse3.FileInfo(fh=fh, direct_io=handle.direct_io, keep_cache=handle.keep_cache,
-                                nonseekable=handle.nonseekable)
+        return pyfuse3.FileInfo(fh=openreply.noflush(fh) if noflush else fh, direct_io=handle.direct_io,
+                                keep_cache=handle.keep_cache, nonseekable=handle.nonseekable)
 
     def _handle(self, fh: int) -> Handle:
         handle = self.handles.get(fh)
@@ -291,7 +292,10 @@ class Filesystem(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         node = self.inodes.get(inode)
         handle = await node.open(flags, ctx)
-        return self._open_handle(node, handle)
+        # A read-only open whose handle does nothing at flush needs no FLUSH request at
+        # close (create() replies through another call, and a writer's flush commits).
+        quiet = (flags & os.O_ACCMODE) == os.O_RDONLY and type(handle).flush is Handle.flush
+        return self._open_handle(node, handle, noflush=quiet)
 
     @_translate
     async def read(self, fh, off, size):

@@ -185,8 +185,9 @@ def staged(fs, tmp_path, name: str, prefix: str, count: int, size: int) -> tuple
 
 def test_reads_of_sealed_items_cost_no_attribute_requests(fs, tmp_path):
     """A sealed dataset never changes: the path to an item (datasets/NAME, items/) and the
-    item's attributes stay cached, so an open + read + close again costs OPEN, FLUSH and
-    RELEASE, and no GETATTR of a directory on the way."""
+    item's attributes stay cached, so an open + read + close again costs OPEN and RELEASE
+    (no FLUSH: test_closing_a_file_opened_for_reading_sends_no_flush), and no GETATTR of a
+    directory on the way."""
     ds, payloads = staged(fs, tmp_path, "pagecache", "i", 20, 5000)
     items = [ds / "items" / f"i{i}.bin" for i in range(20)]
 
@@ -199,6 +200,30 @@ def test_reads_of_sealed_items_cost_no_attribute_requests(fs, tmp_path):
                 os.close(fd)
     read_all()  # looked up, attributes and pages cached
     assert requests_during(fs, "getattr", read_all) == 0
+
+
+def test_closing_a_file_opened_for_reading_sends_no_flush(fs, buf, tmp_path):
+    """A read-only open whose handle has nothing to do at close is answered with
+    FOPEN_NOFLUSH (mount/openreply.py): closing an entry, a drawn batch, a dataset item or
+    a control file sends no FLUSH. A writer's close still does: it commits there."""
+    for i in range(8):
+        write_entry(buf, f"n{i}.npy", npy(np.full(10, i, np.int32)))
+    ds, payloads = staged(fs, tmp_path, "noflush", "n", 5, 3000)
+
+    def read_everything() -> None:
+        for i in range(8):
+            read_entry(buf, f"n{i}.npy")
+        with np.load(buf / "batch" / "4.npz") as z:
+            assert z["data"].shape == (4, 10)
+        (buf / "sample" / "2").read_bytes()
+        for name, data in payloads.items():
+            assert (ds / "items" / name).read_bytes() == data
+        (buf / "config.json").read_bytes()
+        (buf / "stats.json").read_bytes()
+    assert requests_during(fs, "flush", read_everything) == 0
+    assert requests_during(fs, "open", read_everything) >= 8 + 2 + 5 + 2  # the opens were made
+    assert requests_during(fs, "flush", lambda: write_entry(buf, "w.npy", npy(np.full(10, 99, np.int32)))) == 1
+    assert read_entry(buf, "w.npy") == npy(np.full(10, 99, np.int32))  # committed by the time close() returned
 
 
 def test_prefetched_items_are_read_without_read_requests(fs, tmp_path):

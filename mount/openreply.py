@@ -1,0 +1,58 @@
+"""Opens answered without a FLUSH at close (FOPEN_NOFLUSH), through mount/_openreply.c.
+
+pyfuse3 3.5 cannot ask the kernel to skip FLUSH for an open, so every close of a file cost
+a FLUSH request even where the handle has nothing to do at flush (a read-only open: an
+entry, a drawn batch, a dataset item). `_openreply` defines libfuse's `fuse_reply_open`
+and forwards to it; loaded into the global symbol scope before pyfuse3, it is the one
+pyfuse3's replies go through. `noflush(fh)` marks a handle number; the library strips the
+mark and sets the flag as it replies.
+
+Without the compiled library (a build without a C compiler or libfuse's headers) or when
+pyfuse3 was imported first, `noflush` returns the handle unchanged and closes send FLUSH
+as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+
+def _load():
+    if "pyfuse3" in sys.modules:
+        # pyfuse3's calls may be bound already, to libfuse itself
+        return None, "pyfuse3 was imported before mount/openreply.py"
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(flags | os.RTLD_GLOBAL)
+    try:
+        from distorefs.mount import _openreply  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"mount/_openreply.c not built ({exc})"
+    finally:
+        sys.setdlopenflags(flags)
+    if not _openreply.interposed():
+        return None, "another fuse_reply_open comes first in the global scope"
+    return _openreply, ""
+
+
+_library, why_not = _load()
+active: bool = _library is not None
+_MARK = _library.NOFLUSH_FH if _library is not None else 0
+
+
+def noflush(fh: int) -> int:
+    """The handle number to return from open() so that its close sends no FLUSH."""
+    return fh | _MARK
+
+
+def replies() -> int:
+    """Opens answered with FOPEN_NOFLUSH so far."""
+    return _library.noflush_replies() if _library is not None else 0
+
+
+def log_state() -> None:
+    if not active:
+        log.info("closes of read-only files send FLUSH: %s", why_not)
