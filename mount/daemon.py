@@ -125,10 +125,10 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
     """Serve until the mount ends; True if it ended by a signal rather than an unmount."""
     signalled: list[int] = []
     async with store.running():
-        fs.start_notifications()
+        fs.start_notifications(mountpoint)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_stop_on_signal, signalled)
+                nursery.start_soon(_stop_on_signal, signalled, fs)
                 nursery.start_soon(_read_ahead_after_init, mountpoint, store.config.read_ahead_kb)
                 nursery.start_soon(glibc.trim_every, 2.0)
                 if metrics_addr is not None:
@@ -146,11 +146,14 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
     return bool(signalled)
 
 
-async def _stop_on_signal(signalled: list[int]) -> None:
+async def _stop_on_signal(signalled: list[int], fs: Filesystem) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("signal %d: unmounting", signum)
             signalled.append(signum)
+            # the daemon's own listings of the mount end first, answered by this loop:
+            # their open directories would keep the unmount below from happening
+            await trio.to_thread.run_sync(fs.stop_listing)
             pyfuse3.terminate()
             return
 

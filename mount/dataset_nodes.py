@@ -595,6 +595,8 @@ class OrderFile(Node):
                     if process_gone(other):
                         self.ds.drop_order(other)
                 await self.ds.declare_order(data, stream)
+                if self.fs.names is not None:  # the kernel learns the items' names before their reads
+                    self.fs.names.warm(os.path.join("datasets", self.ds.name, "items"))
             return ConfigWriter(declare, b"" if flags & os.O_TRUNC else self.ds.order_npy(), limit=MAX_ORDER_BYTES)
         return BytesReader(self.ds.order_npy(), cacheable=False)
 

@@ -28,6 +28,7 @@ from distorefs.store import Store
 
 from .handles import EntryWriter, Handle
 from .inodes import InodeTable
+from .namewarmer import NameWarmer
 from .nodes import XATTR_PREFIX, EntryNode, Node, build_tree
 from .notify import Invalidator, PageCachePusher
 
@@ -77,17 +78,29 @@ class Filesystem(pyfuse3.Operations):
         self.started_ns = time.time_ns()
         self.invalidator: Invalidator | None = None
         self.pusher: PageCachePusher | None = None
+        self.names: NameWarmer | None = None
         self.pending_items: dict = {}  # (dataset id, dir id, name) -> node of a created, uncommitted item
         self.writer_redirects: dict = {}  # (file key, pid) -> True: its next lookup gets another inode (entries: a private one; weights: the writers' one)
         self.root = build_tree(self)
         store.listeners.append(self._entry_changed)
 
-    def start_notifications(self) -> None:
-        """Kernel invalidations need a live session: start them once the mount is up."""
+    def start_notifications(self, mountpoint: str | None = None) -> None:
+        """Kernel invalidations need a live session: start them once the mount is up.
+        `mountpoint`: where the daemon lists names ahead of declared orders (none: it does not)."""
         self.invalidator = Invalidator()
         self.pusher = PageCachePusher(self.store.memory.transfer)
+        if mountpoint is not None:
+            self.names = NameWarmer(mountpoint)
+
+    def stop_listing(self) -> None:
+        """Blocking (a worker thread): end the daemon's own listings of the mount while it
+        still serves them, so that neither they nor their open directories outlive it."""
+        if self.names is not None:
+            self.names.stop()
 
     def stop_notifications(self) -> None:
+        if self.names is not None:
+            self.names.stop(timeout=1.0)  # unmounted: what was in flight ends with ENOTCONN
         if self.invalidator is not None:
             self.invalidator.stop()
             self.invalidator = None
@@ -99,7 +112,8 @@ class Filesystem(pyfuse3.Operations):
         s = self.store.stats()
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
-                      "requests": dict(self.requests), "opens_without_flush": openreply.replies()}
+                      "requests": dict(self.requests), "opens_without_flush": openreply.replies(),
+                      "names_listed": self.names.listed if self.names else 0}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes
             s["memory"]["held_bytes"] += self.pusher.queued_bytes

@@ -193,6 +193,13 @@ def _read_ready(fd: int, timeout: float) -> str:
     return data.decode(errors="replace").strip()
 
 
+def _held_by_itself(mountpoint, pid: int) -> bool:
+    """No process but the daemon `pid` holds the mount. (Holding none at all counts: between
+    two directories of a listing the daemon holds nothing for a moment.)"""
+    from .mounts import holders
+    return all(h.pid == pid for h in holders(mountpoint))
+
+
 @main.command()
 @click.argument("mountpoint", type=click.Path())
 @click.option("--lazy", "-z", is_flag=True, help="Detach now even if busy (fusermount3 -z).")
@@ -213,6 +220,13 @@ def umount(mountpoint, lazy, timeout, force) -> None:
         lazy = True
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(info.mountpoint)]
     result = subprocess.run(cmd, capture_output=True, text=True)
+    # Busy because of the daemon alone: it is listing names ahead of a declared order
+    # (mount/namewarmer.py), seconds at most. Wait for that, not for other holders.
+    until = time.monotonic() + 15
+    while (result.returncode != 0 and "busy" in result.stderr.lower() and pid is not None
+           and time.monotonic() < until and _held_by_itself(info.mountpoint, pid)):
+        time.sleep(0.1)
+        result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         from .mounts import holders
         if "busy" not in result.stderr.lower():
