@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_ORDER_BYTES = 1 << 30
+LOAD_AT_OPEN_MAX = 1 << 20  # a sealed item no bigger is loaded at its open (as batch files are)
 
 
 class DatasetDir(Node):
@@ -296,6 +297,10 @@ class ItemNode(Node):
         self.removed = False  # unlinked while open: its writers commit nothing
         self.new_id: int | None = None  # created through the mount: the item id taken at create
         self.last: Item | None = None  # the record last read (attributes of a removed, open file)
+        # A sealed item's whole value went into the kernel's page cache (pushed, stored at an
+        # open, or read whole): an open needs not load it again. The kernel may have evicted
+        # those pages since; then READs come, as without this.
+        self.in_page_cache = False
 
     def item(self) -> Item:
         ds = self.ds
@@ -352,11 +357,20 @@ class ItemNode(Node):
             return w
         item = self.item()
         reader = ItemReader(self.ds, item)
-        if not self.ds.sealed and self.ds.whole_in_memory(item) and reader.data is None:
-            reader.data = await self.ds.read_item(item)  # its own copy: a rewrite or rm cannot take it away
         pusher = self.fs.pusher
+        if reader.data is None and self.ds.whole_in_memory(item):
+            if not self.ds.sealed:
+                reader.data = await self.ds.read_item(item)  # its own copy: a rewrite or rm cannot take it away
+            elif (item.size <= LOAD_AT_OPEN_MAX and not self.in_page_cache and not self.open_handles
+                  and pusher is not None):
+                # Not loaded ahead (no order declared, or read out of it): loaded now and put
+                # into the page cache before OPEN is answered, as a prefetched value is. The
+                # same disk read as at the first READ, less that READ, and less the GETATTR
+                # the reader's next fstat would make (a READ drops the kernel's atime).
+                reader.data = await reader.load()
         if reader.data is not None and reader.keep_cache and not self.open_handles and pusher is not None:
-            pusher.store_at_open(self.ino, reader.data)  # a value already here: no READ for it
+            if pusher.store_at_open(self.ino, reader.data):  # a value already here: no READ for it
+                self.in_page_cache = True
         return reader
 
     async def commit(self, content, owner: Owner, times=(None, None)) -> None:
@@ -454,6 +468,12 @@ class ItemReader(Handle):
         if self.data is not None:
             ds._count_read(len(self.data))
 
+    async def load(self) -> bytes:
+        """The whole value, counted once for this open (a hit, late or a miss)."""
+        self.accounted = True
+        ask, self.counted = not self.counted, True  # (a READ after a failed load: not counted again)
+        return await self.ds.read_item(self.item, ask_prefetcher=ask)
+
     async def read(self, off: int, size: int):
         ds, item = self.ds, self.item
         self.accounted = True
@@ -461,16 +481,16 @@ class ItemReader(Handle):
             if self._loading is not None:  # the kernel sent READs of this open side by side
                 await self._loading.wait()  # (as long as that READ's own load: bounded by it)
                 continue
-            # One load for all of them, so that the open is counted once (a hit, late or a
-            # miss), not once per READ that found no value yet.
+            # One load for all of them, so that the open is counted once.
             self._loading = trio.Event()
-            ask, self.counted = not self.counted, True  # (a READ after a failed load: not counted again)
             try:
-                self.data = await ds.read_item(item, ask_prefetcher=ask)
+                self.data = await self.load()
             finally:
                 self._loading.set()
                 self._loading = None
         if self.data is not None:
+            if ds.sealed and self.node is not None:
+                self.node.in_page_cache = True  # the kernel keeps what it read (keep_cache)
             return memoryview(self.data)[off:off + size]
         return await ds.read_range(item, off, size)
 
@@ -699,5 +719,6 @@ def push_into_page_cache(fs: "Filesystem", ds: Dataset):
         node = fs.inodes.node_of(("dsitem", ds.ds_id, SEALED, item_id))
         if node is None or node.open_handles:
             return False  # being read now: its READ takes the value from memory instead
-        return pusher.push(ino, value)
+        node.in_page_cache = pusher.push(ino, value)
+        return node.in_page_cache
     return push

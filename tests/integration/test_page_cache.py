@@ -226,6 +226,26 @@ def test_closing_a_file_opened_for_reading_sends_no_flush(fs, buf, tmp_path):
     assert read_entry(buf, "w.npy") == npy(np.full(10, 99, np.int32))  # committed by the time close() returned
 
 
+def test_items_read_out_of_any_order_are_loaded_at_their_open(fs, tmp_path):
+    """No order declared: an item's value is loaded at its open and put into the page cache
+    before OPEN is answered (no READ); an open of an item whose pages the kernel holds
+    loads nothing again."""
+    ds, payloads = staged(fs, tmp_path, "atopen", "a", 12, 6000)
+
+    def reads() -> int:
+        return json.loads((ds / "stats.json").read_bytes())["reads"]
+
+    def read_all() -> None:
+        for name, data in payloads.items():
+            with open(ds / "items" / name, "rb") as f:
+                assert f.read() == data
+    loaded = reads()
+    assert reads_during(fs, read_all) == 0
+    assert reads() - loaded == len(payloads)  # each loaded once, at its open
+    read_all()
+    assert reads() - loaded == len(payloads)  # from the page cache: not loaded again
+
+
 def test_prefetched_items_are_read_without_read_requests(fs, tmp_path):
     """Items loaded ahead along a declared order go into the page cache at their open."""
     ds, payloads = staged(fs, tmp_path, "prefetched", "p", 12, 7000)
