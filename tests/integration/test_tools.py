@@ -540,7 +540,9 @@ def test_warmup_fills_the_memory_tier_and_the_page_cache(fresh_mount, tmp_path):
     assert _stats(m)["disk_reads"] == reads
     # again: all of it is warm already, nothing is read
     r = json.loads(cli("warmup", "--json", m.mnt / "datasets" / "ds").stdout)
-    assert r["read_bytes"] == 0 and r["page_cache_already"] == r["bytes"] and r["memory_loaded"] == 0
+    # (a failure here once, big.bin read again: the mount's requests and invalidations say more)
+    assert r["read_bytes"] == 0 and r["page_cache_already"] == r["bytes"] and r["memory_loaded"] == 0, \
+        (r, _stats(m)["mount"], reclaimed())
     value = os.getxattr(m.mnt / "datasets" / "ds" / "items" / "big.bin", "user.distorefs.warm")
     assert value == b"values=3 bytes=%d already=%d loaded=0 refused=0" % ((9 << 20,) * 2)
     assert "user.distorefs.warm" not in os.listxattr(m.mnt / "datasets" / "ds" / "items" / "big.bin")
