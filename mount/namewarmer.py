@@ -34,7 +34,6 @@ class NameWarmer:
         self.mountpoint = mountpoint
         self.max_names = max_names
         self.listed = 0  # entries listed, all listings together
-        self.listings = 0
         self._lock = threading.Lock()
         self._running: dict[str, threading.Thread] = {}
         self._finished: dict[str, float] = {}  # tree -> monotonic time its last listing ended
@@ -51,7 +50,6 @@ class NameWarmer:
                 return False
             thread = threading.Thread(target=self._list, args=(relative,), name="distorefs-names", daemon=True)
             self._running[relative] = thread
-            self.listings += 1
         thread.start()
         return True
 
