@@ -420,7 +420,11 @@ class Dataset:
     # ----- content --------------------------------------------------------------------
 
     def _cache_key(self, item: Item, index: int) -> tuple:
-        return ("ds", self.ds_id, item.tag, item.id, item.mtime_ns, index)
+        # A rewrite stores its chunks under the same locations (keyed by item and index)
+        # and may keep the mtime (utime before close): the chunk's size and CRC-32 tell
+        # versions apart, as a read from its tier checks them.
+        chunk = item.chunks[index]
+        return ("ds", self.ds_id, item.tag, item.id, index, chunk.size, chunk.checksum)
 
     def _what(self, item: Item, index: int) -> str:
         # Cheap (it is made for every read): the item's name, not its path (a walk up the tree).

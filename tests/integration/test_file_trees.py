@@ -57,6 +57,26 @@ def test_output_of_a_process_that_exits_without_close_is_kept(tree):
     assert (tree / "x").read_bytes() == b"1\n"
 
 
+def test_a_rewrite_that_keeps_the_mtime_is_read_back(tree):
+    """A file rewritten with its timestamps set back before close (tar, rsync -t, the
+    model test's writer): a reader gets the new bytes, not a copy of the old version kept
+    in memory under the same timestamps."""
+    p = tree / "t"
+
+    def write(data: bytes) -> None:
+        fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.utime(fd, ns=(10**9, 10**9))
+        finally:
+            os.close(fd)
+    write(b"\x02" * 1000)
+    assert p.read_bytes() == b"\x02" * 1000
+    write(b"\x01" * 500)
+    assert p.read_bytes() == b"\x01" * 500
+    assert os.stat(p).st_mtime_ns == 10**9
+
+
 def test_an_empty_file_is_listed_and_openable_right_after_close(tree):
     for i in range(50):  # it used to appear a moment after close(): a race, so many tries
         p = tree / f"empty{i}"
