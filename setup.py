@@ -1,4 +1,4 @@
-"""The one compiled part: mount/_openreply.c (see mount/openreply.py). Optional: without a C
+"""The one compiled part: mount/_interpose.c (see mount/interpose.py). Optional: without a C
 compiler or libfuse's headers the package installs and closes send FLUSH as before."""
 
 import subprocess
@@ -18,8 +18,8 @@ cflags = pkg_config("--cflags")
 libs = pkg_config("--libs") or ["-lfuse3"]
 
 setup(ext_modules=[Extension(
-    "distorefs.mount._openreply",
-    sources=["mount/_openreply.c"],
+    "distorefs.mount._interpose",
+    sources=["mount/_interpose.c"],
     include_dirs=[f[2:] for f in cflags if f.startswith("-I")],
     extra_compile_args=[f for f in cflags if not f.startswith("-I")],
     library_dirs=[f[2:] for f in libs if f.startswith("-L")],

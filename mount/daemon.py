@@ -17,7 +17,7 @@ import trio
 from distorefs.clusterlog import ClusterSpec
 from distorefs.store import Store
 
-from . import openreply
+from . import interpose
 from .metrics_http import serve_metrics
 from .operations import Filesystem
 
@@ -94,7 +94,7 @@ def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, al
         _report(ready_fd, f"error: {exc}")
         raise
     fs = Filesystem(store)
-    openreply.log_state()
+    interpose.log_state()
     options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
     options |= {f"fsname={store.path}", "subtype=distorefs"}
     if allow_other:

@@ -20,7 +20,7 @@ import pyfuse3
 
 from distorefs.errors import DistorefsError, NotFound, OperationNotPermitted, Stale
 
-from . import openreply
+from . import interpose
 from .badinput import BAD_INPUT, bad_input_log
 from distorefs.ring import Ring
 from distorefs.catalog import EntryMeta
@@ -112,7 +112,8 @@ class Filesystem(pyfuse3.Operations):
         s = self.store.stats()
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
-                      "requests": dict(self.requests), "opens_without_flush": openreply.replies(),
+                      "requests": dict(self.requests), "opens_without_flush": interpose.replies(),
+                      "foreign_xattrs_in_c": interpose.foreign_xattr_replies(),
                       "names_listed": self.names.listed if self.names else 0}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes
@@ -177,7 +178,7 @@ class Filesystem(pyfuse3.Operations):
         handle.node = handle.node or node
         self.handles[fh] = handle
         node.open_handles += 1
-        return pyfuse3.FileInfo(fh=openreply.noflush(fh) if noflush else fh, direct_io=handle.direct_io,
+        return pyfuse3.FileInfo(fh=interpose.noflush(fh) if noflush else fh, direct_io=handle.direct_io,
                                 keep_cache=handle.keep_cache, nonseekable=handle.nonseekable)
 
     def _handle(self, fh: int) -> Handle:

@@ -1,0 +1,67 @@
+"""The libfuse calls distorefs takes over from pyfuse3 (mount/_interpose.c).
+
+- Opens answered without a FLUSH at close (FOPEN_NOFLUSH). pyfuse3 3.5 cannot ask the
+  kernel to skip FLUSH for an open, so every close of a file cost a FLUSH request even
+  where the handle has nothing to do at flush (a read-only open: an entry, a drawn batch,
+  a dataset item). `noflush(fh)` marks a handle number; the library's `fuse_reply_open`
+  strips the mark and sets the flag as it replies.
+- GETXATTR of names outside user.distorefs. (the kernel's security.capability check
+  before writes and truncating opens) answered ENODATA in C as the request is read, never
+  reaching pyfuse3 or the event loop; `foreign_xattr_replies()` counts them.
+
+The library defines those libfuse functions and forwards to libfuse's own; loaded into the
+global symbol scope before pyfuse3, its definitions are the ones pyfuse3's calls bind to.
+Without it (a build without a C compiler or libfuse's headers) or when pyfuse3 was
+imported first, `noflush` returns the handle unchanged, closes send FLUSH and every
+GETXATTR reaches `Filesystem.getxattr`, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+
+def _load():
+    if "pyfuse3" in sys.modules:
+        # pyfuse3's calls may be bound already, to libfuse itself
+        return None, "pyfuse3 was imported before mount/interpose.py"
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(flags | os.RTLD_GLOBAL)
+    try:
+        from distorefs.mount import _interpose  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"mount/_interpose.c not built ({exc})"
+    finally:
+        sys.setdlopenflags(flags)
+    if not _interpose.interposed():
+        return None, "other definitions of libfuse's functions come first in the global scope"
+    return _interpose, ""
+
+
+_library, why_not = _load()
+active: bool = _library is not None
+_MARK = _library.NOFLUSH_FH if _library is not None else 0
+
+
+def noflush(fh: int) -> int:
+    """The handle number to return from open() so that its close sends no FLUSH."""
+    return fh | _MARK
+
+
+def replies() -> int:
+    """Opens answered with FOPEN_NOFLUSH so far."""
+    return _library.noflush_replies() if _library is not None else 0
+
+
+def foreign_xattr_replies() -> int:
+    """GETXATTR requests of names outside user.distorefs. answered in C so far."""
+    return _library.foreign_xattr_replies() if _library is not None else 0
+
+
+def log_state() -> None:
+    if not active:
+        log.info("closes of read-only files send FLUSH and every GETXATTR reaches Python: %s", why_not)
