@@ -71,7 +71,6 @@ class SampleReader(Handle):
         self.batch = batch
         self.content = content
         self.size = content.size
-        self.pid = 0
 
     async def read(self, off: int, size: int):
         return self.content.read(off, size, SampleReader.scratch)

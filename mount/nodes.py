@@ -24,7 +24,7 @@ from distorefs.buffer import Buffer
 from distorefs.catalog import EntryMeta
 from distorefs.config import priority_text
 from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted,
-                              OperationNotPermitted, Unsupported, WouldBlock)
+                              OperationNotPermitted, Stale, Unsupported, WouldBlock)
 from distorefs.names import check_name
 from distorefs.owner import Owner
 from distorefs.ratelimit import InsertTicket
@@ -75,6 +75,11 @@ class Node:
 
     def released(self, handle: Handle) -> None:
         """A handle opened on this node was closed."""
+
+    def name_timeout(self, child: "Node") -> float | None:
+        """How long the kernel may keep the name it just looked up in this directory
+        (None: as long as `child`'s attributes say)."""
+        return NO_CACHE if getattr(self, "names_move", False) else None
 
     # directories override these
     async def lookup(self, name: bytes, ctx=None) -> "Node":
@@ -406,18 +411,36 @@ class ClientFile(BufferControlFile):
 
 class DrawDir(Node):
     """sample/ or batch/: every name N (or N.npz) is a file that draws a batch when opened.
-    Each process gets an inode of its own for a name (see DrawFile), so the kernel must look
-    the name up on every open (names_move). A process that opens the name while its inode
-    is still open elsewhere gets another one: one inode never has two batches open, so its
-    page cache (each open starts it empty) only ever holds the batch being read."""
+    Each process gets an inode of its own for a name (see DrawFile). A process that opens
+    the name while its inode is still open elsewhere gets another one: one inode never has
+    two batches open, so its page cache (each open starts it empty) only ever holds the
+    batch being read.
 
-    names_move = True
+    The kernel keeps one inode per name, whoever asks. While one process alone opens a name
+    (a learner's loop), the kernel keeps the name and its opens need no LOOKUP; an open
+    that reaches another process's inode, or one with a batch open, is refused with ESTALE
+    (DrawFile.open), and the kernel's retry looks the name up again. Once a second process
+    asks for the name, it is not kept for CONTENDED_S: each open looks it up, as each would
+    otherwise pay a refused OPEN and two LOOKUPs whenever the processes take turns."""
+
+    CONTENDED_S = 10.0
 
     def __init__(self, fs: "Filesystem", buf: Buffer, npz: bool) -> None:
         super().__init__(fs)
         self.buf = buf
         self.npz = npz
         self._spare = itertools.count(1)
+        self._last_asker: dict[int, int] = {}  # N -> the process that looked it up last
+        self._contended_until: dict[int, float] = {}  # N -> monotonic time
+
+    def name_timeout(self, child: Node) -> float | None:
+        n = getattr(child, "n", None)
+        return DIR_LONG if time.monotonic() >= self._contended_until.get(n, 0.0) else NO_CACHE  # type: ignore[arg-type]
+
+    def _note_asker(self, n: int, pid: int) -> None:
+        if self._last_asker.get(n, pid) != pid:
+            self._contended_until[n] = time.monotonic() + self.CONTENDED_S
+        self._last_asker[n] = pid
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
@@ -436,6 +459,7 @@ class DrawDir(Node):
         self.buf.check_batch_size(n)
         kind = "batchfile" if self.npz else "samplefile"
         pid = ctx.pid if ctx is not None else 0
+        self._note_asker(n, pid)
         node = self.fs.inodes.intern((kind, self.buf.ns_id, n, pid),
                                      lambda: DrawFile(self.fs, self.buf, n, self.npz, pid))
         if node.open_handles:  # its batch is still being read: this open gets an inode of its own
@@ -446,14 +470,18 @@ class DrawDir(Node):
 
 class DrawFile(Node):
     """sample/N or batch/N.npz. Each open has its own content, so its size differs per open:
-    the size reported is that of the batch the asking process opened last (zipfile, and so
-    np.load, seeks to the end to find the npz directory), never cached by the kernel.
+    the size reported is that of the batch opened last on this inode (zipfile, and so
+    np.load, seeks to the end to find the npz directory).
 
     The kernel keeps one size per inode and trusts it for the rest of the jiffy in which it
     got it, whoever asked: with one inode shared by all processes, a SEEK_END right after
     another process's GETATTR used that process's size (BadZipFile under concurrent np.load).
-    So every process (FUSE passes the thread's pid) gets its own inode, and an open drops
-    the inode's attributes so the SEEK_END that follows asks for the new batch's size."""
+    So every process (FUSE passes the thread's pid) gets its own inode, opened by it alone
+    (DrawDir), and whoever asks for the inode's attributes - another process's path walk
+    through a name the kernel kept, say - gets the size of that process's open batch. An
+    open drops the inode's attributes so the SEEK_END that follows asks for the new batch's
+    size, unless the kernel holds that size already: a buffer's batches of N entries of one
+    layout are all one size, and a learner's np.load then costs no GETATTR."""
 
     def __init__(self, fs: "Filesystem", buf: Buffer, n: int, npz: bool, pid: int = 0) -> None:
         super().__init__(fs)
@@ -461,23 +489,23 @@ class DrawFile(Node):
         self.n = n
         self.npz = npz
         self.pid = pid
-        self.sizes: dict[int, int] = {}  # pid -> size of its newest open batch
+        self.size = 0  # of the batch opened last
+        self.kernel_size: int | None = None  # the size in this inode's last attributes reply
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
-        size = self.sizes.get(ctx.pid if ctx is not None else self.pid, 0)
-        # Cached until the next open of this process drops them (below): np.load's stat and
-        # seeks then cost one GETATTR per batch, not one each.
-        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o444), size, o.uid, o.gid, self.buf.ctime_ns, DIR_LONG)
-
-    def released(self, handle: Handle) -> None:
-        pid = getattr(handle, "pid", None)
-        if pid is not None and self.sizes.get(pid) == handle.size:  # type: ignore[attr-defined]
-            del self.sizes[pid]
+        self.kernel_size = self.size  # every caller replies with them (LOOKUP, GETATTR)
+        # Cached until an open of another size drops them (below): np.load's stat and seeks
+        # cost one GETATTR per batch at most, not one each.
+        return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o444), self.size, o.uid, o.gid, self.buf.ctime_ns,
+                          DIR_LONG)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
             raise NotPermitted("sample files are read-only")
+        if ctx.pid != self.pid or self.open_handles:
+            # reached through a name the kernel kept (DrawDir): the retry looks it up again
+            raise Stale(f"{self.n}: the inode of another process or of an open batch")
         nonblocking = bool(flags & os.O_NONBLOCK)
         abandoned = abandoned_by(ctx.pid)  # the wait for min_size_to_sample ends if the caller does
         if self.npz:
@@ -485,9 +513,8 @@ class DrawFile(Node):
         else:
             batch = await self.buf.sample(self.n, nonblocking, abandoned)
             content = BatchFile([Blob(batch.manifest())])
-        self.sizes[ctx.pid] = content.size
+        self.size = content.size
         handle = SampleReader(self.buf, batch, content)
-        handle.pid = ctx.pid
         pusher = self.fs.pusher
         if content.size <= len(SampleReader.scratch) and not self.open_handles and pusher is not None:
             # A small batch (a learner's batch of transitions) goes into the page cache
@@ -495,7 +522,8 @@ class DrawFile(Node):
             # only if the size the kernel learns next is the one it has (it drops them all
             # on a size change, and the READs then come as before).
             handle.keep_cache = pusher.store_at_open(self.ino, content.read(0, content.size, SampleReader.scratch))
-        drop_attributes(self.ino)  # while this OPEN is pending: the next stat or seek asks for the new batch's size
+        if content.size != self.kernel_size:
+            drop_attributes(self.ino)  # while this OPEN is pending: the next stat or seek asks for the new batch's size
         return handle
 
 

@@ -196,9 +196,10 @@ class Filesystem(pyfuse3.Operations):
             return self._entry(parent)
         node = await parent.lookup(name, ctx)
         attrs = self._entry(node)
-        if getattr(parent, "names_move", False) or getattr(node, "private", False):
-            # at/I names another entry as the ring moves; a writer's private inode must
-            # not be what other processes find under the name
+        timeout = parent.name_timeout(node)  # at/I names another entry as the ring moves, say
+        if timeout is not None:
+            attrs.entry_timeout = timeout
+        if getattr(node, "private", False):  # a writer's private inode: not what other processes find
             attrs.entry_timeout = 0
         return attrs
 

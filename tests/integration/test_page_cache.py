@@ -10,6 +10,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -252,6 +253,53 @@ def test_the_kernels_xattr_checks_before_writes_never_reach_python(fs, buf):
     assert_errno(errno.ENODATA, os.getxattr, buf / "entries" / "xa1.npy", "security.capability")
     assert_errno(errno.ENODATA, os.getxattr, w / "q.bin", "user.other")
     assert (w / "q.bin").stat().st_size == 1000
+
+
+def test_a_learners_batches_cost_an_open_and_a_release(fs, buf):
+    """One process loading batch/N.npz again and again (a learner's loop): the kernel keeps
+    the name and, the batches being all one size, the size; each np.load costs OPEN and
+    RELEASE only, and each batch is a new draw with the right contents."""
+    for i in range(40):
+        np.save(buf / "entries" / f"k{i:03d}.npy", np.full(3, i, dtype=np.int32))
+
+    def load() -> set:
+        with np.load(buf / "batch" / "8.npz") as z:
+            assert z["data"].shape == (8, 3)
+            for key, row in zip(z["keys"], z["data"]):
+                assert (row == int(key[1:4])).all()
+            return set(z["keys"].tolist())
+    load()
+    drawn: list[set] = []
+    counts = {kind: requests_during(fs, kind, lambda: drawn.extend(load() for _ in range(10)))
+              for kind in ("lookup", "getattr", "open")}
+    assert counts == {"lookup": 0, "getattr": 0, "open": 10}
+    assert len(set().union(*drawn)) > 8  # new draws, not one batch read again
+
+
+def test_batches_of_other_sizes_and_other_processes_keep_their_own_sizes(fs, buf, tmp_path):
+    """Batches whose size changes from one open to the next (keys of several lengths), read
+    by this process and, at the same time, by another: every np.load sees its own batch's
+    size and contents (the kernel keeps one inode per name, whoever asks)."""
+    for i in range(60):
+        np.save(buf / "entries" / (("k" * (1 + i % 7)) + f"{i:03d}.npy"), np.full(3, i, dtype=np.int32))
+    script = tmp_path / "loader.py"
+    script.write_text(f"""
+import numpy as np, sys
+for _ in range(150):
+    with np.load({str(buf / "batch" / "5.npz")!r}) as z:
+        for key, row in zip(z["keys"], z["data"]):
+            assert (row == int(key.lstrip("k")[:3])).all(), (key, row)
+""")
+    others = [subprocess.Popen([sys.executable, str(script)]) for _ in range(2)]
+    try:
+        for _ in range(150):
+            with np.load(buf / "batch" / "5.npz") as z:
+                for key, row in zip(z["keys"], z["data"]):
+                    assert (row == int(key.lstrip("k")[:3])).all()
+            with open(buf / "batch" / "5.npz", "rb") as f:
+                assert os.fstat(f.fileno()).st_size == len(f.read())
+    finally:
+        assert [p.wait(timeout=120) for p in others] == [0, 0]
 
 
 def test_items_read_out_of_any_order_are_loaded_at_their_open(fs, tmp_path):
