@@ -54,6 +54,8 @@ class Batch:
     places: tuple[np.ndarray, np.ndarray] | None = None
     # the entries' fields side by side, (N, row width), when the buffer keeps rows (distorefs/rows.py)
     rows: np.ndarray | None = None
+    # its batch/N.npz, when it was built ahead of its open (distorefs/buffer.py, BuiltAhead)
+    file: "BatchFile | None" = None
 
     def manifest(self) -> bytes:
         """One line per entry: KEY SEQ PROBABILITY WEIGHT (KEY escaped: names.escape_key)."""

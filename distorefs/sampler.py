@@ -172,8 +172,7 @@ class Sampler:
             if have < n:
                 parts.append(self.draw(n - have, order))
             slots = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-            if len(slots):
-                np.add.at(self.times, slots, 1)
+            self.count_draws(slots)
             return slots, np.zeros(0, dtype=np.int64)
         out: list[int] = []
         budget: dict[int, int] = {}
@@ -207,6 +206,11 @@ class Sampler:
             np.add.at(self.times, slots, 1)
         spent = np.array(sorted(s for s, left in budget.items() if left == 0), dtype=np.int64)
         return slots, spent
+
+    def count_draws(self, slots: np.ndarray) -> None:
+        """Count the draws of `slots` handed out (no max_times_sampled: nothing to check)."""
+        if len(slots):
+            np.add.at(self.times, slots, 1)
 
     def probabilities(self, slots: np.ndarray, spent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sampling probability and normalised importance weight of each drawn slot.

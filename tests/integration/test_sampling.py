@@ -462,3 +462,37 @@ def test_np_load_batch_by_path(buf):
     with open(buf / "batch" / "5.npz", "rb") as f:
         size = os.fstat(f.fileno()).st_size
         assert size == len(f.read()) > 0
+
+
+def _loads_built_ahead(buf, n: int, times: int) -> list:
+    """np.load of batch/n.npz `times` times: (keys, data) of each."""
+    out = []
+    for _ in range(times):
+        with np.load(buf / "batch" / f"{n}.npz") as z:
+            out.append((z["keys"].tolist(), z["data"].copy(), z["probabilities"].copy()))
+    return out
+
+
+def test_batches_built_ahead_are_handed_out_and_never_stale(buf):
+    """A learner's next batches are drawn ahead with their npz built (pre-sampling), and
+    an open only hands one out; one whose entries were rewritten or removed since is drawn
+    again at its open, so a batch never holds an old version."""
+    set_config(buf, {"capacity": 1000, "sampler": "prioritized", "presample_batches": 2})
+    for i in range(40):
+        np.save(buf / "entries" / f"k{i:03d}.npy", np.full(3, i, dtype=np.int32))
+    before = get_stats(buf)["built_ahead_used"]
+    for keys, data, probs in _loads_built_ahead(buf, 8, 6):
+        assert [int(k[1:4]) for k in keys] == data[:, 0].tolist()
+        assert (probs > 0).all()
+    assert get_stats(buf)["built_ahead_used"] - before >= 4  # all but the first opens
+    for i in range(40):  # every entry rewritten: the batches built ahead hold old versions
+        np.save(buf / "entries" / f"k{i:03d}.npy", np.full(3, 1000 + i, dtype=np.int32))
+    used = get_stats(buf)["built_ahead_used"]
+    for keys, data, _ in _loads_built_ahead(buf, 8, 2):
+        assert [1000 + int(k[1:4]) for k in keys] == data[:, 0].tolist()
+    assert get_stats(buf)["built_ahead_used"] == used  # both were stale: drawn again
+    for i in range(20):
+        os.unlink(buf / "entries" / f"k{i:03d}.npy")
+    for keys, data, _ in _loads_built_ahead(buf, 8, 3):
+        assert all(int(k[1:4]) >= 20 for k in keys)
+        assert [1000 + int(k[1:4]) for k in keys] == data[:, 0].tolist()
