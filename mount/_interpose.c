@@ -9,11 +9,11 @@
  *   plain handle) and sets fuse_file_info.noflush.
  * - fuse_session_receive_buf: GETXATTR of a name outside user.distorefs. is answered
  *   ENODATA here, in C, and the next request read, so that pyfuse3 and the event loop
- *   never see it. The kernel asks for security.capability before every write() and O_TRUNC
- *   open of a file whose attributes it refreshed since (it must know whether to drop file
- *   capabilities), and distorefs holds no xattr outside its own names: for a small insert
- *   or a `priorities` write that was one Python request in seven. Whatever is not such a
- *   GETXATTR goes to pyfuse3 unchanged.
+ *   never see it. The kernel asks for security.capability before every write() and every
+ *   truncating open (it must know whether to drop file capabilities; it would stop asking
+ *   only with FUSE_HANDLE_KILLPRIV_V2, which pyfuse3 cannot negotiate), and distorefs holds
+ *   no xattr outside its own names: for a small insert that was one Python request in
+ *   seven. Whatever is not such a GETXATTR goes to pyfuse3 unchanged.
  *
  * Built against the same libfuse headers as pyfuse3 (pkg-config fuse3), so the bitfield
  * is where pyfuse3's libfuse expects it.
