@@ -181,12 +181,30 @@ def wait_for(cond, timeout: float = 15.0):
 
 
 def reclaimed() -> int:
-    """What the kernel has reclaimed since boot: page-cache pages taken (pgsteal_*) and slab
-    objects its shrinkers scanned (they drop unused inodes, their pages with them). This
-    machine's memory can be taken back by its host at any time, so a test can hold the
-    kernel to keeping pages only over a window in which this did not move."""
+    """What the kernel has reclaimed since boot: page-cache pages taken (pgsteal_*), slab
+    objects its shrinkers scanned (they drop unused inodes, their pages with them) and the
+    bytes DAMON's schemes paged out. This machine's memory can be taken back by its host at
+    any time (here a DAMON `pageout` scheme on physical memory pages cold memory out every
+    few seconds, and /proc/vmstat's pgsteal counters do not count it), so a test can hold
+    the kernel to keeping pages only over a window in which this did not move."""
     with open("/proc/vmstat") as f:
-        return sum(int(v) for k, v in (line.split() for line in f) if k.startswith("pgsteal_") or k == "slabs_scanned")
+        total = sum(int(v) for k, v in (line.split() for line in f)
+                    if k.startswith("pgsteal_") or k == "slabs_scanned")
+    return total + _damon_paged_out()
+
+
+def _damon_paged_out() -> int:
+    """Bytes DAMON's schemes applied their action to, over every kdamond (0 without DAMON
+    or without the right to ask it for fresh counts: `update_schemes_stats` only refreshes
+    them)."""
+    total = 0
+    for kdamond in Path("/sys/kernel/mm/damon/admin/kdamonds").glob("[0-9]*"):
+        try:
+            (kdamond / "state").write_text("update_schemes_stats")
+            total += sum(int(p.read_text()) for p in kdamond.glob("contexts/*/schemes/*/stats/sz_applied"))
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 def set_config(buf: Path, config: dict) -> None:
