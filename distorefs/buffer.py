@@ -83,6 +83,7 @@ class Buffer(RingNamespace):
         self._sampled: dict[int, EntryMeta] = {}
         self._sampled_due = False
         self._refilling: set[int] = set()
+        self._npz_sizes: set[int] = set()  # batch sizes last drawn for a batch/N.npz: built ahead
         self._changed = trio.Event()
         self._waiting = 0  # tasks waiting for min_size_to_sample
         self.counters = {"batches": 0, "sampled_entries": 0, "presampled_used": 0, "built_ahead_used": 0,
@@ -274,6 +275,7 @@ class Buffer(RingNamespace):
         the rate limiter to allow n samples. `presample` False: the caller reads the values
         itself (the client beside the mount), so nothing is drawn and read ahead into the
         daemon's memory for it."""
+        self._npz_sizes.discard(n)  # a manifest (sample/N) or a client's draw: no file to build ahead
         return (await self._sample(n, nonblocking, abandoned, presample))[0]
 
     async def _sample(self, n: int, nonblocking: bool, abandoned: Abandoned | None,
@@ -433,6 +435,7 @@ class Buffer(RingNamespace):
         # value is fetched, and again after this node caught up (a small buffer churned by
         # fast writers): more tries there than for this node's own evictions.
         attempts = SHARED_DRAW_ATTEMPTS if self.ring.shared is not None else 3
+        self._npz_sizes.add(n)
         for attempt in range(attempts):
             batch, claim = await self._sample(n, nonblocking, abandoned, True)
             try:
@@ -499,7 +502,8 @@ class Buffer(RingNamespace):
                     ahead = steps[steps >= 0]
                 else:
                     slots = ahead = self.sampler.draw(n, self._order)
-                    built = BuiltAhead.build(self, slots)
+                    if n in self._npz_sizes:
+                        built = BuiltAhead.build(self, slots)
                 if len(slots) == 0:
                     return
                 ahead = self.rows.unfilled(ahead)  # entries whose rows are kept need no reading

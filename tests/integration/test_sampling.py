@@ -496,3 +496,18 @@ def test_batches_built_ahead_are_handed_out_and_never_stale(buf):
     for keys, data, _ in _loads_built_ahead(buf, 8, 3):
         assert all(int(k[1:4]) >= 20 for k in keys)
         assert [1000 + int(k[1:4]) for k in keys] == data[:, 0].tolist()
+
+
+def test_manifest_draws_build_no_batch_file_ahead(buf):
+    """sample/N opens draw ahead without building a batch/N.npz nobody reads; the first
+    batch/N.npz after them is built at its open, the ones after it ahead."""
+    set_config(buf, {"capacity": 1000, "sampler": "uniform", "presample_batches": 2})
+    for i in range(40):
+        np.save(buf / "entries" / f"k{i:03d}.npy", np.full(3, i, dtype=np.int32))
+    for _ in range(4):
+        (buf / "sample" / "8").read_bytes()
+    used = get_stats(buf)["built_ahead_used"]
+    _loads_built_ahead(buf, 8, 1)
+    assert get_stats(buf)["built_ahead_used"] == used
+    _loads_built_ahead(buf, 8, 4)
+    assert get_stats(buf)["built_ahead_used"] > used
