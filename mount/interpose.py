@@ -5,15 +5,11 @@
   where the handle has nothing to do at flush (a read-only open: an entry, a drawn batch,
   a dataset item). `noflush(fh)` marks a handle number; the library's `fuse_reply_open`
   strips the mark and sets the flag as it replies.
-- GETXATTR of names outside user.distorefs. (the kernel's security.capability check
-  before writes and truncating opens) answered ENODATA in C as the request is read, never
-  reaching pyfuse3 or the event loop; `foreign_xattr_replies()` counts them.
 
 The library defines those libfuse functions and forwards to libfuse's own; loaded into the
 global symbol scope before pyfuse3, its definitions are the ones pyfuse3's calls bind to.
 Without it (a build without a C compiler or libfuse's headers) or when pyfuse3 was
-imported first, `noflush` returns the handle unchanged, closes send FLUSH and every
-GETXATTR reaches `Filesystem.getxattr`, as before.
+imported first, `noflush` returns the handle unchanged and closes send FLUSH, as before.
 """
 
 from __future__ import annotations
@@ -57,11 +53,6 @@ def replies() -> int:
     return _library.noflush_replies() if _library is not None else 0
 
 
-def foreign_xattr_replies() -> int:
-    """GETXATTR requests of names outside user.distorefs. answered in C so far."""
-    return _library.foreign_xattr_replies() if _library is not None else 0
-
-
 def log_state() -> None:
     if not active:
-        log.info("closes of read-only files send FLUSH and every GETXATTR reaches Python: %s", why_not)
+        log.info("closes of read-only files send FLUSH: %s", why_not)

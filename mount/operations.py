@@ -113,7 +113,6 @@ class Filesystem(pyfuse3.Operations):
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
                       "requests": dict(self.requests), "opens_without_flush": interpose.replies(),
-                      "foreign_xattrs_in_c": interpose.foreign_xattr_replies(),
                       "names_listed": self.names.listed if self.names else 0}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes

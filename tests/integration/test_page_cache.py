@@ -5,7 +5,6 @@ Requests are counted by the mount itself (stats.json mount.requests)."""
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -15,7 +14,7 @@ import time
 
 import numpy as np
 
-from distorefs_it import CLI, assert_errno, get_stats, read_entry, set_config, write_entry, xattr
+from distorefs_it import CLI, get_stats, read_entry, set_config, write_entry, xattr
 
 
 def requests(fs) -> dict:
@@ -226,33 +225,6 @@ def test_closing_a_file_opened_for_reading_sends_no_flush(fs, buf, tmp_path):
     assert requests_during(fs, "open", read_everything) >= 8 + 2 + 5 + 2  # the opens were made
     assert requests_during(fs, "flush", lambda: write_entry(buf, "w.npy", npy(np.full(10, 99, np.int32)))) == 1
     assert read_entry(buf, "w.npy") == npy(np.full(10, 99, np.int32))  # committed by the time close() returned
-
-
-def test_the_kernels_xattr_checks_before_writes_never_reach_python(fs, buf):
-    """Before a write() or a truncating open the kernel asks for security.capability (to
-    drop file capabilities); distorefs holds no name outside user.distorefs., so those
-    GETXATTRs are answered ENODATA in C as they are read (mount/interpose.py) and never
-    become Python requests. The names distorefs holds are still answered from Python."""
-    w = fs.mnt / "weights" / f"xa{os.getpid()}"
-    w.mkdir()
-
-    def writes() -> None:
-        for i in range(4):
-            write_entry(buf, f"xa{i}.npy", npy(np.full(10, i, np.int32)))
-            with open(buf / "priorities", "w") as f:
-                f.write(f"xa{i}.npy 2.5\n")
-            (w / "q.bin").write_bytes(os.urandom(1000))
-
-    def in_c() -> int:
-        return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]["foreign_xattrs_in_c"]
-    answered = in_c()
-    assert requests_during(fs, "getxattr", writes) == 0
-    assert in_c() - answered >= 2 * 4  # the kernel did ask: each write asked at least once
-    assert xattr(buf / "entries" / "xa3.npy", "priority") == "2.5"  # own names: from Python
-    assert requests_during(fs, "getxattr", lambda: xattr(buf / "entries" / "xa2.npy", "seq")) == 1
-    assert_errno(errno.ENODATA, os.getxattr, buf / "entries" / "xa1.npy", "security.capability")
-    assert_errno(errno.ENODATA, os.getxattr, w / "q.bin", "user.other")
-    assert (w / "q.bin").stat().st_size == 1000
 
 
 def test_a_learners_batches_cost_an_open_and_a_release(fs, buf):
