@@ -568,10 +568,11 @@ class EntriesDir(Node):
         check_name(name)
         pid = ctx.pid if ctx is not None else 0
         meta = self.buf.ring.by_key.get(name)
-        if self.fs.redirected(self.name_key(name), pid):  # the retry of a writer refused on a shared inode
-            if meta is not None:
-                return self.private_node(name, meta)
-            self.fs.take_redirect(self.name_key(name), pid)  # gone meanwhile: an O_CREAT creates it
+        if meta is not None and self.fs.redirected(self.name_key(name), pid):
+            # the retry of a writer refused on a shared inode (if the name is gone meanwhile,
+            # an O_CREAT creates it, and the redirect holds should it be back at the retry's
+            # next lookup)
+            return self.private_node(name, meta)
         node = self.fs.inodes.node_of(self.name_key(name))
         if node is not None and node.version is None and node.writers:
             return node  # being created by a writer (other openers get ENOENT)
@@ -729,6 +730,7 @@ class EntryNode(Node):
         if wants_write(flags):
             pid = ctx.pid if ctx is not None else 0
             if self.writers or (self.version is None and self.base is None):
+                self.fs.take_redirect(self.parent.name_key(self.name), pid)  # a create's inode: writable
                 return self.writer(b"", flags, self.writers[-1].owner if self.writers else
                                    Owner(0o100644, ctx.uid, ctx.gid), bool(flags & os.O_TRUNC))
             if self.version is not None and not self.fs.take_redirect(self.parent.name_key(self.name), pid):

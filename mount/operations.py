@@ -80,7 +80,7 @@ class Filesystem(pyfuse3.Operations):
         self.pusher: PageCachePusher | None = None
         self.names: NameWarmer | None = None
         self.pending_items: dict = {}  # (dataset id, dir id, name) -> node of a created, uncommitted item
-        self.writer_redirects: dict = {}  # (file key, pid) -> True: its next lookup gets another inode (entries: a private one; weights: the writers' one)
+        self.writer_redirects: dict = {}  # (file key, pid) -> monotonic deadline: its lookups get another inode (entries: a private one; weights: the writers' one)
         self.root = build_tree(self)
         store.listeners.append(self._entry_changed)
 
@@ -126,17 +126,31 @@ class Filesystem(pyfuse3.Operations):
         version): refuse it with ESTALE so the kernel looks the name up again, and answer
         that lookup of process `pid` with another inode (an entry's private one, a weights
         file's writers' one) until `take_redirect`. The kernel's atomic O_TRUNC would
-        otherwise zero the size every reader of the shared inode sees."""
-        self.writer_redirects[(key, pid)] = True
+        otherwise zero the size every reader of the shared inode sees.
+
+        The redirect holds through every lookup of the retry (it may send two, and the name
+        may be gone at the first and back at the second: a second ESTALE would reach the
+        program) until the retry's open or create takes it, or REDIRECT_S pass: a retry
+        that ended in ENOENT (no O_CREAT) sends neither, and this process's later lookups
+        of the name must resolve as everyone's do."""
+        now = time.monotonic()
+        if len(self.writer_redirects) >= self.REDIRECTS_HELD:
+            self.writer_redirects = {k: t for k, t in self.writer_redirects.items() if t > now}
+        self.writer_redirects[(key, pid)] = now + self.REDIRECT_S
         raise Stale("redirecting a writer to a private inode")
+
+    REDIRECT_S = 2.0  # the kernel's retry follows the ESTALE at once
+    REDIRECTS_HELD = 1024  # expired ones are dropped when this many are held
 
     def redirected(self, key, pid: int) -> bool:
         """Whether the lookup of `key` by `pid` is the retry of a redirected writer."""
-        return (key, pid) in self.writer_redirects
+        deadline = self.writer_redirects.get((key, pid))
+        return deadline is not None and deadline > time.monotonic()
 
     def take_redirect(self, key, pid: int) -> bool:
         """The redirected writer's open arrived (True if it had been redirected)."""
-        return self.writer_redirects.pop((key, pid), None) is not None
+        deadline = self.writer_redirects.pop((key, pid), None)
+        return deadline is not None and deadline > time.monotonic()
 
     # ----- the core tells us an entry changed or went away ---------------------------
 

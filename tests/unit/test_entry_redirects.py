@@ -1,0 +1,64 @@
+"""The mount's entries/ nodes without FUSE: a writer refused on an inode readers share
+(ESTALE) must get a writable inode on the kernel's retry, whatever the ring did to the
+name between the retry's lookups. The kernel retries an ESTALE once only."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from distorefs.errors import NotFound, Stale
+from distorefs.owner import Owner
+from mount.handles import EntryWriter
+from mount.operations import Filesystem
+from store_runner import run
+
+OWNER = Owner(0o100644, os.getuid(), os.getgid())
+WRITE_TRUNC = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+
+@dataclass
+class Ctx:
+    """What a FUSE request says about its caller."""
+    pid: int
+    uid: int = os.getuid()
+    gid: int = os.getgid()
+    umask: int = 0o022
+
+
+async def _entries(fs: Filesystem, name: str):
+    buffers = await fs.root.lookup(b"buffers")
+    return await (await buffers.lookup(name.encode())).lookup(b"entries")
+
+
+def test_a_redirected_writer_whose_entry_was_evicted_and_recreated_between_lookups_gets_a_writer(tmp_path):
+    """The ESTALE's retry: its revalidating LOOKUP finds the entry gone (ENOENT), the
+    fresh LOOKUP that follows finds it created again by another writer. That second
+    lookup must still give this writer its own inode, not the shared version (which
+    would refuse the open with a second ESTALE, returned to the program)."""
+
+    async def scenario(store):
+        fs = Filesystem(store)
+        await store.create_buffer("b", OWNER)
+        buf = store.namespace("buffers", "b")
+        await buf.insert(b"hot", b"v1", OWNER)
+        entries = await _entries(fs, "b")
+        writer = Ctx(pid=4242)
+        shared = await entries.lookup(b"hot", writer)  # the name the kernel kept
+        with pytest.raises(Stale):  # its version's readers share it: refused, retried
+            await shared.open(WRITE_TRUNC, writer)
+        await buf.ring.delete(b"hot")  # evicted before the retry's first lookup
+        with pytest.raises(NotFound):
+            await entries.lookup(b"hot", writer)
+        await buf.insert(b"hot", b"v2", OWNER)  # another writer's close, before the second
+        node = await entries.lookup(b"hot", writer)
+        handle = await node.open(WRITE_TRUNC, writer)
+        assert isinstance(handle, EntryWriter)
+        reader = await (await entries.lookup(b"hot", Ctx(pid=1))).open(os.O_RDONLY, Ctx(pid=1))
+        assert reader.data == b"v2"  # other processes still read the committed version
+        return True
+
+    assert run(tmp_path / "store", scenario)
+
