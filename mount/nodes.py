@@ -704,9 +704,10 @@ class EntryNode(Node):
         self.writers.append(w)
         return w
 
-    async def commit(self, data: bytes, owner: Owner) -> None:
-        """A writer of this inode closed: its bytes become the entry's next version, and
-        this inode the one its name resolves to (unless another inode took the name since)."""
+    async def commit(self, data: bytes, owner: Owner, writer: EntryWriter | None = None) -> None:
+        """`writer` of this inode closed: its bytes become the entry's next version, and
+        this inode the one its name resolves to (unless another inode took the name since,
+        or other writers still write into this one)."""
         current = self.buf.ring.by_key.get(self.name)
         if current is not None:  # a rewrite keeps the entry's owner and mode
             owner = Owner(current.mode, current.uid, current.gid)
@@ -714,6 +715,14 @@ class EntryNode(Node):
         # wrote under the name whatever happened to the name meanwhile (evicted, removed, or
         # another writer's close first: the last close wins), as a queue of values would.
         meta = await self.buf.insert(self.name, data, owner)
+        if any(w is not writer for w in self.writers):
+            # Writers that created the name together share this inode, and the others' writes
+            # go on into its pages and size: the version gets an inode of its own (made at the
+            # name's next lookup), this one stays theirs until one of them commits last.
+            self._leave_name()
+            self.base = meta
+            drop_attributes(self.ino)
+            return
         self.version, self.base = meta, None
         # The kernel holds the writer's attributes (see attributes): the version's mtime
         # replaces them now, before an open pushes its pages (a later mtime change would
@@ -721,6 +730,17 @@ class EntryNode(Node):
         drop_attributes(self.ino)
         if self.private and self.key is not None:  # the rewrite is the name's version now
             self.fs.inodes.rekey(self.key, self.parent.name_key(self.name))
+
+    def _leave_name(self) -> None:
+        """Become a writers' private inode: the kernel's cached name goes, and the name's next
+        lookup resolves to the committed version."""
+        if self.private:
+            return
+        self.private = True
+        if self.key is not None:
+            self.fs.inodes.rekey(self.key, ("entrywriter", self.buf.ns_id, self.name, next(self.parent._private)))
+            if self.fs.invalidator is not None:
+                self.fs.invalidator.entry(self.parent.ino, self.name)
 
     def writer_closed(self, w: EntryWriter) -> None:
         if w in self.writers:

@@ -62,3 +62,33 @@ def test_a_redirected_writer_whose_entry_was_evicted_and_recreated_between_looku
 
     assert run(tmp_path / "store", scenario)
 
+
+def test_a_create_committed_while_another_writer_still_writes_it_is_read_whole(tmp_path):
+    """Two writers create one new name: the second's lookup finds the first's inode, and
+    both write into it. When the first closes, its bytes are the entry; a reader must get
+    them with their size, not the size (or pages) of the second writer still writing."""
+    value = os.urandom(20000)
+
+    async def scenario(store):
+        fs = Filesystem(store)
+        await store.create_buffer("b", OWNER)
+        entries = await _entries(fs, "b")
+        first, second, reader = Ctx(pid=11), Ctx(pid=12), Ctx(pid=13)
+        created, w1 = await entries.create(b"new", 0o644, WRITE_TRUNC, first)
+        shared = await entries.lookup(b"new", second)  # being created: the same inode
+        assert shared is created
+        w2 = await shared.open(WRITE_TRUNC, second)
+        await w1.write(0, value)
+        await w1.flush()  # the first close: committed
+        node = await entries.lookup(b"new", reader)
+        assert node.attributes(reader).st_size == len(value)
+        handle = await node.open(os.O_RDONLY, reader)
+        assert handle.data == value
+        await w2.write(0, b"later")
+        await w2.flush()  # the second close: the entry's next version
+        node = await entries.lookup(b"new", reader)
+        assert node.attributes(reader).st_size == 5
+        assert (await node.open(os.O_RDONLY, reader)).data == b"later"
+        return True
+
+    assert run(tmp_path / "store", scenario)
