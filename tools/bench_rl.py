@@ -18,12 +18,19 @@ a) The DQN loop: 2 actor processes step a small environment, insert each transit
      table in a server on localhost, actors with trajectory writers (flushed every 32
      items, as Reverb asks), the learner reads batches from a TrajectoryDataset as Acme
      does (about twice Client.sample()'s rate) and mutates priorities with its client.
+   - files on tmpfs (the file API's own cost, no store and no sampling): actors write
+     their transitions as .npz files into a tmpfs directory, the learner np.loads one
+     batch/64.npz saved from the distorefs run and writes its priorities to a tmpfs file:
+     what any file system would leave of the in-process rate, measured in the same run.
    Target (issue 12): distorefs >= 0.5x in-process.
 
 b) Reverb's own ground, 113 KB uint8 entries in a prioritized buffer: `sample 256`
    idle, the same while 4 writer processes insert, and a learner loop (sample 64 +
    priority updates) while 2 writers insert; distorefs (np.save into entries/, np.load of
    batch/N.npz, a `priorities` write per step) against Reverb. Target: >= 1.0x Reverb.
+   Beside it, np.load of one batch/256.npz saved from the mount onto tmpfs (idle): what
+   that file format costs its reader on the fastest file system (zipfile checks each
+   member's CRC-32 as it reads).
 
 c) The rate limiter (samples_per_insert 8, error_buffer 256, min_size_to_sample 256): 2
    unpaced DQN actors (an environment step of no cost) inserting transitions and a learner
@@ -44,6 +51,8 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -198,6 +207,10 @@ class _Writer:
             with open(f"{cfg['buffer']}/entries/a{cfg['seed']}-{n:08d}.npz", "wb") as f:
                 f.write(_npz(obs=obs, action=np.int64(action), reward=np.float32(reward), next_obs=nxt,
                              done=np.float32(done)))
+        elif self.system == "tmpfs":
+            with open(f"{cfg['entries']}/a{cfg['seed']}-{n:08d}.npz", "wb") as f:
+                f.write(_npz(obs=obs, action=np.int64(action), reward=np.float32(reward), next_obs=nxt,
+                             done=np.float32(done)))
         elif self.system == "in-process":
             cfg["queue"].put((obs, action, reward, nxt, done))
         else:
@@ -230,18 +243,30 @@ def _learner(system: str, cfg: dict, result) -> None:
         t0 = time.perf_counter()
         deadline = t0 + cfg["seconds"]
         steps = 0
-        while time.perf_counter() < deadline:
+        spent = {"sample": 0.0, "train": 0.0, "priorities": 0.0, "publish+checkpoint": 0.0}
+        t = time.perf_counter()
+        while t < deadline:
             b = source.sample(BATCH)
+            t1 = time.perf_counter()
             td = net.step(b["obs"], b["action"].astype(np.int64), b["reward"], b["next_obs"], b["done"],
                           b["weights"].astype(np.float32))
+            t2 = time.perf_counter()
             source.update(b["keys"], np.abs(td) + 1e-3)
+            t3 = time.perf_counter()
             steps += 1
             if steps % 100 == 0:
                 net.target = net.weights()
                 source.publish(net.weights(), cfg["weights"])
             if steps % 1000 == 0:
                 source.checkpoint(steps, net.weights())
-        out.update(steps=steps, seconds=time.perf_counter() - t0, inserted=source.inserted())
+            t4 = time.perf_counter()
+            spent["sample"] += t1 - t
+            spent["train"] += t2 - t1
+            spent["priorities"] += t3 - t2
+            spent["publish+checkpoint"] += t4 - t3
+            t = t4
+        out.update(steps=steps, seconds=time.perf_counter() - t0, inserted=source.inserted(),
+                   step_ms={k: round(v / max(steps, 1) * 1e3, 3) for k, v in spent.items()})
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
     result.put(out)
@@ -286,6 +311,8 @@ class _Source:
                 have = self.added
             elif self.system in ("distorefs", "client"):
                 have = json.loads(Path(self.cfg["buffer"], "stats.json").read_bytes())["entries"]
+            elif self.system == "tmpfs":
+                have = len(os.listdir(self.cfg["entries"]))
             else:
                 have = self.client.server_info()["dqn"].current_size
             if have >= n:
@@ -296,8 +323,9 @@ class _Source:
     def sample(self, n: int) -> dict:
         if self.system == "client":
             return self.buffer.sample(n)
-        if self.system == "distorefs":
-            with np.load(f"{self.cfg['buffer']}/batch/{n}.npz") as z:
+        if self.system in ("distorefs", "tmpfs"):
+            path = f"{self.cfg['buffer']}/batch/{n}.npz" if self.system == "distorefs" else self.cfg["batch_file"]
+            with np.load(path) as z:
                 return {k: z[k] for k in ("obs", "action", "reward", "next_obs", "done", "keys", "weights")}
         if self.system == "in-process":
             self._drain()
@@ -316,8 +344,9 @@ class _Source:
     def update(self, keys, priorities: np.ndarray) -> None:
         if self.system == "client":
             self.buffer.update_priorities(keys, priorities)
-        elif self.system == "distorefs":
-            with open(f"{self.cfg['buffer']}/priorities", "w") as f:
+        elif self.system in ("distorefs", "tmpfs"):
+            path = f"{self.cfg['buffer']}/priorities" if self.system == "distorefs" else self.cfg["priorities_file"]
+            with open(path, "w") as f:
                 f.write("".join(f"{k} {p:.6g}\n" for k, p in zip(keys, priorities.tolist())))
         elif self.system == "in-process":
             self.rb.update_priorities(keys, priorities)
@@ -344,8 +373,10 @@ class _Source:
 
 
 def _dqn(system: str, root: Path, p: dict, ctx, **extra: Any) -> dict:
-    """The DQN loop of `system`: in-process, distorefs (files), client (distorefs.client:
-    `extra` read_ahead) or reverb."""
+    """The DQN loop of `system`: in-process, distorefs (files), tmpfs (`extra` batch_file, a
+    batch/64.npz of the distorefs run: the file API alone), client (distorefs.client:
+    `extra` read_ahead) or reverb. A distorefs run leaves one of its batch files at
+    root/batch-64.npz."""
     cfg: dict[str, Any] = {"seconds": p["seconds"], "warmup": p["warmup"], "env_cost": p["env_cost"],
                            "actor_hz": p["actor_hz"], **extra}
     mount = server = None
@@ -361,6 +392,10 @@ def _dqn(system: str, root: Path, p: dict, ctx, **extra: Any) -> dict:
             (mount.mnt / "checkpoints" / "dqn").mkdir(parents=True)
             cfg.update(buffer=str(buf), weights=str(mount.mnt / "weights" / "dqn" / "q.npy"),
                        checkpoints=str(mount.mnt / "checkpoints" / "dqn"))
+        elif system == "tmpfs":
+            (root / "entries").mkdir(parents=True)
+            cfg.update(entries=str(root / "entries"), weights=str(root / "q.npy"), checkpoints=str(root / "ckpt"),
+                       priorities_file=str(root / "priorities"))
         else:
             (root / "plain").mkdir(parents=True, exist_ok=True)
             cfg.update(weights=str(root / "plain" / "q.npy"), checkpoints=str(root / "plain" / "ckpt"))
@@ -381,14 +416,34 @@ def _dqn(system: str, root: Path, p: dict, ctx, **extra: Any) -> dict:
             errs.append(errors.get())
         if out["error"]:
             errs.append(out["error"])
+        if system == "distorefs" and not out["error"]:
+            shutil.copyfile(Path(cfg["buffer"]) / "batch" / f"{BATCH}.npz", root / f"batch-{BATCH}.npz")
         steps_s = out["steps"] / out["seconds"] if out["seconds"] else 0.0
         res = {"learner_steps_per_s": round(steps_s, 1), "steps": out["steps"], "seconds": round(out["seconds"], 2),
-               "actor_steps": counter.value}
+               "actor_steps": counter.value, "learner_ms_per_step": out.get("step_ms")}
         if errs:
             res["errors"] = errs[:3]
         return res
     finally:
         _end_phase(workers, mount, server)
+
+
+def _dqn_on_tmpfs(batch: Path, p: dict, ctx, errors: list[str]) -> dict:
+    """The DQN loop through files on tmpfs, the learner loading `batch` (a distorefs batch
+    file) at every step."""
+    shm = _tmpfs_dir()
+    if shm is None:
+        return {"error": "no tmpfs at /dev/shm"}
+    try:
+        shutil.copyfile(batch, shm / "batch.npz")
+        out = _dqn("tmpfs", shm / "run", p, ctx, batch_file=str(shm / "batch.npz"))
+        print(f"  DQN loop {'tmpfs':10s}: {out}", flush=True)
+        return out
+    except Exception as exc:
+        errors.append(f"DQN tmpfs: {type(exc).__name__}: {exc}")
+        return {}
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def _end_phase(workers: "_Workers", mount, server) -> None:
@@ -521,8 +576,8 @@ def _frames_reader(system: str, cfg: dict, result) -> None:
         t0 = time.perf_counter()
         deadline = t0 + cfg["seconds"]
         while time.perf_counter() < deadline:
-            if system == "distorefs":
-                with np.load(f"{cfg['buffer']}/batch/{n}.npz") as z:
+            if system in ("distorefs", "tmpfs"):
+                with np.load(cfg["file"] if system == "tmpfs" else f"{cfg['buffer']}/batch/{n}.npz") as z:
                     frames, keys = z["data"], z["keys"]
                 if update:
                     with open(f"{cfg['buffer']}/priorities", "w") as f:
@@ -589,6 +644,9 @@ def _frames(system: str, root: Path, p: dict, ctx) -> dict:
                           "writer_inserts_per_s": round(inserted / secs, 1)}
             if out["error"]:
                 res[label]["error"] = out["error"]
+            if system == "distorefs" and label == "sample_256_idle":
+                res["np_load_on_tmpfs"] = _frames_on_tmpfs(Path(cfg["buffer"]) / "batch" / f"{n}.npz", n, p, ctx,
+                                                           workers)
         errs = []
         while not errors.empty():
             errs.append(errors.get())
@@ -597,6 +655,36 @@ def _frames(system: str, root: Path, p: dict, ctx) -> dict:
         return res
     finally:
         _end_phase(workers, mount, server)
+
+
+def _tmpfs_dir() -> Path | None:
+    """A fresh directory on a tmpfs (/dev/shm), or None where there is none."""
+    shm = Path("/dev/shm")
+    try:
+        if shm.is_dir() and any(line.split()[1] == str(shm) and line.split()[2] == "tmpfs"
+                                for line in Path("/proc/mounts").read_text().splitlines()):
+            return Path(tempfile.mkdtemp(prefix="distorefs-bench-", dir=shm))
+    except OSError:
+        pass
+    return None
+
+
+def _frames_on_tmpfs(batch: Path, n: int, p: dict, ctx, workers: "_Workers") -> dict:
+    """The idle reader's loop on one batch file copied onto tmpfs: np.load's own cost."""
+    shm = _tmpfs_dir()
+    if shm is None:
+        return {"error": "no tmpfs at /dev/shm"}
+    try:
+        shutil.copyfile(batch, shm / "batch.npz")
+        result = ctx.Queue()
+        reader = workers.start(_frames_reader, "tmpfs", {"file": str(shm / "batch.npz"), "n": n, "update": False,
+                                                         "seconds": p["reverb_seconds"]}, result)
+        out = result.get(timeout=p["reverb_seconds"] + 240)
+        workers.finish([reader])
+        secs = out["seconds"] or 1e-9
+        return {"entries_per_s": round(out["entries"] / secs, 1), **({"error": out["error"]} if out["error"] else {})}
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 # ----- c) the rate limiter: fast actors, a slow learner ------------------------------------------
@@ -741,6 +829,14 @@ def _systems_table(res: dict) -> str:
         return "-" if v is None else fmt.format(v)
     lines.append(f"{'DQN learner, batch 64 + 64 priorities, 2 actors (steps/s)':58s} {cell(d):>10s} {cell(i):>11s} "
                  f"{cell(r):>9s} {cell(_ratio(d, i), '{:.2f}x'):>8s} {'>= 0.5x':>8s}")
+    for system in ("in-process", "distorefs", "tmpfs", "reverb"):
+        split = (dqn.get(system) or {}).get("learner_ms_per_step")
+        if split:
+            lines.append(f"  {system} learner, ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+    t = (dqn.get("tmpfs") or {}).get("learner_steps_per_s")
+    if t:
+        lines.append(f"  files on tmpfs (np.load of a saved batch/64.npz, priorities to a file; no store, no "
+                     f"sampling): {t:,.1f} steps/s, {_ratio(t, i)}x in-process: the file API's own ceiling")
     frames = res.get("frames", {})
     for label, key, text in (("sample_256_idle", "entries_per_s", "sample 256 of 113 KB, idle (entries/s)"),
                              ("sample_256_with_4_writers", "entries_per_s",
@@ -751,6 +847,11 @@ def _systems_table(res: dict) -> str:
         rv = ((frames.get("reverb") or {}).get(label) or {}).get(key)
         lines.append(f"{text:58s} {cell(dv):>10s} {'-':>11s} {cell(rv):>9s} {cell(_ratio(dv, rv), '{:.2f}x'):>8s} "
                      f"{'>= 1.0x':>8s}")
+    floor = ((frames.get("distorefs") or {}).get("np_load_on_tmpfs") or {}).get("entries_per_s")
+    if floor:
+        rv = ((frames.get("reverb") or {}).get("sample_256_idle") or {}).get("entries_per_s")
+        lines.append(f"  np.load of a saved batch/256.npz on tmpfs, idle: {floor:,.1f} entries/s"
+                     + (f", {_ratio(floor, rv)}x Reverb" if rv else "") + ": the npz format's own ceiling")
     for system in ("distorefs", "reverb"):
         f = frames.get(system) or {}
         if f:
@@ -867,6 +968,8 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, only: tuple
                 print(f"  DQN loop {system:10s}: {res['dqn'][system]}", flush=True)
             except Exception as exc:
                 errors.append(f"DQN {system}: {type(exc).__name__}: {exc}")
+            if system == "distorefs" and (root / f"dqn-distorefs/batch-{BATCH}.npz").exists():
+                res["dqn"]["tmpfs"] = _dqn_on_tmpfs(root / f"dqn-distorefs/batch-{BATCH}.npz", p, ctx, errors)
         for system in ("distorefs",) + others if "frames" in phases else ():
             try:
                 res["frames"][system] = _frames(system, root / f"frames-{system}", p, ctx)
