@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections import deque
 
 import numpy as np

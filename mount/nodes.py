@@ -16,7 +16,6 @@ import time
 from typing import TYPE_CHECKING, Awaitable, Callable, Iterator
 
 import pyfuse3
-import trio
 
 from distorefs import __version__
 from distorefs.batch import BatchFile, Blob
