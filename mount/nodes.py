@@ -767,6 +767,10 @@ class EntryNode(Node):
                 w.direct_io = True  # the kernel did not look up again: keep the shared pages clean
             return w
         meta = self.latest()
+        if meta is None and self.private and not self.writers:
+            # a writer's inode before its open (the lookup of a redirected process that then
+            # opened for reading): the version it was looked up as, which its attributes gave
+            meta = self.base
         if meta is None:
             raise NotFound("no such entry (not committed yet, or removed)")
         # The version's bytes are taken now (a snapshot: an eviction or rewrite after the

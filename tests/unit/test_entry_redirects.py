@@ -92,3 +92,30 @@ def test_a_create_committed_while_another_writer_still_writes_it_is_read_whole(t
         return True
 
     assert run(tmp_path / "store", scenario)
+
+
+def test_a_redirect_left_by_an_open_that_failed_does_not_hide_the_entry_from_reads(tmp_path):
+    """A write open without O_CREAT whose retry found the entry gone ends in ENOENT and
+    takes its redirect with neither an open nor a create: the same process reading the
+    name again (created anew meanwhile) must read it."""
+
+    async def scenario(store):
+        fs = Filesystem(store)
+        await store.create_buffer("b", OWNER)
+        buf = store.namespace("buffers", "b")
+        await buf.insert(b"hot", b"v1", OWNER)
+        entries = await _entries(fs, "b")
+        proc = Ctx(pid=77)
+        shared = await entries.lookup(b"hot", proc)
+        with pytest.raises(Stale):
+            await shared.open(os.O_WRONLY, proc)
+        await buf.ring.delete(b"hot")
+        with pytest.raises(NotFound):  # the retry: ENOENT, and no O_CREAT
+            await entries.lookup(b"hot", proc)
+        await buf.insert(b"hot", b"v2", OWNER)
+        node = await entries.lookup(b"hot", proc)
+        assert node.attributes(proc).st_size == 2
+        assert (await node.open(os.O_RDONLY, proc)).data == b"v2"
+        return True
+
+    assert run(tmp_path / "store", scenario)
