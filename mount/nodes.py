@@ -556,10 +556,13 @@ class EntriesDir(Node):
             self.fs.inodes.unname(self.name_key(meta.key))  # an older version, or a create that lost a race
         return self.fs.inodes.intern(self.name_key(meta.key), lambda: EntryNode(self.fs, self, meta.key, meta))
 
+    def private_key(self, name: bytes) -> tuple:
+        """A fresh inode-table key for a writer's own inode of `name`."""
+        return ("entrywriter", self.buf.ns_id, name, next(self._private))
+
     def private_node(self, name: bytes, base: EntryMeta | None) -> "EntryNode":
         """A writer's own inode for `name` (rewriting `base`, or creating it anew)."""
-        node = self.fs.inodes.intern(("entrywriter", self.buf.ns_id, name, next(self._private)),
-                                     lambda: EntryNode(self.fs, self, name, None, base=base))
+        node = self.fs.inodes.intern(self.private_key(name), lambda: EntryNode(self.fs, self, name, None, base=base))
         node.private = True
         return node
 
@@ -737,7 +740,7 @@ class EntryNode(Node):
             return
         self.private = True
         if self.key is not None:
-            self.fs.inodes.rekey(self.key, ("entrywriter", self.buf.ns_id, self.name, next(self.parent._private)))
+            self.fs.inodes.rekey(self.key, self.parent.private_key(self.name))
             if self.fs.invalidator is not None:
                 self.fs.invalidator.entry(self.parent.ino, self.name)
 

@@ -65,6 +65,8 @@ class Filesystem(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
     enable_acl = False
+    REDIRECT_S = 2.0  # how long a writer's redirect holds (the kernel's retry follows the ESTALE at once)
+    REDIRECTS_HELD = 1024  # expired redirects are dropped when this many are held
 
     def __init__(self, store: Store) -> None:
         super().__init__()
@@ -138,9 +140,6 @@ class Filesystem(pyfuse3.Operations):
             self.writer_redirects = {k: t for k, t in self.writer_redirects.items() if t > now}
         self.writer_redirects[(key, pid)] = now + self.REDIRECT_S
         raise Stale("redirecting a writer to a private inode")
-
-    REDIRECT_S = 2.0  # the kernel's retry follows the ESTALE at once
-    REDIRECTS_HELD = 1024  # expired ones are dropped when this many are held
 
     def redirected(self, key, pid: int) -> bool:
         """Whether the lookup of `key` by `pid` is the retry of a redirected writer."""

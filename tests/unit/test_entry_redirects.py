@@ -33,6 +33,25 @@ async def _entries(fs: Filesystem, name: str):
     return await (await buffers.lookup(name.encode())).lookup(b"entries")
 
 
+async def _refused_then_gone_then_back(store, proc: Ctx, flags: int):
+    """entries/hot of buffer b: `proc`'s write open refused on its shared version (ESTALE),
+    the entry evicted before the retry's first lookup (ENOENT), then created anew (v2) by
+    another writer before the retry's second lookup. Returns the entries/ node."""
+    fs = Filesystem(store)
+    await store.create_buffer("b", OWNER)
+    buf = store.namespace("buffers", "b")
+    await buf.insert(b"hot", b"v1", OWNER)
+    entries = await _entries(fs, "b")
+    shared = await entries.lookup(b"hot", proc)  # the name the kernel kept
+    with pytest.raises(Stale):  # its version's readers share it: refused, retried
+        await shared.open(flags, proc)
+    await buf.ring.delete(b"hot")
+    with pytest.raises(NotFound):
+        await entries.lookup(b"hot", proc)
+    await buf.insert(b"hot", b"v2", OWNER)
+    return entries
+
+
 def test_a_redirected_writer_whose_entry_was_evicted_and_recreated_between_lookups_gets_a_writer(tmp_path):
     """The ESTALE's retry: its revalidating LOOKUP finds the entry gone (ENOENT), the
     fresh LOOKUP that follows finds it created again by another writer. That second
@@ -40,19 +59,8 @@ def test_a_redirected_writer_whose_entry_was_evicted_and_recreated_between_looku
     would refuse the open with a second ESTALE, returned to the program)."""
 
     async def scenario(store):
-        fs = Filesystem(store)
-        await store.create_buffer("b", OWNER)
-        buf = store.namespace("buffers", "b")
-        await buf.insert(b"hot", b"v1", OWNER)
-        entries = await _entries(fs, "b")
         writer = Ctx(pid=4242)
-        shared = await entries.lookup(b"hot", writer)  # the name the kernel kept
-        with pytest.raises(Stale):  # its version's readers share it: refused, retried
-            await shared.open(WRITE_TRUNC, writer)
-        await buf.ring.delete(b"hot")  # evicted before the retry's first lookup
-        with pytest.raises(NotFound):
-            await entries.lookup(b"hot", writer)
-        await buf.insert(b"hot", b"v2", OWNER)  # another writer's close, before the second
+        entries = await _refused_then_gone_then_back(store, writer, WRITE_TRUNC)
         node = await entries.lookup(b"hot", writer)
         handle = await node.open(WRITE_TRUNC, writer)
         assert isinstance(handle, EntryWriter)
@@ -100,19 +108,8 @@ def test_a_redirect_left_by_an_open_that_failed_does_not_hide_the_entry_from_rea
     name again (created anew meanwhile) must read it."""
 
     async def scenario(store):
-        fs = Filesystem(store)
-        await store.create_buffer("b", OWNER)
-        buf = store.namespace("buffers", "b")
-        await buf.insert(b"hot", b"v1", OWNER)
-        entries = await _entries(fs, "b")
         proc = Ctx(pid=77)
-        shared = await entries.lookup(b"hot", proc)
-        with pytest.raises(Stale):
-            await shared.open(os.O_WRONLY, proc)
-        await buf.ring.delete(b"hot")
-        with pytest.raises(NotFound):  # the retry: ENOENT, and no O_CREAT
-            await entries.lookup(b"hot", proc)
-        await buf.insert(b"hot", b"v2", OWNER)
+        entries = await _refused_then_gone_then_back(store, proc, os.O_WRONLY)  # no O_CREAT: ENOENT
         node = await entries.lookup(b"hot", proc)
         assert node.attributes(proc).st_size == 2
         assert (await node.open(os.O_RDONLY, proc)).data == b"v2"
