@@ -751,8 +751,10 @@ class EntryNode(Node):
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
             pid = ctx.pid if ctx is not None else 0
-            if self.writers or (self.version is None and self.base is None):
-                self.fs.take_redirect(self.parent.name_key(self.name), pid)  # a create's inode: writable
+            if self.version is None and (self.writers or self.base is None):
+                # a create's inode, not committed yet (a committed one, even with its writer
+                # not released yet, is a version readers share: below)
+                self.fs.take_redirect(self.parent.name_key(self.name), pid)
                 return self.writer(b"", flags, self.writers[-1].owner if self.writers else
                                    Owner(0o100644, ctx.uid, ctx.gid), bool(flags & os.O_TRUNC))
             if self.version is not None and not self.fs.take_redirect(self.parent.name_key(self.name), pid):

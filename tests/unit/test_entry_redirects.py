@@ -116,3 +116,39 @@ def test_a_redirect_left_by_an_open_that_failed_does_not_hide_the_entry_from_rea
         return True
 
     assert run(tmp_path / "store", scenario)
+
+
+async def _open_for(entries, name: bytes, flags: int, ctx: Ctx):
+    """An open as the kernel makes it: through the node it holds for the name, and once
+    more after a fresh lookup if that open is refused with ESTALE."""
+    node = await entries.lookup(name, ctx)
+    try:
+        return node, await node.open(flags, ctx)
+    except Stale:
+        node = await entries.lookup(name, ctx)
+        return node, await node.open(flags, ctx)
+
+
+def test_a_writer_opening_a_committed_entry_before_its_writer_released_it_gets_its_own_inode(tmp_path):
+    """Between a writer's close (its commit) and its release, its inode is the name's
+    version and readers share it. A second writer opening the name then must not write
+    (and truncate) into it: readers would get its size, 0 after O_TRUNC, and read nothing."""
+    value = os.urandom(20000)
+
+    async def scenario(store):
+        fs = Filesystem(store)
+        await store.create_buffer("b", OWNER)
+        entries = await _entries(fs, "b")
+        first, second, reader = Ctx(pid=21), Ctx(pid=22), Ctx(pid=23)
+        created, w1 = await entries.create(b"new", 0o644, WRITE_TRUNC, first)
+        await w1.write(0, value)
+        await w1.flush()  # committed; its RELEASE has not come yet
+        writing, w2 = await _open_for(entries, b"new", WRITE_TRUNC, second)
+        assert isinstance(w2, EntryWriter)
+        node = await entries.lookup(b"new", reader)
+        assert node is not writing
+        assert node.attributes(reader).st_size == len(value)
+        assert (await node.open(os.O_RDONLY, reader)).data == value
+        return True
+
+    assert run(tmp_path / "store", scenario)
