@@ -4,7 +4,9 @@ import errno
 import json
 import multiprocessing
 import os
+import struct
 import time
+import zlib
 
 from distorefs_it import write_entry
 
@@ -70,3 +72,73 @@ def test_no_eio_when_reads_race_evictions_and_rewrites(fresh_mount):
     assert [e for r in results if r[0] == "writer" for e in r[1]] == []
     stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
     assert stats["corrupt_reads"] == 0
+
+
+SHARED = ["hot", "warm", "shared0", "shared1", "shared2"]
+
+
+def _sealed_value(i: int) -> bytes:
+    """A value that says how long it is and what its CRC is: a reader can tell it whole."""
+    body = os.urandom(1000 + i * 7919 % 30000)
+    return struct.pack("<II", len(body), zlib.crc32(body)) + body
+
+
+def _whole(data: bytes) -> bool:
+    if len(data) < 8:
+        return False
+    n, crc = struct.unpack("<II", data[:8])
+    return len(data) == 8 + n and zlib.crc32(data[8:]) == crc
+
+
+def _name_writer(entries: str, seconds: float, q, wid: int) -> None:
+    end = time.time() + seconds
+    i, errs = 0, []
+    while time.time() < end:
+        # names every writer rewrites (and re-creates after an eviction), and new ones
+        name = SHARED[i % 6] if i % 6 < 5 else f"w{wid}-{i}"
+        try:
+            with open(os.path.join(entries, name), "wb") as f:
+                f.write(_sealed_value(i))
+        except OSError as e:
+            errs.append((name, e.errno))
+        i += 1
+    q.put(("writer", errs, i))
+
+
+def _whole_reader(entries: str, seconds: float, q) -> None:
+    end = time.time() + seconds
+    errs, reads = [], 0
+    while time.time() < end:
+        for name in SHARED + os.listdir(entries)[:2]:
+            try:
+                with open(os.path.join(entries, name), "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    errs.append((name, e.errno))
+                continue
+            reads += 1
+            if not _whole(data):
+                errs.append((name, "not whole", len(data)))
+    q.put(("reader", errs, reads))
+
+
+def test_writers_of_the_same_names_never_show_readers_part_of_a_value(fresh_mount):
+    """4 writers rewrite and create the same few names while the ring evicts them and 3
+    readers read them: every read is a whole value (or ENOENT), every write succeeds. A
+    writer must never write through an inode readers share: one committed but not yet
+    released, one another writer created, or one reached after its name moved on."""
+    m = fresh_mount("cache_bytes=0")
+    b = m.buffer("names", {"capacity": 20, "compression": "none"})
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    entries = str(b / "entries")
+    procs = [ctx.Process(target=_name_writer, args=(entries, 5.0, q, k)) for k in range(4)]
+    procs += [ctx.Process(target=_whole_reader, args=(entries, 5.0, q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=90) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert sum(r[2] for r in results if r[0] == "reader") > 100  # the readers really read
+    assert [e for r in results for e in r[1]] == []
