@@ -1227,7 +1227,8 @@ class PutItem(_DsChange):
             if found[0] == LINK:
                 raise AlreadyExists(f"{os.fsdecode(name)} is a symlink")
             old = ds._item_txn(txn, STAGING, found[1])
-        kept = {(c.tier, c.loc) for c in self.layout or [] if isinstance(c, StoredValue)}
+        layout = self._current_layout(old)
+        kept = {(c.tier, c.loc) for c in layout or [] if isinstance(c, StoredValue)}
         if old is not None:
             item_id = old.id
             ds.values.delete_all(txn, [c for c in old.chunks if (c.tier, c.loc) not in kept])
@@ -1239,7 +1240,7 @@ class PutItem(_DsChange):
             self.add_child(txn, parent, name, FILE, item_id)
         base = b"D" + ds._prefix + _U64.pack(item_id)
         if self.draft is not None:
-            chunks, size, crc = self._from_draft(txn, base)
+            chunks, size, crc = self._from_draft(txn, base, layout)
         elif self.encoded is not None:
             chunks = [ds.values.put(txn, base + _DS.pack(i), enc) for i, enc in enumerate(self.encoded)]
             size = sum(e.size for e in self.encoded)
@@ -1265,13 +1266,32 @@ class PutItem(_DsChange):
             rec = kept.dirs[dir_id] = self.dir_txn(txn, dir_id)
         return rec
 
-    def _from_draft(self, txn, base: bytes) -> tuple[list[StoredValue], int, int]:
-        """The draft's chunks: those written stored (one at a time from its spool), the others
-        kept; the CRC of the whole from each chunk's own."""
-        draft, cfg = self.draft, self.ds.config
-        assert draft is not None and self.layout is not None
-        chunks, crc = [], 0
+    def _current_layout(self, old: Item | None) -> list[StoredValue | int | None] | None:
+        """The draft's plan with each chunk it keeps as the file has it now (`old`, read in
+        this transaction). Another writer may have committed since the draft was made: a
+        chunk it rewrote is stored where the one the draft knew was (the draft's record of it
+        would name other bytes), and a tier move may have moved it. A kept chunk is the
+        current one then, as on a local filesystem, where what a writer did not write is
+        what the file holds; one the file no longer has (it was cut short) is a hole."""
+        if self.layout is None:
+            return None
+        now = old.chunks if old is not None else []
+        out: list[StoredValue | int | None] = []
         for i, part in enumerate(self.layout):
+            if isinstance(part, StoredValue) and not (i < len(now) and now[i] == part):
+                current = now[i] if i < len(now) else None
+                part = current if current is not None and current.size == part.size else None
+            out.append(part)
+        return out
+
+    def _from_draft(self, txn, base: bytes, layout: list) -> tuple[list[StoredValue], int, int]:
+        """The draft's chunks (`layout`: its plan against the file as it is now): those written
+        stored (one at a time from its spool), the others kept; the CRC of the whole from each
+        chunk's own."""
+        draft, cfg = self.draft, self.ds.config
+        assert draft is not None
+        chunks, crc = [], 0
+        for i, part in enumerate(layout):
             if isinstance(part, StoredValue):
                 chunk = part
             else:  # written (an int), or a hole: stored (compressed, a hole costs next to nothing)

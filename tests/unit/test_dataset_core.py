@@ -294,3 +294,30 @@ def test_files_sent_encoded_are_checked_and_stored_as_sent(tmp_path):
         assert await ds.read_item(ds.item(ds.resolve(b"raw.bin")[1])) == raw
         assert await ds.read_item(ds.item(ds.resolve(b"zempty.bin")[1])) == b""
     run(tmp_path / "store", body)
+
+
+def test_writers_drafting_one_file_at_once_keep_each_others_chunks(tmp_path):
+    """Two writers of one unsealed file, each with a draft over the same version: B rewrites
+    chunk 1 and closes, then A rewrites chunk 0 and closes. A rewrite stores a chunk where
+    the version before kept it, so A's draft must not keep its own record of chunk 1 (the
+    bytes there are B's now): the file is A's chunk 0, B's chunk 1 and the chunk neither
+    wrote, as on a local filesystem, and every read verifies."""
+    from distorefs.config import DatasetConfig
+    step = 64 << 10
+
+    async def go(store):
+        ds = await store.create("datasets", "d", OWNER, DatasetConfig(chunk_bytes=step, compression="none"))
+        item = await ds.put(ROOT_DIR, b"f", b"\x01" * (3 * step), FOWNER)
+        a, b = await ds.draft(item), await ds.draft(item)
+        await b.write(step, b"\x02" * step)
+        await ds.put_draft(ROOT_DIR, b"f", b, FOWNER)
+        await a.write(0, b"\x03" * step)
+        item = await ds.put_draft(ROOT_DIR, b"f", a, FOWNER)
+        a.close()
+        b.close()
+        assert await ds.read_range(item, 0, item.size) == b"\x03" * step + b"\x02" * step + b"\x01" * step
+        assert item.checksum == zlib.crc32(b"\x03" * step + b"\x02" * step + b"\x01" * step)
+        return ds.values.counters["corrupt_reads"]
+
+    assert run(tmp_path / "store", go) == 0
+
