@@ -452,7 +452,7 @@ class Dataset:
         if not item.chunks:
             value = b""
         else:
-            value = await self.values.fetch_one(self._cache_key(item, 0), item.chunks[0], self._what(item, 0))
+            _, value = await self._chunk(item, 0)
         self._count_read(len(value))
         return value
 
@@ -464,11 +464,39 @@ class Dataset:
         step = item.chunks[0].size  # every chunk but the last is this big
         parts = []
         for i in range(off // step, (end - 1) // step + 1):
-            data = await self.values.fetch_one(self._cache_key(item, i), item.chunks[i], self._what(item, i))
+            item, data = await self._chunk(item, i)
             parts.append(memoryview(data)[max(off - i * step, 0):min(end - i * step, len(data))])
         out = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
         self._count_read(len(out))
         return out
+
+    REREADS = 3  # rewrites a read follows before it reports what it finds
+
+    async def _chunk(self, item: Item, index: int) -> tuple[Item, bytes]:
+        """Chunk `index` of `item` (and the record it was read with). An unsealed file's
+        writer stores its version's chunks where the version before kept them, so a read
+        made with the record of that version may find other bytes: that is a rewrite, not
+        damage, and the chunk is read again as the file has it now (a reader of a local file
+        being rewritten gets the new bytes too; past the new end, none). Only bytes that
+        do not match the current record are damage (EIO, reported)."""
+        for _ in range(self.REREADS):
+            if index >= len(item.chunks):
+                return item, b""
+            try:
+                return item, await self.values.fetch_one(self._cache_key(item, index), item.chunks[index],
+                                                         self._what(item, index), must_exist=self.sealed)
+            except (CorruptValue, NotFound) as exc:
+                try:
+                    current = self.item(item.id)
+                except NotFound:
+                    raise NotFound(f"datasets/{self.name}: {item.name!r} was removed while it was read") from None
+                if current.chunks == item.chunks:
+                    raise self.values.report_corrupt(exc) from None
+                item = current
+        # Not damage either: each read found a newer version than the one before it.
+        log.warning("%s: rewritten during %d reads in a row; the read fails (EIO)", self._what(item, index),
+                    self.REREADS)
+        raise DistorefsError(f"{self._what(item, index)}: rewritten during {self.REREADS} reads in a row")
 
     def _count_read(self, n: int) -> None:
         self.stats_counters["reads"] += 1
@@ -595,8 +623,8 @@ class Dataset:
         fits = item is not None and all(c.size <= step for c in item.chunks) and _step_of(item, step) == step
 
         async def fetch(index: int, chunk: StoredValue) -> bytes:
-            assert item is not None
-            return await self.values.fetch_one(self._cache_key(item, index), chunk, self._what(item, index))
+            assert item is not None  # its chunks are the draft's base; another writer may have replaced them since
+            return (await self._chunk(item, index))[1]
         draft = Draft(self.spool_dir, step, self.config.max_item_bytes, list(item.chunks) if fits else [],
                       item.size if fits else 0, fetch)  # type: ignore[union-attr]
         if item is not None and not fits and item.size:  # stored in chunks of another size: copied in once

@@ -321,3 +321,27 @@ def test_writers_drafting_one_file_at_once_keep_each_others_chunks(tmp_path):
 
     assert run(tmp_path / "store", go) == 0
 
+
+def test_a_read_with_the_record_of_a_version_rewritten_since_reads_the_current_one(tmp_path):
+    """An unsealed file's reader holds the record it opened; a writer's close stores the new
+    version's chunks where the old ones were. The read then finds other bytes than its
+    record says: that is a rewrite, not damage. It reads the file as it is now (as a reader
+    of a local file being rewritten would), and reports no corrupt value; a file removed
+    meanwhile is ENOENT."""
+    from distorefs.config import DatasetConfig
+    step = 64 << 10
+
+    async def go(store):
+        ds = await store.create("datasets", "d", OWNER, DatasetConfig(chunk_bytes=step, compression="none"))
+        small = await ds.put(ROOT_DIR, b"small", b"old" * 1000, FOWNER)
+        big = await ds.put(ROOT_DIR, b"big", b"\x01" * (3 * step), FOWNER)
+        await ds.put(ROOT_DIR, b"small", b"new!" * 2000, FOWNER)
+        await ds.put(ROOT_DIR, b"big", b"\x02" * (2 * step + 10), FOWNER)
+        assert await ds.read_item(small) == b"new!" * 2000
+        assert await ds.read_range(big, step, step) == b"\x02" * step
+        await ds.remove(ROOT_DIR, b"small", want_dir=False)
+        with pytest.raises(NotFound):
+            await ds.read_item(small)
+        return ds.values.counters["corrupt_reads"]
+
+    assert run(tmp_path / "store", go, config={"cache_bytes": 0}) == 0
