@@ -102,6 +102,10 @@ class Change(ABC):
     def apply(self) -> None:
         """Make the committed change visible in memory (event loop)."""
 
+    def failed(self) -> None:
+        """Its transaction failed after it was planned, and nothing of it is applied: undo
+        what planning marked in memory (event loop)."""
+
 
 class _Pending(Outcome):
     __slots__ = ("change", "waited")
@@ -274,6 +278,10 @@ class Committer:
             error = exc if isinstance(exc, DistorefsError) else DistorefsError(f"commit failed: {exc}")
             if not isinstance(exc, DistorefsError):
                 log.error("commit of %r failed", planned[0].change, exc_info=raised)
+            try:
+                planned[0].change.failed()
+            except Exception:  # a bug must fail the request, never the daemon
+                log.exception("undoing the plan of %r failed", planned[0].change)
             self._finish(planned[0], error)
             return replanned
         self.groups += 1

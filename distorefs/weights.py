@@ -72,6 +72,9 @@ class Version:
     chunk_bytes: int = 0  # 0: every chunk but the last is full (versions before holes)
     readers: int = 0  # open handles and drafts built on it (memory only)
     gen: int = 0  # the inode generation it was published under (memory only)
+    # A change that frees it is on its way (memory only): from its planning on, no open takes
+    # it (its chunks go in that change's transaction, while the event loop serves opens).
+    freeing: bool = False
 
     def to_dict(self) -> dict:
         return {"number": self.number, "size": self.size, "mtime_ns": self.mtime_ns, "checksum": self.checksum,
@@ -419,6 +422,8 @@ class WeightsTree:
         if node.kind != FILE:
             raise NotPermitted("not a file")
         version = self.version_at(node, gen)
+        if version is not None and version.freeing:
+            raise Stale("the version this inode shows is being collected")  # the name's current one is opened instead
         if version is None and not node.attached:
             # Replaced (a rename over it, here or on another node) or removed between the
             # reader's lookup and this open, with no handle holding a version of it: an
@@ -776,13 +781,14 @@ class MakeNode(_TreeChange):
 
 
 def _detach_txn(change: _TreeChange, txn, node: WNode) -> None:
-    """Remove a node's record; its unread versions' chunks go with it. Versions still read
-    wait for their last reader (Collect); until then the record stays, marked detached, so
-    that a crash meanwhile leaves a record to free them by (at the next start), not a leak."""
-    read = [v for v in node.versions if v.readers > 0]
-    free_versions(change.tree, txn, [v for v in node.versions if v.readers == 0], read)
-    if read:
-        txn.put(_key(node.id), node.copy(versions=read, attached=False).record(), db=DB_WNODES)
+    """Remove a node from the tree. Its versions are freed by a Collect once it is applied
+    (each when no handle reads it): until then the record stays, marked detached, so that a
+    crash meanwhile leaves a record to free them by (at the next start), not a leak. Which
+    versions are read can only be known on the event loop, where opens take them: a
+    transaction that freed the unread ones here would race an open of the name, which still
+    names this node until the change is applied."""
+    if node.versions:
+        txn.put(_key(node.id), node.copy(attached=False).record(), db=DB_WNODES)
     else:
         txn.delete(_key(node.id), db=DB_WNODES)
 
@@ -795,7 +801,8 @@ def _detach_apply(tree: WeightsTree, node: WNode) -> None:
             parent.subdirs -= 1
     node.attached = False
     changed(node)
-    node.versions = [v for v in node.versions if v.readers > 0]  # freed when their last reader closes
+    if tree.collectable(node):  # what no handle reads goes now; the rest when its last reader closes
+        tree.committer.submit_nowait(Collect(tree, node))
     tree.forget_if_unused(node)
 
 
@@ -927,6 +934,12 @@ class Collect(_TreeChange):
 
     def plan(self, overlay: Overlay) -> None:
         self.victims = self.tree.collectable(self.node)  # may be empty: collected already
+        for v in self.victims:
+            v.freeing = True
+
+    def failed(self) -> None:
+        for v in self.victims:
+            v.freeing = False
 
     def txn(self, txn) -> None:
         keep = [v for v in self.node.versions if v not in self.victims]

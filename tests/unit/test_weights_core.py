@@ -78,3 +78,73 @@ def test_an_open_of_a_file_replaced_since_its_lookup_asks_for_the_name_again(tmp
         assert handle.version is not None and handle.version.size == 3000
 
     run(tmp_path / "s", body)
+
+
+def test_a_reader_that_opens_a_file_while_a_rename_over_it_commits_reads_it_whole(tmp_path):
+    """The safetensors idiom from another writer (tmp, then rename over the name) while a
+    reader opens the name: the rename is planned, its transaction runs in a worker thread,
+    and the open comes in between (the name still names the old file). The reader then
+    holds the old version, so its chunks must outlive that transaction: they go when its
+    last reader closes, not in the rename."""
+    import trio
+
+    from distorefs.committer import Overlay
+    from distorefs.weights import Rename
+
+    async def body(store):
+        tree = store.weights
+        model = await tree.mkdir(ROOT_ID, b"m", DIR)
+        small = b"old" * 1000  # a small value: in LMDB, where a delete takes it at once
+        old = await publish(tree, model.id, b"w.bin", small)
+        await publish(tree, model.id, b"tmp", b"new" * 1000)
+        await store.committer.drain()
+        rename = Rename(tree, model.id, b"tmp", model.id, b"w.bin", False, False)
+        rename.plan(Overlay())
+        await trio.to_thread.run_sync(store.committer._write_txn, rename.txn)
+        handle = tree.open_read(old, old.gen)  # the reader's open, before the rename is applied
+        rename.apply()
+        assert await handle.read(0, len(small)) == small
+        handle.release()
+        await store.committer.drain()  # the old file's version goes once unread
+        assert old.versions == [] and old.id not in tree.nodes
+        assert tree.stats()["versions"] == 1
+
+    run(tmp_path / "s", body, config={"cache_bytes": 0})  # every read from the store
+
+
+def test_a_version_being_collected_is_not_opened(tmp_path):
+    """From the moment a collection of old versions is planned until it is applied, its
+    transaction frees their chunks while the event loop serves opens: an open of such a
+    version (through an inode the name moved on from) is Stale, and the kernel opens the
+    name's current version instead. A collection that fails gives them back."""
+    import pytest
+
+    from distorefs.committer import Overlay
+    from distorefs.errors import Stale
+    from distorefs.weights import Collect
+
+    async def body(store):
+        tree = store.weights
+        await store.configure_weights(b'{"keep_versions": 1}')
+        model = await tree.mkdir(ROOT_ID, b"m", DIR)
+        node = await publish(tree, model.id, b"w.bin", DATA)
+        first, old_gen = node.current, node.gen
+        reader = tree.open_read(node, old_gen)  # read through the page cache of inode old_gen
+        with pytest.raises(Stale):  # so a writer gets an inode of its own
+            await tree.open_write(node, old_gen, truncate=True, readable=False)
+        writer = await tree.open_write(node, tree.lookup_gen(node, True), truncate=True, readable=False)
+        await writer.write(0, b"2" * 100)
+        await writer.flush()
+        await writer.release()
+        assert node.gen != old_gen and tree.version_at(node, old_gen) is first
+        reader.release()  # the first version is unread: its collection is queued, not run yet
+        collect = Collect(tree, node)
+        collect.plan(Overlay())
+        assert collect.victims == [first]
+        with pytest.raises(Stale):
+            tree.open_read(node, old_gen)
+        collect.failed()
+        tree.open_read(node, old_gen).release()  # given back: opened again
+        await store.committer.drain()
+
+    run(tmp_path / "s", body)
