@@ -79,7 +79,7 @@ from .committer import Change, Overlay
 from .config import CheckpointsConfig
 from .memory import MemoryPlan
 from .errors import (AlreadyExists, CorruptValue, CrossDevice, DistorefsError, InvalidArgument, IsADirectory,
-                     NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly, TooLarge)
+                     NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly, Stale, TooLarge)
 from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, times_from
 from .names import check_name
 from .owner import Owner
@@ -853,6 +853,10 @@ class Checkpoints:
         self._attach(f, write=False)
 
     def _attach(self, f: CFile, write: bool) -> None:
+        if not f.attached or (f.unlinked and f.handles == 0):
+            # Removed or replaced, and gone or going with its data: reached through a lookup made
+            # before that (a rename's open race). The kernel looks the name up again.
+            raise Stale(f"{self.path_of(f)} was removed or replaced since it was looked up")
         step = self.step_of(f)
         f.handles += 1
         if step is not None:
@@ -885,10 +889,15 @@ class Checkpoints:
                 step.writers -= 1
                 step.active = time.monotonic()
             self._queue_file(f)
-        if f.unlinked and f.handles == 0:
-            self.committer.submit_nowait(RemoveTree(self, f, background=False))
+        self.drop_if_unopened(f)
         if step is not None and step.handles == 0 and (step.complete or step.interrupted):
             self._collect(self.nodes.get(step.parent))
+
+    def drop_if_unopened(self, f: CFile) -> None:
+        """A file without a name (removed or replaced while it could still be opened) goes,
+        with its data, once no handle has it open."""
+        if f.unlinked and f.handles == 0:
+            self.committer.submit_nowait(RemoveTree(self, f, background=False))
 
     async def _reopen(self, step: CStep | None) -> None:
         """About to change something below `step`: it is being written again."""
@@ -1805,8 +1814,10 @@ class RemoveTree(_CkptChange):
                 raise NotFound(f"{tree.path_of(node)} is kept after all")
         elif isinstance(node, CDir) and node.children and not self.whole:
             raise NotEmpty(f"{tree.path_of(node)} is not empty")
-        # a file still open loses its name now and its data at its last close
-        self.keep_open = isinstance(node, CFile) and node.handles > 0 and not node.unlinked
+        # A file loses its name now and its data at its last close, or right after this change
+        # if nobody has it open then: until the change is applied the name still opens it,
+        # and an open can come while its transaction runs (in a worker thread).
+        self.keep_open = isinstance(node, CFile) and not node.unlinked and not (self.background or self.whole)
         self.nodes = _subtree(tree, node)
         self.now = now_ns()
 
@@ -1824,6 +1835,7 @@ class RemoveTree(_CkptChange):
             del parent.children[self.node.name]  # type: ignore[union-attr]
             self.node.unlinked = True
             changed(self.node, self.now)
+            self.tree.drop_if_unopened(self.node)  # type: ignore[arg-type]
             return
         _remove_apply(self.tree, self.nodes, self.dropped)
         if self.background or self.whole:
@@ -1858,8 +1870,9 @@ class Rename(_CkptChange):
         if isinstance(target, CStep) and target.handles:
             raise NotPermitted(f"{tree.path_of(target)} is open")
         self.target = target
-        # a replaced file still open loses its name now and its data at its last close
-        self.held = target if isinstance(target, CFile) and target.handles > 0 else None
+        # a replaced file loses its name now and its data at its last close, or right after
+        # this change if nobody has it open then (an open can come until it is applied)
+        self.held = target if isinstance(target, CFile) else None
         self.victims = _subtree(tree, target) if target is not None and self.held is None else []
 
     def txn(self, txn) -> None:
@@ -1873,6 +1886,7 @@ class Rename(_CkptChange):
         if self.held is not None:
             self.held.unlinked = True
             changed(self.held)
+            tree.drop_if_unopened(self.held)
         if self.victims:
             _remove_apply(tree, self.victims, getattr(self, "dropped", []))
         old_parent = tree.nodes[node.parent]

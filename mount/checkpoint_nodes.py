@@ -25,7 +25,7 @@ import trio
 
 from distorefs.checkpoints import (CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CLink, CNode, CStep, FileReader,
                                    checksum_of)
-from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted
+from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted, Stale
 from distorefs.fileattrs import dir_nlink, without_privileges
 from distorefs.owner import Owner
 
@@ -297,7 +297,9 @@ class CheckpointFile(Node):
 
     async def open(self, flags: int, ctx) -> Handle:
         if not self.f.attached:
-            raise NotFound("the file was removed")
+            # removed or replaced since the kernel looked it up: it looks the name up again
+            # (ENOENT if nothing has it now, else the file that does)
+            raise Stale("the file was removed or replaced")
         if wants_write(flags):
             await self.tree.open_write(self.f, truncate=bool(flags & os.O_TRUNC))
             return CheckpointWriter(self.fs, self.f, wants_read(flags), ctx.pid if ctx is not None else 0,

@@ -9,7 +9,7 @@ import trio
 
 from distorefs.checkpoints import DURABLE, INCOMPLETE, PERSISTING, ROOT_ID, WRITING, FileReader
 from distorefs.codec import _crc32_combine_python, crc32_combine
-from distorefs.errors import InvalidConfig, NotEmpty, ReadOnly
+from distorefs.errors import InvalidConfig, NotEmpty, ReadOnly, Stale
 from distorefs.owner import Owner
 from store_runner import run
 
@@ -368,5 +368,37 @@ def test_the_persister_takes_several_chunks_at_once_and_commits_a_file_after_its
         assert ck.latest(r) is s and ck.budget.used == 0
         for f in made:
             assert await read_all(ck, f) == files[f.name]
+
+    run(tmp_path / "s", body)
+
+
+def test_a_reader_that_opens_a_file_while_a_rename_over_it_commits_reads_it_whole(tmp_path):
+    """tmp + rename over a checkpoint file while a reader opens it: the rename is planned,
+    its transaction runs in a worker thread, and the open comes in between (the name still
+    names the old file). The reader holds the old file, so its data must outlive that
+    transaction: it goes at the reader's last close, as for any file replaced while open."""
+    from distorefs.checkpoints import Rename
+    from distorefs.committer import Overlay
+
+    async def body(store):
+        ck, r, step = await new_step(store)
+        old = await save(ck, step.id, b"a.npy", b"old" * 1000)
+        await save(ck, step.id, b"a.tmp", b"new" * 1000)
+        await ck.sync_dir(step)
+        old.mem.clear()  # persisted: read back from the store, as after eviction
+        live = store.values.lmdb.live_bytes()
+        rename = Rename(ck, ck.child(step.id, b"a.tmp"), step.id, b"a.npy", False)
+        rename.plan(Overlay())
+        await trio.to_thread.run_sync(store.committer._write_txn, rename.txn)
+        reader = FileReader(ck, old)
+        ck.open_read(old)  # the reader's open, before the rename is applied
+        rename.apply()
+        assert bytes(await reader.read(0, 3000)) == b"old" * 1000
+        ck.released(old, write=False)  # its last close: it goes, with its data
+        with pytest.raises(Stale):  # an open through a lookup made before the rename
+            ck.open_read(old)
+        await store.committer.drain()
+        assert store.values.lmdb.live_bytes() == live - 3000
+        assert await read_all(ck, ck.resolve("run/s/a.npy")) == b"new" * 1000
 
     run(tmp_path / "s", body)
