@@ -231,7 +231,7 @@ class EntryWriter(StagingWriter):
 
     async def apply(self, data: bytes) -> None:
         try:
-            await self.node.commit(data, self.owner, self)
+            await self.node.commit(data, self.owner)
         finally:
             self._release_ticket()  # committed (counted as an insert) or failed
 

@@ -642,6 +642,9 @@ class EntryNode(Node):
 
     private = False  # a writer's own inode: its name is not cached by the kernel
     pages_stored = False  # the version's bytes were put into the kernel's page cache once
+    # Several writers wrote through it at once: its pages hold their writes interleaved,
+    # so no version of theirs is read through it (each gets an inode of its own).
+    cowritten = False
 
     def __init__(self, fs: "Filesystem", parent: EntriesDir, key: bytes, version: EntryMeta | None,
                  base: EntryMeta | None = None) -> None:
@@ -703,13 +706,15 @@ class EntryNode(Node):
         to wait for one at its first write() or close()."""
         w = EntryWriter(self, initial, self.buf.ring.config.max_entry_bytes, wants_read(flags), owner, fresh,
                         ticket, admit)
+        if self.writers:
+            self.cowritten = True
         self.writers.append(w)
         return w
 
-    async def commit(self, data: bytes, owner: Owner, writer: EntryWriter | None = None) -> None:
-        """`writer` of this inode closed: its bytes become the entry's next version, and
+    async def commit(self, data: bytes, owner: Owner) -> None:
+        """A writer of this inode closed: its bytes become the entry's next version, and
         this inode the one its name resolves to (unless another inode took the name since,
-        or other writers still write into this one)."""
+        or several writers wrote through this one)."""
         current = self.buf.ring.by_key.get(self.name)
         if current is not None:  # a rewrite keeps the entry's owner and mode
             owner = Owner(current.mode, current.uid, current.gid)
@@ -717,10 +722,10 @@ class EntryNode(Node):
         # wrote under the name whatever happened to the name meanwhile (evicted, removed, or
         # another writer's close first: the last close wins), as a queue of values would.
         meta = await self.buf.insert(self.name, data, owner)
-        if any(w is not writer for w in self.writers):
-            # Writers that created the name together share this inode, and the others' writes
-            # go on into its pages and size: the version gets an inode of its own (made at the
-            # name's next lookup), this one stays theirs until one of them commits last.
+        if self.cowritten:
+            # Writers that created the name together share this inode: its pages and size are
+            # all of theirs (and the others may write on). The version gets an inode of its
+            # own, made at the name's next lookup; this one stays the writers'.
             self._leave_name()
             self.base = meta
             drop_attributes(self.ino)

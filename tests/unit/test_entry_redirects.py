@@ -152,3 +152,30 @@ def test_a_writer_opening_a_committed_entry_before_its_writer_released_it_gets_i
         return True
 
     assert run(tmp_path / "store", scenario)
+
+
+def test_an_inode_two_writers_wrote_never_becomes_a_version_readers_share(tmp_path):
+    """Writers that created a name together wrote into one inode: its pages in the kernel
+    hold both writers' writes, interleaved, whatever each committed. Even after the others
+    released it, the last commit's version gets an inode of its own (clean pages)."""
+
+    async def scenario(store):
+        fs = Filesystem(store)
+        await store.create_buffer("b", OWNER)
+        entries = await _entries(fs, "b")
+        first, second, reader = Ctx(pid=31), Ctx(pid=32), Ctx(pid=33)
+        shared, w1 = await entries.create(b"new", 0o644, WRITE_TRUNC, first)
+        assert await entries.lookup(b"new", second) is shared
+        w2 = await shared.open(WRITE_TRUNC, second)
+        await w1.write(0, b"A" * 30000)
+        await w1.flush()
+        shared.writer_closed(w1)  # the first writer's release
+        await w2.write(0, b"B" * 20000)
+        await w2.flush()
+        shared.writer_closed(w2)
+        node = await entries.lookup(b"new", reader)
+        assert node is not shared
+        assert (await node.open(os.O_RDONLY, reader)).data == b"B" * 20000
+        return True
+
+    assert run(tmp_path / "store", scenario)
