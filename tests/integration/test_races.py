@@ -1,5 +1,6 @@
-"""Reads racing evictions, rewrites and renames by several writers (entries, weights, unsealed
-dataset files): ENOENT or a whole version, never EIO, a torn value or a false corruption report."""
+"""Reads racing evictions, rewrites and renames (entries; several writers of weights,
+checkpoint and unsealed dataset files): ENOENT or a whole version, never EIO, a torn value
+or a false corruption report."""
 
 import errno
 import json
@@ -91,61 +92,8 @@ def _whole(data: bytes) -> bool:
     return len(data) == 8 + n and zlib.crc32(data[8:]) == crc
 
 
-def _name_writer(entries: str, seconds: float, q, wid: int) -> None:
-    end = time.time() + seconds
-    i, errs = 0, []
-    while time.time() < end:
-        # names every writer rewrites (and re-creates after an eviction), and new ones
-        name = SHARED[i % 6] if i % 6 < 5 else f"w{wid}-{i}"
-        try:
-            with open(os.path.join(entries, name), "wb") as f:
-                f.write(_sealed_value(i))
-        except OSError as e:
-            errs.append((name, e.errno))
-        i += 1
-    q.put(("writer", errs, i))
-
-
-def _whole_reader(entries: str, seconds: float, q) -> None:
-    end = time.time() + seconds
-    errs, reads = [], 0
-    while time.time() < end:
-        for name in SHARED + os.listdir(entries)[:2]:
-            try:
-                with open(os.path.join(entries, name), "rb") as f:
-                    data = f.read()
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    errs.append((name, e.errno))
-                continue
-            reads += 1
-            if not _whole(data):
-                errs.append((name, "not whole", len(data)))
-    q.put(("reader", errs, reads))
-
-
-def test_writers_of_the_same_names_never_show_readers_part_of_a_value(fresh_mount):
-    """4 writers rewrite and create the same few names while the ring evicts them and 3
-    readers read them: every read is a whole value (or ENOENT), every write succeeds. A
-    writer must never write through an inode readers share: one committed but not yet
-    released, one another writer created, or one reached after its name moved on."""
-    m = fresh_mount("cache_bytes=0")
-    b = m.buffer("names", {"capacity": 20, "compression": "none"})
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    entries = str(b / "entries")
-    procs = [ctx.Process(target=_name_writer, args=(entries, 5.0, q, k)) for k in range(4)]
-    procs += [ctx.Process(target=_whole_reader, args=(entries, 5.0, q)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=90) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    assert sum(r[2] for r in results if r[0] == "reader") > 100  # the readers really read
-    assert [e for r in results for e in r[1]] == []
-
-
-def _file_writer(directory: str, seconds: float, q, wid: int, rename: bool) -> None:
+def _name_writer(directory: str, seconds: float, q, wid: int, rename: bool) -> None:
+    """Rewrites the SHARED names, by temp file and rename or in place."""
     end = time.time() + seconds
     i, errs = 0, []
     while time.time() < end:
@@ -165,7 +113,8 @@ def _file_writer(directory: str, seconds: float, q, wid: int, rename: bool) -> N
     q.put(("writer", errs, i))
 
 
-def _file_reader(directory: str, seconds: float, q) -> None:
+def _whole_reader(directory: str, seconds: float, q) -> None:
+    """Reads the SHARED names and checks each whole."""
     end = time.time() + seconds
     errs, reads = [], 0
     while time.time() < end:
@@ -182,14 +131,16 @@ def _file_reader(directory: str, seconds: float, q) -> None:
     q.put(("reader", errs, reads))
 
 
-def _race_files(directory, writers: int, rename: bool) -> list:
-    for name in SHARED:  # every name published once before the race
+def _race(directory, writers: int, *, rename: bool = False) -> list:
+    """Each SHARED name written once, then `writers` writers and 3 readers of `directory`
+    for 5 s; the errors any of them met."""
+    for name in SHARED:
         with open(directory / name, "wb") as f:
             f.write(_sealed_value(1))
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_file_writer, args=(str(directory), 5.0, q, k, rename)) for k in range(writers)]
-    procs += [ctx.Process(target=_file_reader, args=(str(directory), 5.0, q)) for _ in range(3)]
+    procs = [ctx.Process(target=_name_writer, args=(str(directory), 5.0, q, k, rename)) for k in range(writers)]
+    procs += [ctx.Process(target=_whole_reader, args=(str(directory), 5.0, q)) for _ in range(3)]
     for p in procs:
         p.start()
     results = [q.get(timeout=90) for _ in procs]
@@ -207,7 +158,7 @@ def test_weights_replaced_by_rename_are_read_whole_while_old_versions_go(fresh_m
     m = fresh_mount("cache_bytes=0")
     d = m.mnt / "weights" / "run"
     d.mkdir(parents=True)
-    assert _race_files(d, 2, rename=True) == []
+    assert _race(d, 2, rename=True) == []
     stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
     assert stats["corrupt_reads"] == 0
 
@@ -218,7 +169,7 @@ def test_unsealed_dataset_files_rewritten_by_many_writers_are_read_whole(fresh_m
     kept them; a reader holding the old record reads the file as it is now."""
     m = fresh_mount("cache_bytes=0")
     (m.mnt / "datasets" / "ds").mkdir(parents=True)
-    assert _race_files(m.mnt / "datasets" / "ds" / "items", 4, rename=False) == []
+    assert _race(m.mnt / "datasets" / "ds" / "items", 4) == []
     stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
     assert stats["corrupt_reads"] == 0
 
@@ -230,6 +181,6 @@ def test_checkpoint_files_replaced_by_rename_are_read_whole(fresh_mount):
     m = fresh_mount("cache_bytes=0")
     d = m.mnt / "checkpoints" / "run" / "step-1"
     d.mkdir(parents=True)
-    assert _race_files(d, 1, rename=True) == []
+    assert _race(d, 1, rename=True) == []
     stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
     assert stats["corrupt_reads"] == 0

@@ -33,6 +33,13 @@ async def _entries(fs: Filesystem, name: str):
     return await (await buffers.lookup(name.encode())).lookup(b"entries")
 
 
+async def _new_buffer_entries(store):
+    """entries/ of a new buffer b, through the mount's nodes of a Filesystem on `store`."""
+    fs = Filesystem(store)
+    await store.create_buffer("b", OWNER)
+    return await _entries(fs, "b")
+
+
 async def _refused_then_gone_then_back(store, proc: Ctx, flags: int):
     """entries/hot of buffer b: `proc`'s write open refused on its shared version (ESTALE),
     the entry evicted before the retry's first lookup (ENOENT), then created anew (v2) by
@@ -78,9 +85,7 @@ def test_a_create_committed_while_another_writer_still_writes_it_is_read_whole(t
     value = os.urandom(20000)
 
     async def scenario(store):
-        fs = Filesystem(store)
-        await store.create_buffer("b", OWNER)
-        entries = await _entries(fs, "b")
+        entries = await _new_buffer_entries(store)
         first, second, reader = Ctx(pid=11), Ctx(pid=12), Ctx(pid=13)
         created, w1 = await entries.create(b"new", 0o644, WRITE_TRUNC, first)
         shared = await entries.lookup(b"new", second)  # being created: the same inode
@@ -136,9 +141,7 @@ def test_a_writer_opening_a_committed_entry_before_its_writer_released_it_gets_i
     value = os.urandom(20000)
 
     async def scenario(store):
-        fs = Filesystem(store)
-        await store.create_buffer("b", OWNER)
-        entries = await _entries(fs, "b")
+        entries = await _new_buffer_entries(store)
         first, second, reader = Ctx(pid=21), Ctx(pid=22), Ctx(pid=23)
         created, w1 = await entries.create(b"new", 0o644, WRITE_TRUNC, first)
         await w1.write(0, value)
@@ -160,9 +163,7 @@ def test_an_inode_two_writers_wrote_never_becomes_a_version_readers_share(tmp_pa
     released it, the last commit's version gets an inode of its own (clean pages)."""
 
     async def scenario(store):
-        fs = Filesystem(store)
-        await store.create_buffer("b", OWNER)
-        entries = await _entries(fs, "b")
+        entries = await _new_buffer_entries(store)
         first, second, reader = Ctx(pid=31), Ctx(pid=32), Ctx(pid=33)
         shared, w1 = await entries.create(b"new", 0o644, WRITE_TRUNC, first)
         assert await entries.lookup(b"new", second) is shared
