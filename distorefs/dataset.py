@@ -486,6 +486,8 @@ class Dataset:
                 return item, await self.values.fetch_one(self._cache_key(item, index), item.chunks[index],
                                                          self._what(item, index), must_exist=self.sealed)
             except (CorruptValue, NotFound) as exc:
+                if self.sealed:
+                    raise  # a sealed record never changes: damage, reported by fetch_one
                 try:
                     current = self.item(item.id)
                 except NotFound:

@@ -345,3 +345,23 @@ def test_a_read_with_the_record_of_a_version_rewritten_since_reads_the_current_o
         return ds.values.counters["corrupt_reads"]
 
     assert run(tmp_path / "store", go, config={"cache_bytes": 0}) == 0
+
+
+def test_a_damaged_chunk_of_a_sealed_dataset_is_reported_once(tmp_path):
+    """A sealed file's record never changes, so a chunk that does not verify is damage:
+    EIO, logged and counted once per read (not again as a rewrite to follow)."""
+    from distorefs.config import DatasetConfig
+    from distorefs.errors import CorruptValue
+
+    async def go(store):
+        ds = await store.create("datasets", "d", OWNER, DatasetConfig(compression="none"))
+        await ds.put(ROOT_DIR, b"f", b"x" * 3000, FOWNER)
+        await ds.seal()
+        item = ds.item(ds.resolve(b"f")[1])
+        await trio.to_thread.run_sync(store.committer._write_txn,
+                                      lambda txn: ds.values.delete(txn, item.chunks[0]))
+        with pytest.raises(CorruptValue):
+            await ds.read_item(item, ask_prefetcher=False)
+        return ds.values.counters["corrupt_reads"]
+
+    assert run(tmp_path / "store", go, config={"cache_bytes": 0}) == 1
