@@ -626,7 +626,12 @@ class WeightsTree:
 
     def closed(self, node: WNode, version: Version) -> None:
         version.readers -= 1
-        if version.readers == 0 and self.collectable(node):
+        if version.readers == 0:
+            self.collect_unkept(node)
+
+    def collect_unkept(self, node: WNode) -> None:
+        """Queue the collection of `node`'s versions no longer kept, if it has any."""
+        if self.collectable(node):
             self.committer.submit_nowait(Collect(self, node))
 
     def collectable(self, node: WNode) -> list[Version]:
@@ -748,8 +753,7 @@ class Publish(_TreeChange):
             old.readers -= 1
         self.version.readers += 1
         node.draft_base = self.version
-        if tree.collectable(node):
-            tree.committer.submit_nowait(Collect(tree, node))
+        tree.collect_unkept(node)
 
 
 class MakeNode(_TreeChange):
@@ -801,8 +805,7 @@ def _detach_apply(tree: WeightsTree, node: WNode) -> None:
             parent.subdirs -= 1
     node.attached = False
     changed(node)
-    if tree.collectable(node):  # what no handle reads goes now; the rest when its last reader closes
-        tree.committer.submit_nowait(Collect(tree, node))
+    tree.collect_unkept(node)  # what no handle reads goes now; the rest when its last reader closes
     tree.forget_if_unused(node)
 
 
