@@ -51,6 +51,16 @@ def _reader(bufdir: str, seconds: float, q) -> None:
     q.put(("reader", errs, reads))
 
 
+def _run_all(procs: list, q, timeout: float) -> list:
+    """Start the worker processes, take the result each puts on `q`, and join them."""
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    return results
+
+
 def test_no_eio_when_reads_race_evictions_and_rewrites(fresh_mount):
     m = fresh_mount("cache_bytes=0")
     b = m.buffer("race", {"capacity": 20, "compression": "none"})
@@ -61,11 +71,7 @@ def test_no_eio_when_reads_race_evictions_and_rewrites(fresh_mount):
     q = ctx.Queue()
     procs = [ctx.Process(target=_writer, args=(str(b / "entries"), 2.0, q)) for _ in range(2)]
     procs += [ctx.Process(target=_reader, args=(str(b), 2.0, q)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
+    results = _run_all(procs, q, timeout=60)
     readers = [r for r in results if r[0] == "reader"]
     assert sum(r[2] for r in readers) > 20  # the readers really read
     errs = [e for r in readers for e in r[1]]
@@ -141,11 +147,7 @@ def _race(directory, writers: int, *, rename: bool = False) -> list:
     q = ctx.Queue()
     procs = [ctx.Process(target=_name_writer, args=(str(directory), 5.0, q, k, rename)) for k in range(writers)]
     procs += [ctx.Process(target=_whole_reader, args=(str(directory), 5.0, q)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=90) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
+    results = _run_all(procs, q, timeout=90)
     assert sum(r[2] for r in results if r[0] == "reader") > 100  # the readers really read
     return [e for r in results for e in r[1]]
 
