@@ -82,6 +82,13 @@ class ValueBackend(ABC):
 
     batched = False  # get_many costs less than a get per value
 
+    def get_in(self, txn: Txn, loc: bytes) -> bytes:
+        """The value at ``loc`` as of ``txn`` (a read transaction of the engine, where the
+        caller read the record naming ``loc``): a tier whose locations are rewritten in
+        place (LMDB keys) reads them in that snapshot. Here: a tier whose bytes at a
+        location never change until it is freed."""
+        return self.get(loc)
+
     def get_checked(self, loc: bytes) -> tuple[bytes, int | None]:
         """The value at ``loc`` and the CRC-32 the tier verified it against (None if the
         tier keeps no checksum of its own): a caller holding the same checksum need not

@@ -66,6 +66,12 @@ class LmdbValues(ValueBackend):
             return out
         return self.env.read(fn)
 
+    def get_in(self, txn: Txn, loc: bytes) -> bytes:
+        view = txn.get(loc, db=DB_VALUES) if 0 < len(loc) <= _MAX_KEY else None
+        if view is None:
+            raise Missing(f"no value at location {loc.hex()}")
+        return bytes(view)  # copies out of the map
+
     def delete(self, txn: Txn, loc: bytes) -> None:
         if not 0 < len(loc) <= _MAX_KEY:
             return

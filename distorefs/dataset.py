@@ -470,35 +470,47 @@ class Dataset:
         self._count_read(len(out))
         return out
 
-    REREADS = 3  # rewrites a read follows before it reports what it finds
-
     async def _chunk(self, item: Item, index: int) -> tuple[Item, bytes]:
         """Chunk `index` of `item` (and the record it was read with). An unsealed file's
         writer stores its version's chunks where the version before kept them, so a read
         made with the record of that version may find other bytes: that is a rewrite, not
-        damage, and the chunk is read again as the file has it now (a reader of a local file
-        being rewritten gets the new bytes too; past the new end, none). Only bytes that
-        do not match the current record are damage (EIO, reported)."""
-        for _ in range(self.REREADS):
-            if index >= len(item.chunks):
-                return item, b""
+        damage. The chunk is then read as the file has it now (a reader of a local file
+        being rewritten gets the new bytes too; past the new end, none), its record and
+        bytes in one snapshot, so no further rewrite comes between them. Only bytes that
+        do not match the record of their snapshot are damage (EIO, reported)."""
+        if index >= len(item.chunks):
+            return item, b""
+        try:
+            return item, await self.values.fetch_one(self._cache_key(item, index), item.chunks[index],
+                                                     self._what(item, index), must_exist=self.sealed)
+        except (CorruptValue, NotFound):
+            if self.sealed:
+                raise  # a sealed record never changes: damage, reported by fetch_one
+        current, data = await trio.to_thread.run_sync(self._chunk_now, item, index)
+        if isinstance(data, DistorefsError) and self.item(item.id).chunks != current.chunks:
+            # A value in a segment is never rewritten in place, but its segment may have been
+            # collected after the snapshot began (the file rewritten meanwhile): once more.
+            current, data = await trio.to_thread.run_sync(self._chunk_now, item, index)
+        if isinstance(data, DistorefsError):
+            raise self.values.report_corrupt(data)
+        return current, data
+
+    def _chunk_now(self, item: Item, index: int) -> tuple[Item, "bytes | DistorefsError"]:
+        """(the current record of `item`, chunk `index` as it holds it, or the error of
+        reading it), in one read transaction (worker thread)."""
+        tag = self.tag
+
+        def fn(txn):
+            current = self._item_txn(txn, tag, item.id)
+            if current is None:
+                raise NotFound(f"datasets/{self.name}: {item.name!r} was removed while it was read")
+            if index >= len(current.chunks):
+                return current, b""
             try:
-                return item, await self.values.fetch_one(self._cache_key(item, index), item.chunks[index],
-                                                         self._what(item, index), must_exist=self.sealed)
+                return current, self.values.read_in(txn, current.chunks[index], self._what(current, index))
             except (CorruptValue, NotFound) as exc:
-                if self.sealed:
-                    raise  # a sealed record never changes: damage, reported by fetch_one
-                try:
-                    current = self.item(item.id)
-                except NotFound:
-                    raise NotFound(f"datasets/{self.name}: {item.name!r} was removed while it was read") from None
-                if current.chunks == item.chunks:
-                    raise self.values.report_corrupt(exc) from None
-                item = current
-        # Not damage either: each read found a newer version than the one before it.
-        log.warning("%s: rewritten during %d reads in a row; the read fails (EIO)", self._what(item, index),
-                    self.REREADS)
-        raise DistorefsError(f"{self._what(item, index)}: rewritten during {self.REREADS} reads in a row")
+                return current, exc
+        return self._read(fn)
 
     def _count_read(self, n: int) -> None:
         self.stats_counters["reads"] += 1

@@ -273,6 +273,17 @@ class ValueLayer:
         self.counters["disk_read_bytes"] += value.stored_size
         return data
 
+    def read_in(self, txn: Txn, value: StoredValue, what: str) -> bytes:
+        """`read` of a value whose record was read in `txn`, a read transaction (worker
+        thread): its bytes as of that snapshot, so a location rewritten since (a value
+        stored again under the same key) is read as the record knew it."""
+        try:
+            stored = self.tiers[value.tier].get_in(txn, value.loc)
+        except BackendError as exc:
+            mapped = from_backend(exc)
+            raise type(mapped)(f"{what}: {exc}") from None
+        return self.read(value, what, stored)
+
     def read_all(self, wanted: Sequence[tuple[StoredValue, str]]) -> list:
         """`read` of each (value, what), in a worker thread already: values in the cluster
         in one pipeline. Each result is the bytes or the DistorefsError of that read."""

@@ -1,6 +1,6 @@
-"""Reads racing evictions, rewrites and renames (entries; weights and checkpoint files
-replaced by rename): ENOENT or a whole version, never EIO, a torn value or a false
-corruption report."""
+"""Reads racing evictions, rewrites and renames (entries; several writers of weights,
+checkpoint and unsealed dataset files): ENOENT or a whole version, never EIO, a torn value
+or a false corruption report."""
 
 import errno
 import json
@@ -161,6 +161,17 @@ def test_weights_replaced_by_rename_are_read_whole_while_old_versions_go(fresh_m
     d = m.mnt / "weights" / "run"
     d.mkdir(parents=True)
     assert _race(d, 2, rename=True) == []
+    stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
+    assert stats["corrupt_reads"] == 0
+
+
+def test_unsealed_dataset_files_rewritten_by_many_writers_are_read_whole(fresh_mount):
+    """4 writers rewrite three files of an unsealed dataset, 3 readers read them: every read
+    is a whole version, never EIO. A rewrite stores its chunks where the version before
+    kept them; a reader holding the old record reads the file as it is now."""
+    m = fresh_mount("cache_bytes=0")
+    (m.mnt / "datasets" / "ds").mkdir(parents=True)
+    assert _race(m.mnt / "datasets" / "ds" / "items", 4) == []
     stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
     assert stats["corrupt_reads"] == 0
 
