@@ -331,7 +331,7 @@ class AtDir(Node):
             raise NotFound(f"not a position: {text!r}")
         meta = self.bank.at(int(text))
         entries = self.fs.inodes.intern(("entries", self.bank.ns_id), lambda: EntriesDir(self.fs, self.bank))
-        return entries.entry_node(meta)
+        return await entries.lookup(meta.key, ctx)  # as entries/KEY (a writer's retry: its own inode)
 
 
 class BufferDir(RingDir):
@@ -570,10 +570,13 @@ class EntriesDir(Node):
         check_name(name)
         pid = ctx.pid if ctx is not None else 0
         meta = self.buf.ring.by_key.get(name)
-        if meta is not None and self.fs.redirected(self.name_key(name), pid):
-            # the retry of a writer refused on a shared inode (if the name is gone meanwhile,
-            # an O_CREAT creates it, and the redirect holds should it be back at the retry's
-            # next lookup)
+        if self.fs.redirected(self.name_key(name), pid):
+            # the retry of a writer refused on a shared inode. If the name is gone meanwhile,
+            # an O_CREAT creates it (the redirect holds should it be back at the retry's next
+            # lookup); never through the inode of another writer's create, which may commit
+            # (and readers share it) before this retry's open: create() decides at once.
+            if meta is None:
+                raise NotFound(f"no entry {name!r}")
             return self.private_node(name, meta)
         node = self.fs.inodes.node_of(self.name_key(name))
         if node is not None and node.version is None and node.writers:
@@ -762,20 +765,18 @@ class EntryNode(Node):
                 self.fs.take_redirect(self.parent.name_key(self.name), pid)
                 return self.writer(b"", flags, self.writers[-1].owner if self.writers else
                                    Owner(0o100644, ctx.uid, ctx.gid), bool(flags & os.O_TRUNC))
-            if self.version is not None and not self.fs.take_redirect(self.parent.name_key(self.name), pid):
-                # never write into (or truncate) an inode readers share, the name's version or
-                # an older one (a stale name in the kernel): the name's own private inode, or
-                # a create if the entry is gone
+            redirected = self.fs.take_redirect(self.parent.name_key(self.name), pid)
+            if not (redirected and self.private and self.version is None):
+                # never write into (or truncate) an inode readers may share: the name's version,
+                # an older one, or one its writers left (each reached through a name the kernel
+                # still holds). Only the inode this process's redirect gave it is its own: the
+                # retry gets it (or creates the entry if it is gone).
                 self.fs.redirect_writer(self.parent.name_key(self.name), pid)
-            base = self.base or self.latest()
+            base = self.base
             if base is None:
                 raise NotFound("no such entry (not committed yet, or removed)")
-            self.fs.take_redirect(self.parent.name_key(self.name), pid)
             initial = b"" if flags & os.O_TRUNC else await self.buf.ring.read(base)
-            w = self.writer(initial, flags, Owner(base.mode, base.uid, base.gid), bool(flags & os.O_TRUNC))
-            if not self.private:
-                w.direct_io = True  # the kernel did not look up again: keep the shared pages clean
-            return w
+            return self.writer(initial, flags, Owner(base.mode, base.uid, base.gid), bool(flags & os.O_TRUNC))
         meta = self.latest()
         if meta is None and self.private and not self.writers:
             # a writer's inode before its open (the lookup of a redirected process that then

@@ -180,3 +180,67 @@ def test_an_inode_two_writers_wrote_never_becomes_a_version_readers_share(tmp_pa
         return True
 
     assert run(tmp_path / "store", scenario)
+
+
+def test_a_writer_reaching_a_former_writers_inode_readers_still_read_gets_its_own(tmp_path):
+    """The inode two writers created a name in leaves the name when they commit, but the
+    kernel may still hold the name for it (its invalidation is asynchronous), and readers
+    that found it read the version it was left with. A third writer reaching it through
+    that name must not write (and truncate) into it: refused (ESTALE), its retry gets an
+    inode of its own, and the readers' inode keeps its size."""
+
+    async def scenario(store):
+        entries = await _new_buffer_entries(store)
+        first, second, third, reader = Ctx(pid=41), Ctx(pid=42), Ctx(pid=43), Ctx(pid=44)
+        shared, w1 = await entries.create(b"new", 0o644, WRITE_TRUNC, first)
+        w2 = await (await entries.lookup(b"new", second)).open(WRITE_TRUNC, second)
+        for w, data in ((w1, b"A" * 30000), (w2, b"B" * 20000)):
+            await w.write(0, data)
+            await w.flush()
+            shared.writer_closed(w)
+        assert (await shared.open(os.O_RDONLY, reader)).data == b"B" * 20000
+        with pytest.raises(Stale):
+            await shared.open(WRITE_TRUNC, third)  # through the name the kernel still holds
+        node = await entries.lookup(b"new", third)  # the retry
+        assert node is not shared
+        assert isinstance(await node.open(WRITE_TRUNC, third), EntryWriter)
+        assert shared.attributes(reader).st_size == 20000
+        return True
+
+    assert run(tmp_path / "store", scenario)
+
+
+def test_a_redirected_writer_whose_retry_finds_the_name_being_created_never_joins_its_version(tmp_path):
+    """A writer refused on a shared version (ESTALE); the entry is evicted and another
+    writer creates it anew before the retry's lookup. Should that lookup give the create's
+    inode, the create may commit before the retry's open, and the open would then truncate
+    the version readers share. The retry must create (or rewrite) through an inode of its own."""
+    value = os.urandom(20000)
+
+    async def scenario(store):
+        fs = Filesystem(store)
+        await store.create_buffer("b", OWNER)
+        buf = store.namespace("buffers", "b")
+        await buf.insert(b"hot", b"v1", OWNER)
+        entries = await _entries(fs, "b")
+        retrying, creator, reader = Ctx(pid=51), Ctx(pid=52), Ctx(pid=53)
+        with pytest.raises(Stale):
+            await (await entries.lookup(b"hot", retrying)).open(WRITE_TRUNC, retrying)
+        await buf.ring.delete(b"hot")
+        created, w = await entries.create(b"hot", 0o644, WRITE_TRUNC, creator)
+        try:  # the retry: its lookup, then its open of what it found, or its create
+            node = await entries.lookup(b"hot", retrying)
+        except NotFound:
+            node = None
+        await w.write(0, value)
+        await w.flush()  # the create commits before the retry's open
+        if node is not None:
+            handle = await node.open(WRITE_TRUNC, retrying)
+        else:
+            node, handle = await entries.create(b"hot", 0o644, WRITE_TRUNC, retrying)
+        assert isinstance(handle, EntryWriter)
+        assert node is not created
+        assert created.attributes(reader).st_size == len(value)
+        return True
+
+    assert run(tmp_path / "store", scenario)
