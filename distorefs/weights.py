@@ -75,6 +75,9 @@ class Version:
     # A change that frees it is on its way (memory only): from its planning on, no open takes
     # it (its chunks go in that change's transaction, while the event loop serves opens).
     freeing: bool = False
+    # When it stopped being what its name opens: a newer version published, or its file
+    # replaced or removed (memory only, time.monotonic(); 0: before this run).
+    retired_at: float = 0.0
 
     def to_dict(self) -> dict:
         return {"number": self.number, "size": self.size, "mtime_ns": self.mtime_ns, "checksum": self.checksum,
@@ -263,6 +266,8 @@ class WeightsTree:
         # applies other nodes' publishes without lingering (distorefs/follower.py).
         self.attending: Callable[[], ContextManager[None]] = nullcontext
         self.detached_at_load: list[WNode] = []  # unlinked while read when the daemon last stopped
+        self.spawn = services.spawn
+        self._collect_pending: set[int] = set()  # nodes whose collection waits out the grace
         # A shared store: tells the other nodes of a change this node made (published,
         # made a directory, removed, renamed: distorefs/weightslog.py), and chunks are
         # stored in the cluster. None on a node-local store.
@@ -629,16 +634,37 @@ class WeightsTree:
         if version.readers == 0:
             self.collect_unkept(node)
 
+    # A version retired this recently is not collected yet: a reader that looked its name up
+    # just before a publish or a rename over it (the lookup and the open are two requests,
+    # and the kernel retries a Stale open only once) still opens what it looked up.
+    RETIRE_GRACE_S = 1.0
+
     def collect_unkept(self, node: WNode) -> None:
-        """Queue the collection of `node`'s versions no longer kept, if it has any."""
+        """Queue the collection of `node`'s versions no longer kept, if it has any: now, or
+        once the retirement grace of the last of them has passed."""
         if self.collectable(node):
             self.committer.submit_nowait(Collect(self, node))
+        elif self._unkept(node) and node.id not in self._collect_pending:
+            self._collect_pending.add(node.id)
+            self.spawn(self._collect_later, node)
 
-    def collectable(self, node: WNode) -> list[Version]:
-        """Versions no longer kept: beyond the newest keep_versions (all, once unlinked) and unread."""
+    async def _collect_later(self, node: WNode) -> None:
+        try:
+            await trio.sleep(self.RETIRE_GRACE_S)
+        finally:
+            self._collect_pending.discard(node.id)
+        self.collect_unkept(node)
+
+    def _unkept(self, node: WNode) -> list[Version]:
+        """Versions beyond the newest keep_versions (all, once unlinked) that nobody reads."""
         keep = self.config.keep_versions if node.attached else 0
         old = node.versions[:-keep] if keep else list(node.versions)
         return [v for v in old if v.readers == 0]
+
+    def collectable(self, node: WNode) -> list[Version]:
+        """Versions no longer kept: unkept (above) and retired longer than the grace."""
+        oldest = time.monotonic() - self.RETIRE_GRACE_S
+        return [v for v in self._unkept(node) if v.retired_at <= oldest]
 
     # ----- waiting for a newer version -----------------------------------------------
 
@@ -742,6 +768,8 @@ class Publish(_TreeChange):
     def apply(self) -> None:
         tree, node, draft = self.tree, self.node, self.draft
         self.version.gen = node.draft_gen
+        if node.versions:
+            node.versions[-1].retired_at = time.monotonic()
         node.versions.append(self.version)
         node.gen = node.draft_gen
         # the draft goes on from what was just published
@@ -804,6 +832,8 @@ def _detach_apply(tree: WeightsTree, node: WNode) -> None:
         if node.kind == DIR:
             parent.subdirs -= 1
     node.attached = False
+    if node.versions:
+        node.versions[-1].retired_at = time.monotonic()
     changed(node)
     tree.collect_unkept(node)  # what no handle reads goes now; the rest when its last reader closes
     tree.forget_if_unused(node)

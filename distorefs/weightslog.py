@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import trio
 
@@ -24,7 +25,7 @@ from .clusterlog import Record, SharedLog
 from .committer import Committer, Overlay
 from .errors import AlreadyExists, NotFound
 from .owner import Owner
-from .weights import DIR, FILE, ROOT_ID, Collect, MakeNode, Remove, Rename, Version, WeightsTree, WNode, _TreeChange
+from .weights import DIR, FILE, ROOT_ID, MakeNode, Remove, Rename, Version, WeightsTree, WNode, _TreeChange
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,11 @@ class ApplyVersion(_TreeChange):
         node.gen = node.next_gen
         node.next_gen += 1
         self.version.gen = node.gen
+        if node.versions:
+            node.versions[-1].retired_at = time.monotonic()
         node.versions.append(self.version)
         tree.counters["versions_applied"] = tree.counters.get("versions_applied", 0) + 1
-        if tree.collectable(node):
-            tree.committer.submit_nowait(Collect(tree, node))
+        tree.collect_unkept(node)
 
 
 class WeightsLog:
