@@ -1,4 +1,4 @@
-"""Reads racing evictions, rewrites and renames (entries; several writers of weights,
+"""Reads racing evictions, rewrites and renames (several writers of entries, weights,
 checkpoint and unsealed dataset files): ENOENT or a whole version, never EIO, a torn value
 or a false corruption report."""
 
@@ -98,12 +98,13 @@ def _whole(data: bytes) -> bool:
     return len(data) == 8 + n and zlib.crc32(data[8:]) == crc
 
 
-def _name_writer(directory: str, seconds: float, q, wid: int, rename: bool) -> None:
-    """Rewrites the SHARED names, by temp file and rename or in place."""
+def _name_writer(directory: str, seconds: float, q, wid: int, rename: bool, new_names: bool) -> None:
+    """Rewrites the SHARED names, by temp file and rename or in place; `new_names`: every
+    sixth write creates a name of its own."""
     end = time.time() + seconds
     i, errs = 0, []
     while time.time() < end:
-        name = SHARED[i % len(SHARED)]
+        name = f"w{wid}-{i}" if new_names and i % 6 == 5 else SHARED[i % 6 % len(SHARED)]
         try:
             if rename:  # the atomic publish idiom: a temp file renamed over the name
                 tmp = os.path.join(directory, f".tmp-{wid}-{i}")
@@ -119,17 +120,19 @@ def _name_writer(directory: str, seconds: float, q, wid: int, rename: bool) -> N
     q.put(("writer", errs, i))
 
 
-def _whole_reader(directory: str, seconds: float, q) -> None:
-    """Reads the SHARED names and checks each whole."""
+def _whole_reader(directory: str, seconds: float, q, evicting: bool) -> None:
+    """Reads the SHARED names (and, where names are `evicting`, two listed ones, any of
+    them possibly gone: ENOENT) and checks each whole."""
     end = time.time() + seconds
     errs, reads = [], 0
     while time.time() < end:
-        for name in SHARED:
+        for name in SHARED + (os.listdir(directory)[:2] if evicting else []):
             try:
                 with open(os.path.join(directory, name), "rb") as f:
                     data = f.read()
             except OSError as e:
-                errs.append((name, e.errno))
+                if not (evicting and e.errno == errno.ENOENT):
+                    errs.append((name, e.errno))
                 continue
             reads += 1
             if not _whole(data):
@@ -137,19 +140,33 @@ def _whole_reader(directory: str, seconds: float, q) -> None:
     q.put(("reader", errs, reads))
 
 
-def _race(directory, writers: int, *, rename: bool = False) -> list:
+def _race(directory, writers: int, *, rename: bool = False, evicting: bool = False) -> list:
     """Each SHARED name written once, then `writers` writers and 3 readers of `directory`
-    for 5 s; the errors any of them met."""
+    for 5 s; the errors any of them met. `evicting`: a buffer's entries/, where writers
+    create new names too and the ring evicts."""
     for name in SHARED:
         with open(directory / name, "wb") as f:
             f.write(_sealed_value(1))
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_name_writer, args=(str(directory), 5.0, q, k, rename)) for k in range(writers)]
-    procs += [ctx.Process(target=_whole_reader, args=(str(directory), 5.0, q)) for _ in range(3)]
+    procs = [ctx.Process(target=_name_writer, args=(str(directory), 5.0, q, k, rename, evicting))
+             for k in range(writers)]
+    procs += [ctx.Process(target=_whole_reader, args=(str(directory), 5.0, q, evicting)) for _ in range(3)]
     results = _run_all(procs, q, timeout=90)
     assert sum(r[2] for r in results if r[0] == "reader") > 100  # the readers really read
     return [e for r in results for e in r[1]]
+
+
+def test_writers_of_the_same_names_never_show_readers_part_of_a_value(fresh_mount):
+    """4 writers rewrite and create the same few names while the ring evicts them and 3
+    readers read them: every read is a whole value (or ENOENT), every write succeeds. A
+    writer never writes through an inode readers may share: one committed but not yet
+    released, one its writers left, or another writer's create its retry came upon."""
+    m = fresh_mount("cache_bytes=0")
+    b = m.buffer("names", {"capacity": 20, "compression": "none"})
+    assert _race(b / "entries", 4, evicting=True) == []
+    stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
+    assert stats["corrupt_reads"] == 0
 
 
 def test_weights_replaced_by_rename_are_read_whole_while_old_versions_go(fresh_mount):
