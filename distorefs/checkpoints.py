@@ -359,6 +359,10 @@ class CStep(CDir):
     writers: int = 0  # handles open for writing below it
     handles: int = 0  # handles of any kind open below it (retention leaves it alone)
     active: float = 0.0  # monotonic time of the last change below it
+    # A removal of it whole is planned (retention, or another node's word): its files' data
+    # go in that change's transaction, while their names still open them until it is
+    # applied, so no open takes one from then on.
+    going: bool = False
 
     def record(self) -> dict:
         return {**super().record(), "complete": self.complete, "pinned": self.pinned,
@@ -858,6 +862,8 @@ class Checkpoints:
             # before that (a rename's open race). The kernel looks the name up again.
             raise Stale(f"{self.path_of(f)} was removed or replaced since it was looked up")
         step = self.step_of(f)
+        if step is not None and step.going:
+            raise NotFound(f"{self.path_of(f)}: its step is being removed")
         f.handles += 1
         if step is not None:
             step.handles += 1
@@ -1820,6 +1826,13 @@ class RemoveTree(_CkptChange):
         self.keep_open = isinstance(node, CFile) and not node.unlinked and not (self.background or self.whole)
         self.nodes = _subtree(tree, node)
         self.now = now_ns()
+        self.going = [n for n in self.nodes if isinstance(n, CStep)] if self.background or self.whole else []
+        for step in self.going:
+            step.going = True
+
+    def failed(self) -> None:
+        for step in self.going:
+            step.going = False
 
     def txn(self, txn) -> None:
         if self.keep_open:

@@ -402,3 +402,32 @@ def test_a_reader_that_opens_a_file_while_a_rename_over_it_commits_reads_it_whol
         assert await read_all(ck, ck.resolve("run/s/a.npy")) == b"new" * 1000
 
     run(tmp_path / "s", body)
+
+
+def test_a_reader_opening_a_file_of_a_step_being_removed_whole_gets_enoent_not_eio(tmp_path):
+    """A step removed whole (retention, in the background, or at the word of the node that
+    wrote it): its files' data go in the removal's transaction (a worker thread), while
+    their names still open them until it is applied. A reader opening one in that window must be told the step is gone (ENOENT),
+    not given a file whose chunks are being freed (EIO, counted as corruption). A removal
+    whose transaction fails gives the step back."""
+    from distorefs.checkpoints import RemoveTree
+    from distorefs.committer import Overlay
+    from distorefs.errors import NotFound
+
+    async def body(store):
+        ck, r, step = await new_step(store)
+        f = await save(ck, step.id, b"a.npy", b"old" * 1000)
+        await ck.sync_dir(step)
+        f.mem.clear()  # persisted: read back from the store
+        removal = RemoveTree(ck, step, background=False, whole=True)
+        removal.plan(Overlay())
+        removal.failed()  # a failed transaction: the step is read as before
+        assert await read_all(ck, f) == b"old" * 1000
+        removal.plan(Overlay())
+        await trio.to_thread.run_sync(store.committer._write_txn, removal.txn)
+        with pytest.raises(NotFound):  # the reader's open, before the removal is applied
+            ck.open_read(f)
+        removal.apply()
+        assert store.values.counters["corrupt_reads"] == 0
+
+    run(tmp_path / "s", body)
