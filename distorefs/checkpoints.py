@@ -65,7 +65,6 @@ import json
 import logging
 import struct
 import time
-import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
