@@ -555,7 +555,8 @@ class Checkpoints:
                     await self.committer.submit(Forget(self, step))
             self._restore_at_start = []
             for f in self.unlinked_at_load:  # removed while open: its last close was the stop
-                self.committer.submit_nowait(RemoveTree(self, f, background=False))
+                if self.nodes.get(f.id) is f:  # (not put back by a Restore above: a new record, same id)
+                    self.committer.submit_nowait(RemoveTree(self, f, background=False))
             self.unlinked_at_load = []
             if self.sharing is not None:
                 self.sharing.started()

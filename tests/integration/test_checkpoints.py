@@ -2,6 +2,7 @@
 with the daemon's memory bounded, keep_last and pinning, fsync, a writer killed mid-save,
 kill -9 of the daemon at random points of the persist phase, and resuming."""
 
+import contextlib
 import hashlib
 import io
 import json
@@ -348,6 +349,36 @@ def test_kill9_at_random_points_of_the_persist_phase(fresh_mount):
         assert time.monotonic() < deadline, (os.listdir(run), expect)
         time.sleep(0.05)
     assert m.alive()
+
+
+def test_a_file_removed_while_open_in_a_step_cut_short_comes_back_with_the_step(fresh_mount):
+    """A complete step written again, one of its files removed while a reader holds it open,
+    then a crash: the step is given back as it was when last complete, that file with it
+    (its record, kept for the open handle, must not take the restored file away at start)."""
+    m = fresh_mount()
+    configure(m, seal_after=0, keep_last=1)
+    run = m.mnt / "checkpoints" / "run"
+    s1 = run / "s1"
+    s1.mkdir(parents=True)
+    (s1 / "a.bin").write_bytes(b"A" * 300_000)
+    (s1 / "b.bin").write_bytes(b"B" * 1000)
+    fsync_dir(s1)
+    assert xattr(s1, "state") == "durable"
+    (run / "s2").mkdir()  # a newer step closes the older ones
+    with open(s1 / "a.bin", "r+b") as f:  # written again: the step is reopened
+        f.write(b"new" * 1000)
+    held = open(s1 / "b.bin", "rb")
+    try:
+        os.unlink(s1 / "b.bin")
+        m.kill9()
+    finally:
+        with contextlib.suppress(OSError):
+            held.close()
+    m.lazy_umount()
+    m.mount()
+    assert sorted(os.listdir(s1)) == ["a.bin", "b.bin"]
+    assert (s1 / "a.bin").read_bytes() == b"A" * 300_000
+    assert (s1 / "b.bin").read_bytes() == b"B" * 1000
 
 
 def test_fsync_is_a_promise_and_a_reopened_step_cut_short_goes_back(fresh_mount):
