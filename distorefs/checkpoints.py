@@ -384,6 +384,8 @@ class CFile(CNode):
     ticket: int = 0  # its last queued commit; durable once the durable ticket reaches it
     error: DistorefsError | None = None  # a persist of it failed
     recorded: bool = True  # its record is in the catalog (a new file's goes in with its first commit)
+    unlinked_at: float = 0.0  # monotonic time it lost its name (0: before this run)
+    dropping: bool = False  # its removal with its data is planned: no open takes it any more
 
     def record(self) -> dict:
         return {**super().record(), "size": self.size, "chunk_bytes": self.chunk_bytes}
@@ -462,6 +464,7 @@ class Checkpoints:
         self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now, atime_ns=now,
                                                       ctime_ns=now)}
         self.unlinked_at_load: list[CFile] = []  # removed while open when the daemon last stopped
+        self._drops_waiting: set[int] = set()  # files whose drop waits out the grace
         self.restore: dict[int, RestorePoint] = {}  # file id -> what a crash gives back (restorepoints.py)
         self.pins = Pins()
         self._restore_at_start: list[CStep] = []
@@ -857,7 +860,7 @@ class Checkpoints:
         self._attach(f, write=False)
 
     def _attach(self, f: CFile, write: bool) -> None:
-        if not f.attached or (f.unlinked and f.handles == 0):
+        if not f.attached or f.dropping:
             # Removed or replaced, and gone or going with its data: reached through a lookup made
             # before that (a rename's open race). The kernel looks the name up again.
             raise Stale(f"{self.path_of(f)} was removed or replaced since it was looked up")
@@ -899,11 +902,29 @@ class Checkpoints:
         if step is not None and step.handles == 0 and (step.complete or step.interrupted):
             self._collect(self.nodes.get(step.parent))
 
+    # A file removed or replaced this recently keeps its data though nobody has it open: a
+    # reader that looked its name up just before (the lookup and the open are two requests,
+    # and the kernel retries a Stale open only once) still opens what it looked up.
+    RETIRE_GRACE_S = 1.0
+
     def drop_if_unopened(self, f: CFile) -> None:
         """A file without a name (removed or replaced while it could still be opened) goes,
-        with its data, once no handle has it open."""
-        if f.unlinked and f.handles == 0:
+        with its data, once no handle has it open and the grace has passed."""
+        if not f.unlinked or f.handles or f.dropping:
+            return
+        wait = f.unlinked_at + self.RETIRE_GRACE_S - time.monotonic()
+        if wait <= 0:
             self.committer.submit_nowait(RemoveTree(self, f, background=False))
+        elif f.id not in self._drops_waiting:
+            self._drops_waiting.add(f.id)
+            self._spawn(self._drop_later, f, wait)
+
+    async def _drop_later(self, f: CFile, wait: float) -> None:
+        try:
+            await trio.sleep(wait)
+        finally:
+            self._drops_waiting.discard(f.id)
+        self.drop_if_unopened(f)
 
     async def _reopen(self, step: CStep | None) -> None:
         """About to change something below `step`: it is being written again."""
@@ -1820,6 +1841,11 @@ class RemoveTree(_CkptChange):
                 raise NotFound(f"{tree.path_of(node)} is kept after all")
         elif isinstance(node, CDir) and node.children and not self.whole:
             raise NotEmpty(f"{tree.path_of(node)} is not empty")
+        self.drop = isinstance(node, CFile) and node.unlinked  # a file without a name, with its data
+        if self.drop:
+            if node.handles:  # opened again in its grace: its last close drops it
+                raise NotFound(f"{tree.path_of(node)} is open again")
+            node.dropping = True  # type: ignore[union-attr]
         # A file loses its name now and its data at its last close, or right after this change
         # if nobody has it open then: until the change is applied the name still opens it,
         # and an open can come while its transaction runs (in a worker thread).
@@ -1833,6 +1859,8 @@ class RemoveTree(_CkptChange):
     def failed(self) -> None:
         for step in self.going:
             step.going = False
+        if self.drop:
+            self.node.dropping = False  # type: ignore[union-attr]
 
     def txn(self, txn) -> None:
         if self.keep_open:
@@ -1847,6 +1875,7 @@ class RemoveTree(_CkptChange):
         if self.keep_open:
             del parent.children[self.node.name]  # type: ignore[union-attr]
             self.node.unlinked = True
+            self.node.unlinked_at = time.monotonic()  # type: ignore[union-attr]
             changed(self.node, self.now)
             self.tree.drop_if_unopened(self.node)  # type: ignore[arg-type]
             return
@@ -1898,6 +1927,7 @@ class Rename(_CkptChange):
         tree, node = self.tree, self.node
         if self.held is not None:
             self.held.unlinked = True
+            self.held.unlinked_at = time.monotonic()
             changed(self.held)
             tree.drop_if_unopened(self.held)
         if self.victims:

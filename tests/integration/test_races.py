@@ -194,12 +194,14 @@ def test_unsealed_dataset_files_rewritten_by_many_writers_are_read_whole(fresh_m
 
 
 def test_checkpoint_files_replaced_by_rename_are_read_whole(fresh_mount):
-    """A writer replaces three files of a step by temp file and rename, 3 readers read them:
-    every read is a whole file. A replaced file keeps its data until its last reader closes
-    (EIO before: freed by the rename's transaction while the name still opened it)."""
+    """4 writers replace the files of a step by temp file and rename, 3 readers read them:
+    every read is a whole file, never EIO or ESTALE. A replaced file keeps its data until
+    its last reader closes (EIO before: freed by the rename's transaction while the name
+    still opened it), and for a second after it lost its name (ESTALE before: a reader's
+    lookup and open, and the kernel's one retry, each straddled a replace)."""
     m = fresh_mount("cache_bytes=0")
     d = m.mnt / "checkpoints" / "run" / "step-1"
     d.mkdir(parents=True)
-    assert _race(d, 1, rename=True) == []
+    assert _race(d, 4, rename=True) == []
     stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())
     assert stats["corrupt_reads"] == 0
