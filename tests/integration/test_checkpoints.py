@@ -351,11 +351,9 @@ def test_kill9_at_random_points_of_the_persist_phase(fresh_mount):
     assert m.alive()
 
 
-def test_a_file_removed_while_open_in_a_step_cut_short_comes_back_with_the_step(fresh_mount):
-    """A complete step written again, one of its files removed while a reader holds it open,
-    then a crash: the step is given back as it was when last complete, that file with it
-    (its record, kept for the open handle, must not take the restored file away at start)."""
-    m = fresh_mount()
+def _durable_step(m):
+    """checkpoints/run/s1 of `m` (keep_last 1, sealed at once) with a.bin (300 KB of A) and
+    b.bin (1 KB of B), fsynced: complete and durable. Returns (run, s1)."""
     configure(m, seal_after=0, keep_last=1)
     run = m.mnt / "checkpoints" / "run"
     s1 = run / "s1"
@@ -364,6 +362,15 @@ def test_a_file_removed_while_open_in_a_step_cut_short_comes_back_with_the_step(
     (s1 / "b.bin").write_bytes(b"B" * 1000)
     fsync_dir(s1)
     assert xattr(s1, "state") == "durable"
+    return run, s1
+
+
+def test_a_file_removed_while_open_in_a_step_cut_short_comes_back_with_the_step(fresh_mount):
+    """A complete step written again, one of its files removed while a reader holds it open,
+    then a crash: the step is given back as it was when last complete, that file with it
+    (its record, kept for the open handle, must not take the restored file away at start)."""
+    m = fresh_mount()
+    run, s1 = _durable_step(m)
     (run / "s2").mkdir()  # a newer step closes the older ones
     with open(s1 / "a.bin", "r+b") as f:  # written again: the step is reopened
         f.write(b"new" * 1000)
@@ -385,14 +392,7 @@ def test_fsync_is_a_promise_and_a_reopened_step_cut_short_goes_back(fresh_mount)
     """What an fsync acknowledged survives a later crash, and a complete step that is written
     again and cut short by a crash is given back as it was when last complete."""
     m = fresh_mount()
-    configure(m, seal_after=0, keep_last=1)
-    run = m.mnt / "checkpoints" / "run"
-    s1 = run / "s1"
-    s1.mkdir(parents=True)
-    (s1 / "a.bin").write_bytes(b"A" * 300_000)
-    (s1 / "b.bin").write_bytes(b"B" * 1000)
-    fsync_dir(s1)
-    assert xattr(s1, "state") == "durable"
+    run, s1 = _durable_step(m)
     s2 = run / "s2"  # a step never complete (its file acknowledged by fsync below); made first,
     s2.mkdir()  # as a newer step closes the older ones
     with open(s1 / "a.bin", "r+b") as f:  # written again, never fsynced: goes back
