@@ -1841,11 +1841,12 @@ class RemoveTree(_CkptChange):
                 raise NotFound(f"{tree.path_of(node)} is kept after all")
         elif isinstance(node, CDir) and node.children and not self.whole:
             raise NotEmpty(f"{tree.path_of(node)} is not empty")
-        self.drop = isinstance(node, CFile) and node.unlinked  # a file without a name, with its data
-        if self.drop:
-            if node.handles:  # opened again in its grace: its last close drops it
+        # a file without a name, going with its data
+        self.drop = node if isinstance(node, CFile) and node.unlinked else None
+        if self.drop is not None:
+            if self.drop.handles:  # opened again in its grace: its last close drops it
                 raise NotFound(f"{tree.path_of(node)} is open again")
-            node.dropping = True  # type: ignore[union-attr]
+            self.drop.dropping = True
         # A file loses its name now and its data at its last close, or right after this change
         # if nobody has it open then: until the change is applied the name still opens it,
         # and an open can come while its transaction runs (in a worker thread).
@@ -1859,8 +1860,8 @@ class RemoveTree(_CkptChange):
     def failed(self) -> None:
         for step in self.going:
             step.going = False
-        if self.drop:
-            self.node.dropping = False  # type: ignore[union-attr]
+        if self.drop is not None:
+            self.drop.dropping = False
 
     def txn(self, txn) -> None:
         if self.keep_open:
@@ -1875,7 +1876,8 @@ class RemoveTree(_CkptChange):
         if self.keep_open:
             del parent.children[self.node.name]  # type: ignore[union-attr]
             self.node.unlinked = True
-            self.node.unlinked_at = time.monotonic()  # type: ignore[union-attr]
+            if isinstance(self.node, CFile):  # (keep_open: always)
+                self.node.unlinked_at = time.monotonic()
             changed(self.node, self.now)
             self.tree.drop_if_unopened(self.node)  # type: ignore[arg-type]
             return
@@ -1914,7 +1916,7 @@ class Rename(_CkptChange):
         self.target = target
         # a replaced file loses its name now and its data at its last close, or right after
         # this change if nobody has it open then (an open can come until it is applied)
-        self.held = target if isinstance(target, CFile) else None
+        self.held: CFile | None = target if isinstance(target, CFile) else None
         self.victims = _subtree(tree, target) if target is not None and self.held is None else []
 
     def txn(self, txn) -> None:
