@@ -128,9 +128,10 @@ class Prefetcher(Generic[K]):
         return value, True
 
     async def take(self, key: K) -> bytes | None:
-        """The value of `key` if it was prefetched (waiting for a load in flight), else None."""
-        value, _ = self.take_nowait(key)
-        if value is not None:
+        """The value of `key` if it was prefetched (waiting for a load in flight), else None
+        (also when it was pushed into the page cache: counted as the hit it is, once)."""
+        value, hit = self.take_nowait(key)
+        if hit:
             return value
         event = self._inflight.get(key)
         if event is not None:
@@ -332,8 +333,8 @@ class PrefetchStreams(Generic[K]):
         return None, False
 
     async def take(self, key: K) -> bytes | None:
-        value, _ = self.take_nowait(key)
-        if value is not None:
+        value, hit = self.take_nowait(key)
+        if hit:  # (None: pushed into the page cache, counted there)
             return value
         for p in self.streams.values():
             if key in p._inflight:

@@ -101,3 +101,28 @@ def test_streams_each_read_ahead_and_replace_only_their_own_plan():
         assert await p.take(5000) is None and p.stats()["misses"] == 1
 
     run(fn)
+
+
+def test_a_value_pushed_into_the_page_cache_counts_once_when_its_read_asks_for_it():
+    """A value the prefetcher pushed into the kernel's page cache is a hit with nothing held
+    here. If the read asks for it anyway (its open came before the push, its READ after),
+    that read is counted once: a hit, not also a miss (a DDP epoch of 400 files once counted
+    401 opens)."""
+    from distorefs.prefetcher import PrefetchStreams
+
+    def fetch(keys):
+        return [bytes([k % 256]) * 100 for k in keys]
+
+    async def fn(nursery):
+        for streams in (False, True):
+            budget = PrefetchBudget(1 << 20)
+            p = (PrefetchStreams(budget, fetch, spawn=nursery.start_soon, batch_items=8) if streams
+                 else Prefetcher(budget, fetch, spawn=nursery.start_soon, batch_items=8))
+            p.push = lambda key, value: True  # the kernel took every value
+            p.declare([1, 2, 3])
+            await settle(p.streams[None] if streams else p)
+            assert await p.take(2) is None  # pushed: the read is served elsewhere
+            c = p.stats()
+            assert (c["hits"], c["late"], c["misses"]) == (1, 0, 0), (streams, c)
+
+    run(fn)
