@@ -80,6 +80,7 @@ from .memory import MemoryPlan
 from .errors import (AlreadyExists, CorruptValue, CrossDevice, DistorefsError, InvalidArgument, IsADirectory,
                      NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly, Stale, TooLarge)
 from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, times_from
+from .later import Later
 from .names import check_name
 from .owner import Owner
 from .treerules import check_rename
@@ -464,7 +465,7 @@ class Checkpoints:
         self.nodes: dict[int, CNode] = {ROOT_ID: CDir(ROOT_ID, ROOT, 0, b"", 0o40755, 0, 0, now, atime_ns=now,
                                                       ctime_ns=now)}
         self.unlinked_at_load: list[CFile] = []  # removed while open when the daemon last stopped
-        self._drops_waiting: set[int] = set()  # files whose drop waits out the grace
+        self._later = Later(services.spawn)  # drops waiting out the grace
         self.restore: dict[int, RestorePoint] = {}  # file id -> what a crash gives back (restorepoints.py)
         self.pins = Pins()
         self._restore_at_start: list[CStep] = []
@@ -915,16 +916,8 @@ class Checkpoints:
         wait = f.unlinked_at + self.RETIRE_GRACE_S - time.monotonic()
         if wait <= 0:
             self.committer.submit_nowait(RemoveTree(self, f, background=False))
-        elif f.id not in self._drops_waiting:
-            self._drops_waiting.add(f.id)
-            self._spawn(self._drop_later, f, wait)
-
-    async def _drop_later(self, f: CFile, wait: float) -> None:
-        try:
-            await trio.sleep(wait)
-        finally:
-            self._drops_waiting.discard(f.id)
-        self.drop_if_unopened(f)
+        else:
+            self._later.call(f.id, wait, self.drop_if_unopened, f)
 
     async def _reopen(self, step: CStep | None) -> None:
         """About to change something below `step`: it is being written again."""

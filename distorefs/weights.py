@@ -45,6 +45,7 @@ from .config import WeightsConfig
 from .draft import Draft
 from .errors import AlreadyExists, InvalidArgument, NotFound, NotPermitted, Stale
 from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, times_from
+from .later import Later
 from .names import check_name
 from .owner import Owner
 from .services import Services
@@ -266,8 +267,7 @@ class WeightsTree:
         # applies other nodes' publishes without lingering (distorefs/follower.py).
         self.attending: Callable[[], ContextManager[None]] = nullcontext
         self.detached_at_load: list[WNode] = []  # unlinked while read when the daemon last stopped
-        self.spawn = services.spawn
-        self._collect_pending: set[int] = set()  # nodes whose collection waits out the grace
+        self._later = Later(services.spawn)  # collections waiting out the grace
         # A shared store: tells the other nodes of a change this node made (published,
         # made a directory, removed, renamed: distorefs/weightslog.py), and chunks are
         # stored in the cluster. None on a node-local store.
@@ -644,16 +644,8 @@ class WeightsTree:
         once the retirement grace of the last of them has passed."""
         if self.collectable(node):
             self.committer.submit_nowait(Collect(self, node))
-        elif self._unkept(node) and node.id not in self._collect_pending:
-            self._collect_pending.add(node.id)
-            self.spawn(self._collect_later, node)
-
-    async def _collect_later(self, node: WNode) -> None:
-        try:
-            await trio.sleep(self.RETIRE_GRACE_S)
-        finally:
-            self._collect_pending.discard(node.id)
-        self.collect_unkept(node)
+        elif self._unkept(node):
+            self._later.call(node.id, self.RETIRE_GRACE_S, self.collect_unkept, node)
 
     def _unkept(self, node: WNode) -> list[Version]:
         """Versions beyond the newest keep_versions (all, once unlinked) that nobody reads."""
