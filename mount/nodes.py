@@ -786,7 +786,18 @@ class EntryNode(Node):
             raise NotFound("no such entry (not committed yet, or removed)")
         # The version's bytes are taken now (a snapshot: an eviction or rewrite after the
         # open cannot take them away); the kernel keeps the pages it reads for later opens.
-        reader = BytesReader(await self.buf.ring.read(meta, follow_rewrites=False), cacheable=True)
+        try:
+            reader = BytesReader(await self.buf.ring.read(meta, follow_rewrites=False), cacheable=True)
+        except NotFound:
+            now = self.buf.ring.by_key.get(self.name)
+            if now is not None and not meta.same_content(now) and not self.private:
+                # Rewritten since the kernel looked this name up (its invalidation of that
+                # name may not have landed yet). The kernel looks it up again, and the
+                # redirect gives its retry an inode of its own holding the version the name
+                # has then (rewritten once more before that retry's open: ENOENT, not a
+                # second ESTALE, which would reach the program).
+                self.fs.redirect_writer(self.parent.name_key(self.name), ctx.pid if ctx is not None else 0)
+            raise
         pusher = self.fs.pusher
         if not (self.pages_stored or self.open_handles or self.private or self.writers or pusher is None):
             # into the page cache before OPEN is answered: the reads of this open, and of

@@ -128,7 +128,9 @@ class Filesystem(pyfuse3.Operations):
         version): refuse it with ESTALE so the kernel looks the name up again, and answer
         that lookup of process `pid` with another inode (an entry's private one, a weights
         file's writers' one) until `take_redirect`. The kernel's atomic O_TRUNC would
-        otherwise zero the size every reader of the shared inode sees.
+        otherwise zero the size every reader of the shared inode sees. (An entry's reader
+        that reached a version rewritten since, its value gone, is sent the same way: its
+        retry's private inode holds the version the name has then.)
 
         The redirect holds through every lookup of the retry (it may send two, and the name
         may be gone at the first and back at the second: a second ESTALE would reach the

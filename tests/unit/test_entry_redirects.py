@@ -244,3 +244,32 @@ def test_a_redirected_writer_whose_retry_finds_the_name_being_created_never_join
         return True
 
     assert run(tmp_path / "store", scenario)
+
+
+def test_an_open_of_a_version_rewritten_since_its_lookup_asks_for_the_name_again(tmp_path):
+    """A process rewrote an entry (through its own inode: at/I, or entries/KEY) and reads it
+    back at once, through the name the kernel still holds for the old version (the
+    invalidation of that name is asynchronous). The old version's value is gone (a rewrite
+    stores the new one in its place), so its open is Stale, and the kernel's retry looks the
+    name up again and reads the new version (through an inode of its own, whose open is
+    never Stale again), rather than ENOENT for an entry that exists."""
+
+    async def scenario(store):
+        fs = Filesystem(store)
+        await store.create_buffer("b", OWNER)
+        buf = store.namespace("buffers", "b")
+        await buf.insert(b"k", b"v1", OWNER)
+        entries = await _entries(fs, "b")
+        proc = Ctx(pid=61)
+        old = await entries.lookup(b"k", proc)  # the name the kernel keeps
+        writing, w = await _open_for(entries, b"k", WRITE_TRUNC, proc)
+        assert writing is not old
+        await w.write(0, b"v2")
+        await w.flush()
+        with pytest.raises(Stale):
+            await old.open(os.O_RDONLY, proc)
+        node = await entries.lookup(b"k", proc)  # the retry
+        assert (await node.open(os.O_RDONLY, proc)).data == b"v2"
+        return True
+
+    assert run(tmp_path / "store", scenario, config={"cache_bytes": 0})
