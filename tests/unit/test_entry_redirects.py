@@ -40,15 +40,21 @@ async def _new_buffer_entries(store):
     return await _entries(fs, "b")
 
 
+async def _buffer_holding(store, key: bytes, value: bytes):
+    """Buffer b holding `key` = `value`, through the mount's nodes of a Filesystem on
+    `store`: (the buffer, its entries/ node)."""
+    fs = Filesystem(store)
+    await store.create_buffer("b", OWNER)
+    buf = store.namespace("buffers", "b")
+    await buf.insert(key, value, OWNER)
+    return buf, await _entries(fs, "b")
+
+
 async def _refused_then_gone_then_back(store, proc: Ctx, flags: int):
     """entries/hot of buffer b: `proc`'s write open refused on its shared version (ESTALE),
     the entry evicted before the retry's first lookup (ENOENT), then created anew (v2) by
     another writer before the retry's second lookup. Returns the entries/ node."""
-    fs = Filesystem(store)
-    await store.create_buffer("b", OWNER)
-    buf = store.namespace("buffers", "b")
-    await buf.insert(b"hot", b"v1", OWNER)
-    entries = await _entries(fs, "b")
+    buf, entries = await _buffer_holding(store, b"hot", b"v1")
     shared = await entries.lookup(b"hot", proc)  # the name the kernel kept
     with pytest.raises(Stale):  # its version's readers share it: refused, retried
         await shared.open(flags, proc)
@@ -218,11 +224,7 @@ def test_a_redirected_writer_whose_retry_finds_the_name_being_created_never_join
     value = os.urandom(20000)
 
     async def scenario(store):
-        fs = Filesystem(store)
-        await store.create_buffer("b", OWNER)
-        buf = store.namespace("buffers", "b")
-        await buf.insert(b"hot", b"v1", OWNER)
-        entries = await _entries(fs, "b")
+        buf, entries = await _buffer_holding(store, b"hot", b"v1")
         retrying, creator, reader = Ctx(pid=51), Ctx(pid=52), Ctx(pid=53)
         with pytest.raises(Stale):
             await (await entries.lookup(b"hot", retrying)).open(WRITE_TRUNC, retrying)
@@ -255,11 +257,7 @@ def test_an_open_of_a_version_rewritten_since_its_lookup_asks_for_the_name_again
     never Stale again), rather than ENOENT for an entry that exists."""
 
     async def scenario(store):
-        fs = Filesystem(store)
-        await store.create_buffer("b", OWNER)
-        buf = store.namespace("buffers", "b")
-        await buf.insert(b"k", b"v1", OWNER)
-        entries = await _entries(fs, "b")
+        _, entries = await _buffer_holding(store, b"k", b"v1")
         proc = Ctx(pid=61)
         old = await entries.lookup(b"k", proc)  # the name the kernel keeps
         writing, w = await _open_for(entries, b"k", WRITE_TRUNC, proc)
