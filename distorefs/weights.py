@@ -640,12 +640,15 @@ class WeightsTree:
     RETIRE_GRACE_S = 1.0
 
     def collect_unkept(self, node: WNode) -> None:
-        """Queue the collection of `node`'s versions no longer kept, if it has any: now, or
-        once the retirement grace of the last of them has passed."""
-        if self.collectable(node):
+        """Queue the collection of `node`'s versions no longer kept, if it has any: those past
+        their retirement grace now, the others once theirs has passed."""
+        cutoff = time.monotonic() - self.RETIRE_GRACE_S
+        unkept = self._unkept(node)
+        if any(v.retired_at <= cutoff for v in unkept):
             self.committer.submit_nowait(Collect(self, node))
-        elif self._unkept(node):
-            self._later.call(node.id, self.RETIRE_GRACE_S, self.collect_unkept, node)
+        waiting = [v.retired_at for v in unkept if v.retired_at > cutoff]
+        if waiting:
+            self._later.call(node.id, min(waiting) - cutoff, self.collect_unkept, node)
 
     def _unkept(self, node: WNode) -> list[Version]:
         """Versions beyond the newest keep_versions (all, once unlinked) that nobody reads."""
@@ -720,6 +723,13 @@ class _TreeChange(Change):
         return self.tree.dir(node_id)
 
 
+def retire_current(node: WNode) -> None:
+    """The version `node`'s name opens stops being that (a newer one is published, or the
+    file is replaced or removed): its retirement grace starts."""
+    if node.versions:
+        node.versions[-1].retired_at = time.monotonic()
+
+
 class Publish(_TreeChange):
     """A draft as the file's next version: the chunks written are stored, the others kept."""
 
@@ -760,8 +770,7 @@ class Publish(_TreeChange):
     def apply(self) -> None:
         tree, node, draft = self.tree, self.node, self.draft
         self.version.gen = node.draft_gen
-        if node.versions:
-            node.versions[-1].retired_at = time.monotonic()
+        retire_current(node)
         node.versions.append(self.version)
         node.gen = node.draft_gen
         # the draft goes on from what was just published
@@ -824,8 +833,7 @@ def _detach_apply(tree: WeightsTree, node: WNode) -> None:
         if node.kind == DIR:
             parent.subdirs -= 1
     node.attached = False
-    if node.versions:
-        node.versions[-1].retired_at = time.monotonic()
+    retire_current(node)
     changed(node)
     tree.collect_unkept(node)  # what no handle reads goes now; the rest when its last reader closes
     tree.forget_if_unused(node)

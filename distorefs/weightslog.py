@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 import trio
 
@@ -25,7 +24,8 @@ from .clusterlog import Record, SharedLog
 from .committer import Committer, Overlay
 from .errors import AlreadyExists, NotFound
 from .owner import Owner
-from .weights import DIR, FILE, ROOT_ID, MakeNode, Remove, Rename, Version, WeightsTree, WNode, _TreeChange
+from .weights import (DIR, FILE, ROOT_ID, MakeNode, Remove, Rename, Version, WeightsTree, WNode, _TreeChange,
+                      retire_current)
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,7 @@ class ApplyVersion(_TreeChange):
         node.gen = node.next_gen
         node.next_gen += 1
         self.version.gen = node.gen
-        if node.versions:
-            node.versions[-1].retired_at = time.monotonic()
+        retire_current(node)
         node.versions.append(self.version)
         tree.counters["versions_applied"] = tree.counters.get("versions_applied", 0) + 1
         tree.collect_unkept(node)

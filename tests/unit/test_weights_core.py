@@ -161,3 +161,25 @@ def test_a_version_being_collected_is_not_opened(tmp_path):
         await store.committer.drain()
 
     run(tmp_path / "s", body)
+
+
+def test_versions_retired_at_different_times_all_go_once_their_grace_has_passed(tmp_path):
+    """The grace's timer, when it fires, collects the versions whose grace has passed; one
+    retired later, still in its grace then, goes when its own grace has passed too, with
+    no further publish or close to ask for it."""
+    import trio
+
+    async def body(store):
+        tree = store.weights
+        tree.RETIRE_GRACE_S = 0.5
+        await store.configure_weights(b'{"keep_versions": 1}')
+        model = await tree.mkdir(ROOT_ID, b"m", DIR)
+        node = await publish(tree, model.id, b"w.bin", b"1" * 100)
+        await publish(tree, model.id, b"w.bin", b"2" * 100)  # version 1 retired: a timer
+        await trio.sleep(0.3)
+        await publish(tree, model.id, b"w.bin", b"3" * 100)  # version 2 retired, in its grace
+        await trio.sleep(1.2)
+        await store.committer.drain()
+        assert [v.number for v in node.versions] == [3]
+
+    run(tmp_path / "s", body)
