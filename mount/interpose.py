@@ -5,6 +5,11 @@
   where the handle has nothing to do at flush (a read-only open: an entry, a drawn batch,
   a dataset item). `noflush(fh)` marks a handle number; the library's `fuse_reply_open`
   strips the mark and sets the flag as it replies.
+- GETXATTR of names that are not distorefs' own (the kernel asks for security.capability
+  before every write and at every open with O_TRUNC) is answered ENODATA by the library,
+  without Python; the session is made with pyfuse3's handler table but that entry.
+- IOCTL (pyfuse3 has no handler: every open by Python's open() asks isatty) is answered
+  ENOSYS as libfuse would, and counted (`ioctl_replies`).
 
 The library defines those libfuse functions and forwards to libfuse's own; loaded into the
 global symbol scope before pyfuse3, its definitions are the ones pyfuse3's calls bind to.
@@ -53,6 +58,23 @@ def replies() -> int:
     return _library.noflush_replies() if _library is not None else 0
 
 
+def foreign_xattr_replies() -> int:
+    """GETXATTR requests of names not distorefs' own answered by the library so far."""
+    return _library.foreign_xattr_replies() if _library is not None else 0
+
+
+def ioctl_replies() -> int:
+    """IOCTL requests answered (ENOSYS) so far."""
+    return _library.ioctl_replies() if _library is not None else 0
+
+
+def count_only() -> None:
+    """Sessions made from now on leave GETXATTR to pyfuse3 (the floor filesystem of the
+    benchmarks: its requests counted, its answers its own)."""
+    if _library is not None:
+        _library.answer_foreign_xattrs(False)
+
+
 def log_state() -> None:
     if not active:
-        log.info("closes of read-only files send FLUSH: %s", why_not)
+        log.info("closes of read-only files send FLUSH, security.* GETXATTRs reach Python: %s", why_not)

@@ -112,9 +112,16 @@ class Filesystem(pyfuse3.Operations):
 
     def stats(self) -> dict:
         s = self.store.stats()
+        requests = self.requests.copy()
+        foreign = interpose.foreign_xattr_replies()
+        if foreign:
+            requests["getxattr"] += foreign  # answered by the library (mount/interpose.py), not here
+        if interpose.ioctl_replies():
+            requests["ioctl"] = interpose.ioctl_replies()  # likewise: isatty() at every open
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
-                      "requests": dict(self.requests), "opens_without_flush": interpose.replies(),
+                      "requests": dict(requests), "opens_without_flush": interpose.replies(),
+                      "foreign_xattrs_answered": foreign,
                       "names_listed": self.names.listed if self.names else 0}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes

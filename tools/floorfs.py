@@ -9,7 +9,9 @@ Files whose name ends in `.direct` are opened with direct_io (every read reaches
 daemon): the floor of content that is new at every open, like a sampled batch.
 
 It counts the requests it answers by type; reading the file `.requests` in its root
-returns the counts as JSON (that read adds its own LOOKUP/OPEN/READ/FLUSH/RELEASE).
+returns the counts as JSON (that read adds its own LOOKUP/OPEN/READ/FLUSH/RELEASE). The
+IOCTLs that no pyfuse3 handler sees (isatty at every open by Python) are counted by
+distorefs' libfuse library (mount/interpose.py), loaded for that alone: as in distorefs.
 
     python -m distorefs.tools.floorfs MOUNTPOINT [--ready-file PATH]
 
@@ -28,8 +30,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pyfuse3
-import trio
+from distorefs.mount import interpose  # before pyfuse3: its calls bind to the library's
+
+import pyfuse3  # noqa: E402
+import trio  # noqa: E402
+
+interpose.count_only()
 
 TIMEOUT = 300.0
 CONTROL = b".requests"
@@ -188,7 +194,10 @@ class FloorFs(pyfuse3.Operations):
         self.requests["open"] += 1
         if inode == self.control_ino:
             fh = self.control_fh = self.control_fh + 1
-            self.snapshots[fh] = (json.dumps(dict(self.requests)) + "\n").encode()
+            counts = dict(self.requests)
+            if interpose.ioctl_replies():
+                counts["ioctl"] = interpose.ioctl_replies()
+            self.snapshots[fh] = (json.dumps(counts) + "\n").encode()
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         node = self.nodes[inode]
         if flags & os.O_TRUNC:

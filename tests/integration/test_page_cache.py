@@ -5,6 +5,7 @@ Requests are counted by the mount itself (stats.json mount.requests)."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from distorefs_it import CLI, get_stats, read_entry, set_config, write_entry, xattr
 
@@ -225,6 +227,29 @@ def test_closing_a_file_opened_for_reading_sends_no_flush(fs, buf, tmp_path):
     assert requests_during(fs, "open", read_everything) >= 8 + 2 + 5 + 2  # the opens were made
     assert requests_during(fs, "flush", lambda: write_entry(buf, "w.npy", npy(np.full(10, 99, np.int32)))) == 1
     assert read_entry(buf, "w.npy") == npy(np.full(10, 99, np.int32))  # committed by the time close() returned
+
+
+def test_the_kernels_capability_checks_are_answered_without_python(fs, buf):
+    """Before a write() to a file, and at an open with O_TRUNC, the kernel asks for the
+    file's security.capability (to drop it). The libfuse library (mount/interpose.py)
+    answers those ENODATA itself, counted among the daemon's GETXATTRs; distorefs' own
+    attributes are still the daemon's. The IOCTL of Python's isatty() at every open is
+    answered there too, and counted."""
+    def foreign() -> int:
+        return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]["foreign_xattrs_answered"]
+
+    before = foreign()
+    write_entry(buf, "cap.npy", npy(np.full(4, 7, np.int32)))
+    with open(buf / "priorities", "w") as f:  # O_TRUNC, then a write
+        f.write("cap.npy 2.5\n")
+    assert foreign() - before >= 3
+    path = buf / "entries" / "cap.npy"
+    with pytest.raises(OSError) as err:
+        os.getxattr(path, "security.capability")
+    assert err.value.errno == errno.ENODATA
+    assert float(xattr(path, "priority")) == 2.5
+    assert requests_during(fs, "getxattr", lambda: xattr(path, "size")) >= 1
+    assert requests_during(fs, "ioctl", lambda: open(path, "rb").close()) == 1
 
 
 def test_a_learners_batches_cost_an_open_and_a_release(fs, buf):
