@@ -77,7 +77,7 @@ from .codec import crc32_combine, zeros_crc32
 from .committer import Change, Overlay
 from .config import CheckpointsConfig
 from .memory import MemoryPlan
-from .errors import (AlreadyExists, CorruptValue, CrossDevice, DistorefsError, InvalidArgument, IsADirectory,
+from .errors import (AlreadyExists, Busy, CorruptValue, CrossDevice, DistorefsError, InvalidArgument, IsADirectory,
                      NotADirectory, NotEmpty, NotFound, NotPermitted, ReadOnly, Stale, TooLarge)
 from .fileattrs import AttrChange, apply_setattr, changed, modified, now_ns, times_from
 from .later import Later
@@ -1847,6 +1847,10 @@ class RemoveTree(_CkptChange):
         self.nodes = _subtree(tree, node)
         self.now = now_ns()
         self.going = [n for n in self.nodes if isinstance(n, CStep)] if self.background or self.whole else []
+        if self.whole and any(step.handles for step in self.going):
+            # opened here since the follower looked: its data stay until it is closed (the
+            # follower marks it incomplete instead, and retention takes it then)
+            raise Busy(f"{tree.path_of(node)} is open here")
         for step in self.going:
             step.going = True
 

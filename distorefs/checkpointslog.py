@@ -49,7 +49,7 @@ from .checkpoints import (CONTROL, DIR, FILE, LINK, ROOT_ID, RUN, STEP, Checkpoi
                           CStep, RemoveTree, _ckey, _CkptChange, _may_hold, _remove_apply, _remove_txn, _subtree)
 from .clusterlog import Record, SharedLog
 from .committer import Committer, Overlay
-from .errors import DistorefsError, InvalidArgument, NotFound
+from .errors import Busy, DistorefsError, InvalidArgument, NotFound
 from .fileattrs import modified, now_ns
 from .values import StoredValue, ValueLayer
 from .weights import SHARED_GRACE_S
@@ -297,10 +297,10 @@ class CheckpointsLog:
             step = self._applied(origin, nonce)
             if step is None:
                 return  # removed here already, or never applied
-            if step.handles:  # open here: no longer complete; retention takes it once closed
-                await self.tree.mark_incomplete(step)
-            else:
+            try:
                 await self.committer.submit(RemoveTree(self.tree, step, background=False, whole=True))
+            except Busy:  # open here: no longer complete; retention takes it once closed
+                await self.tree.mark_incomplete(step)
         else:
             log.warning("cluster log: checkpoints record %s of unknown op %r left alone", rec.id.decode(), rec.op)
 

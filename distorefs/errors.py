@@ -93,6 +93,12 @@ class Stale(DistorefsError):
     errno = _errno.ESTALE
 
 
+class Busy(DistorefsError):
+    """In use here, where the change would take it away (EBUSY)."""
+
+    errno = _errno.EBUSY
+
+
 class CorruptValue(DistorefsError):
     """A stored value whose checksum does not match: the read fails with EIO."""
 

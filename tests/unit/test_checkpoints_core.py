@@ -434,6 +434,40 @@ def test_a_reader_opening_a_file_of_a_step_being_removed_whole_gets_enoent_not_e
     run(tmp_path / "s", body)
 
 
+def test_a_step_removed_at_another_nodes_word_while_open_here_keeps_its_data(tmp_path):
+    """The node that wrote a step removed it (its `cremove`): here the step goes whole, with
+    its data, unless something here has it open. A reader may open one of its files after
+    the follower saw none open and before the removal is planned: the plan refuses
+    (Busy) and the follower marks the step incomplete instead, so retention takes it once
+    it is closed; the reader reads it whole, nothing is counted corrupt."""
+    from distorefs.checkpoints import RemoveTree
+    from distorefs.checkpointslog import CheckpointsLog
+    from distorefs.clusterlog import Record
+    from distorefs.committer import Overlay
+    from distorefs.errors import Busy
+
+    async def body(store):
+        ck, r, step = await new_step(store)
+        f = await save(ck, step.id, b"a.npy", b"old" * 1000)
+        await ck.sync_dir(step)
+        f.mem.clear()  # persisted: read back from the store
+        step.origin, step.nonce = "node-b", "n1"  # written there, applied here
+        reader = FileReader(ck, f)
+        ck.open_read(f)  # opened after the follower's look, before the plan
+        with pytest.raises(Busy):
+            RemoveTree(ck, step, background=False, whole=True).plan(Overlay())
+        assert not step.going
+        follower = CheckpointsLog(ck, None, store.committer, store.values, "node-a", lambda *a: None)
+        await follower.apply(Record(b"1-0", "cremove", "checkpoints", "run/s",
+                                    {b"origin": b"node-b", b"nonce": b"n1"}))
+        assert ck.child(r.id, b"s") is step and not step.complete
+        assert await reader.read(0, f.size) == b"old" * 1000
+        ck.released(f, write=False)
+        assert store.values.counters["corrupt_reads"] == 0
+
+    run(tmp_path / "s", body)
+
+
 def test_a_file_replaced_since_its_lookup_opens_within_the_grace_then_goes(tmp_path):
     """A reader's lookup found a file, then writers replaced the name (rename over it)
     before the reader's open: within a second the replaced file still opens and reads
