@@ -1,9 +1,10 @@
 """Group commit: every mutation of the store passes through one queue, in order.
 
 A `Change` is planned on the event loop (sequence numbers, evictions) against the
-applied state plus the group's `Overlay`, written inside one LMDB write transaction in a
-worker thread together with the other changes queued at the same moment, and applied to
-the in-memory state on the event loop only after that transaction committed.
+applied state plus the group's `Overlay`, written inside one LMDB write transaction in the
+committer's own thread (distorefs/lane.py) together with the other changes queued at the
+same moment, and applied to the in-memory state on the event loop only after that
+transaction committed.
 
 Invariants (what may happen between two awaits):
 - Only the committer task applies changes, so planning a group sees every earlier
@@ -32,6 +33,7 @@ from typing import Any, Hashable
 import trio
 
 from .errors import DistorefsError, from_backend
+from .lane import Lane
 from .waiting import Outcome
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,7 @@ class Committer:
         self._write_txn = write_txn
         self._workers = max(2, os.cpu_count() or 2)
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="distorefs-prepare")
+        self._lane = Lane("distorefs-commit")  # the groups' transactions, one at a time
         self._send, self._recv = trio.open_memory_channel[_Pending](math.inf)
         self._held: list[_Pending] = []
         self.groups = 0
@@ -268,7 +271,7 @@ class Committer:
             self._write_txn(write)
 
         try:
-            await trio.to_thread.run_sync(work)
+            await self._lane.run(work)
         except Exception as raised:
             exc = from_backend(raised)  # a full disk, say: ENOSPC
             if len(planned) > 1:

@@ -1,0 +1,60 @@
+"""The committer's thread (distorefs/lane.py): calls run in order in one thread, results
+and errors come back to the caller, an idle thread ends and the next call starts another,
+and a wait is not cut short by a cancellation (the work is under way)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from distorefs import lane as lane_mod
+from distorefs.lane import Lane
+
+
+def test_calls_run_in_order_in_one_thread_and_answer_their_caller():
+    async def main():
+        lane = Lane("test-lane")
+        seen: list[tuple[int, int]] = []
+
+        async def call(i: int) -> None:
+            assert await lane.run(lambda: seen.append((i, threading.get_ident())) or i * 2) == i * 2
+
+        async with trio.open_nursery() as nursery:
+            for i in range(50):
+                nursery.start_soon(call, i)
+        assert sorted(i for i, _ in seen) == list(range(50))
+        assert len({t for _, t in seen}) == 1 and seen[0][1] != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            await lane.run(lambda: 1 / 0)
+        assert await lane.run(lambda: "after an error") == "after an error"
+    trio.run(main)
+
+
+def test_an_idle_thread_ends_and_the_next_call_starts_another(monkeypatch):
+    monkeypatch.setattr(lane_mod, "IDLE_S", 0.01)
+
+    async def main():
+        lane = Lane("test-lane-idle")
+        first = await lane.run(threading.get_ident)
+        await trio.sleep(0.2)
+        assert not any(t.ident == first and t.is_alive() for t in threading.enumerate())
+        answers = []
+        for i in range(200):  # calls that come as the thread is deciding to end are all served
+            answers.append(await lane.run(lambda i=i: i))
+            if i % 7 == 0:
+                await trio.sleep(0.012)
+        assert answers == list(range(200))
+    trio.run(main)
+
+
+def test_a_cancelled_caller_still_gets_the_work_done():
+    async def main():
+        lane = Lane("test-lane-cancel")
+        done = []
+        with trio.move_on_after(0.01):
+            answer = await lane.run(lambda: time.sleep(0.1) or done.append(1) or "done")
+        assert done == [1] and answer == "done"
+    trio.run(main)
