@@ -1,5 +1,5 @@
 # make run   - install what is missing, mount an embedded store, run a short RL workload
-# make test  - install what is missing, run unit and integration tests (real FUSE mounts)
+# make test  - install what is missing, type-check (mypy), run unit and integration tests (real FUSE mounts)
 # make bench - the replay-buffer benchmark (table, JSON and PNG under bench-results/)
 
 PYTHON ?= python3
@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml setup.py mount/_interpose.c scripts/system-deps.sh
 	touch $(STAMP)
 
 test: deps
+	PY=$(PY) ./scripts/typecheck.sh
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 run: deps

@@ -101,7 +101,7 @@ class ClusterEngine:
 
     def live_replicas(self, master: str) -> int:
         """How many replicas not marked failed the cluster lists for master `master` (host:port)."""
-        nodes = self.rc.cluster_nodes()
+        nodes: dict[str, dict[str, Any]] = self.rc.cluster_nodes()  # (its stub: each field any field's type)
         ids = {info["node_id"] for addr, info in nodes.items() if addr == master}
         return sum(1 for info in nodes.values() if "slave" in info["flags"] and "fail" not in info["flags"]
                    and info["master_id"] in ids)
@@ -217,7 +217,10 @@ class ClusterEngine:
             groups.setdefault(node.name if node is not None else "", []).append((key, data))
             self.counters["bytes_out"] += len(data)
         for group in groups.values():
-            self.on_master(group[0][0], lambda p, g=group: [p.set(k, bytes(d)) for k, d in g])
+            def add(p: Any, g: list[tuple[bytes, bytes | memoryview]] = group) -> None:
+                for k, d in g:
+                    p.set(k, bytes(d))
+            self.on_master(group[0][0], add)
 
     def get(self, key: bytes) -> bytes | None:
         data = self._retry(lambda: self.rc.get(key))

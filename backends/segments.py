@@ -391,7 +391,7 @@ class SegmentValues(ValueBackend):
 
     @staticmethod
     def _scan_dir(directory: Path) -> list[tuple[int, int]]:
-        out = []
+        out: list[tuple[int, int]] = []
         if not directory.is_dir():
             return out
         for entry in os.scandir(directory):

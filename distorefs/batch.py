@@ -375,12 +375,12 @@ def _sequence_members(batch: SequenceBatch, values: Sequence[bytes] | None, layo
             steps[at] = value
         joined = _Joined(steps) if sum(len(v) for v in steps) <= SMALL else None
         for j, f in enumerate(layout.fields):
-            at = np.zeros(mask.size, dtype=np.int64)  # padding: the field's bytes are the zeros at 0
-            at[real] = offsets[:, j]
+            field_at = np.zeros(mask.size, dtype=np.int64)  # padding: the field's bytes are the zeros at 0
+            field_at[real] = offsets[:, j]
             crc = np.full(mask.size, _zeros(f.nbytes)[1], dtype=np.uint32)
             crc[real] = crcs[:, j]
             members.append(_stacked_member(batch_name(f, sequences=True) + ".npy", f.dtype, f.shape, f.nbytes,
-                                           steps, at, crc, joined, lead=shape))
+                                           steps, field_at, crc, joined, lead=shape))
     elif values:
         members.extend(_raw_members(batch.metas, values))
     keys = [""] * mask.size

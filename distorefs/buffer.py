@@ -34,7 +34,7 @@ import trio
 from .batch import Batch, BatchFile, SequenceBatch, batch_file
 from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
 from .committer import Change, Overlay
-from .config import MAX_PRIORITY, BufferConfig, check_priority, priority_text
+from .config import MAX_PRIORITY, BufferConfig, RingConfig, check_priority, priority_text
 from .errors import DistorefsError, InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
 from .layout import Layout, NotStackable, SlotPlaces, parse, place
 from .namespace import update_record
@@ -128,7 +128,7 @@ class Buffer(RingNamespace):
         self.places.grow(capacity)
         self.rows.grown(capacity)
 
-    def _remover(self, config: BufferConfig) -> Remover:
+    def _remover(self, config: RingConfig) -> Remover:
         return LowestPriority(self.sampler) if config.evict == "lowest_priority" else ring_remover(config)
 
     def priorities_set(self, slots: np.ndarray, values: np.ndarray) -> None:
@@ -190,7 +190,7 @@ class Buffer(RingNamespace):
             return [first] + await self.ring.insert_many(items[1:], owner, self.initial_priority())
         return await self.ring.insert_many(items, owner, self.initial_priority())
 
-    async def _insert_first(self, key: bytes, data: bytes, owner: Owner) -> EntryMeta | BaseException:
+    async def _insert_first(self, key: bytes, data: "bytes | SpooledEntry", owner: Owner) -> EntryMeta | BaseException:
         try:
             return await self.insert(key, data, owner)
         except DistorefsError as exc:
@@ -511,6 +511,7 @@ class Buffer(RingNamespace):
                 cached = self.ring.values.cache.peek
                 ns = self.ns_id
                 # only what the memory tier does not hold already needs reading ahead
+                assert self.ring.prefetcher is not None  # (set in __init__)
                 self.ring.prefetcher.extend({(m.seq, m.gen): None for m in metas
                                              if cached((ns, m.seq, m.gen)) is None})
         finally:

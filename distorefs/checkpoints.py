@@ -67,7 +67,7 @@ import struct
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Literal, Protocol, TypedDict
 
 import trio
 
@@ -312,6 +312,13 @@ def join_pieces(pieces: list, length: int, out: bytearray) -> memoryview:
 
 # ----- the tree ----------------------------------------------------------------------------
 
+class _Times(TypedDict):
+    """A node's atime_ns and ctime_ns, passed to its constructor as keywords (`**times`)."""
+
+    atime_ns: int
+    ctime_ns: int
+
+
 @dataclass(eq=False)
 class CNode:
     id: int
@@ -406,7 +413,7 @@ def _from_record(node_id: int, data: bytes) -> CNode:
     d = json.loads(data)
     atime, mtime, ctime = times_from(d, d["mtime_ns"])
     args = (node_id, d["kind"], d["parent"], bytes.fromhex(d["name"]), d["mode"], d["uid"], d["gid"], mtime)
-    times = {"atime_ns": atime, "ctime_ns": ctime}
+    times: _Times = {"atime_ns": atime, "ctime_ns": ctime}
     if d["kind"] == STEP:
         return CStep(*args, complete=d["complete"], pinned=d["pinned"], reopened=d.get("reopened", False),
                      origin=d.get("origin", ""), sid=d.get("sid", 0), nonce=d.get("nonce", ""), **times)
@@ -1058,7 +1065,7 @@ class Checkpoints:
         (no copy on the request path); False when it does neither (the caller copies it)."""
         n = len(piece)
 
-        def fits() -> Buf | None | bool:
+        def fits() -> Buf | None | Literal[False]:
             buf = f.mem.get(index)
             if buf is None:
                 return None if index not in f.stored and f.attached else False
@@ -1512,6 +1519,7 @@ class _CkptChange(Change):
         self.conflict_key = ("checkpoints",)  # one at a time, in submission order
 
     db = DB_CKPT
+    dropped: list[RestorePoint]  # restore points a removal's transaction deleted (_remove_txn)
 
     def _put(self, txn, node: CNode, **changes) -> None:
         record = {**node.record(), **changes}
@@ -1537,7 +1545,8 @@ class MakeNode(_CkptChange):
         o = self.owner
         self.now = now = now_ns()
         args = (tree.next_id, self.kind, self.parent_id, self.name, o.mode, o.uid, o.gid, now)
-        times = {"atime_ns": now, "ctime_ns": now}
+        times: _Times = {"atime_ns": now, "ctime_ns": now}
+        self.node: CNode
         if self.kind == STEP:
             self.node = CStep(*args, active=time.monotonic(), **times)
         elif self.kind == LINK:
@@ -1590,8 +1599,9 @@ class PersistChunk(_CkptChange):
             self.view = join_pieces(pieces, length, target)
             self.join = None
         view, config = self.view, self.tree.config
+        assert view is not None  # given, or joined above
         if config.compression == "none":
-            self.enc = codec.Encoded(view, codec.RAW, len(view), codec.checksum(view))  # type: ignore[arg-type]
+            self.enc = codec.Encoded(view, codec.RAW, len(view), codec.checksum(view))
         else:
             self.enc = codec.encode(view, config.compression, copy=False)
 
@@ -1603,6 +1613,7 @@ class PersistChunk(_CkptChange):
         # every stored chunk has its own value key: the LMDB tier's location *is* the key
         vkey = b"k" + _ID.pack(self.f.id) + _IDX.pack(self.index) + _ID.pack(gen)
         # a checkpoint is read back at a resume, if ever: its bytes skip the page cache
+        assert self.enc is not None  # encoded before the change is submitted
         self.chunk = values.put(txn, vkey, self.enc, direct=True)
         txn.put(_ckey(self.f.id, self.index), self.chunk.pack(), db=self.db)
         if self.old is not None:
@@ -1781,7 +1792,7 @@ def _remove_txn(change: _CkptChange, txn, nodes: list[CNode]) -> None:
                 freed.add(key)
                 tree.drop_value(txn, chunk)
     _drop_restore_txn(change, txn, dropped, set(), freed)
-    change.dropped = dropped  # type: ignore[attr-defined]
+    change.dropped = dropped
     steps = [n for n in nodes if isinstance(n, CStep)]
     if steps and tree.sharing is not None:
         tree.sharing.removing(txn, steps)
@@ -1794,7 +1805,7 @@ def _forget_restore(tree: "Checkpoints", rps: list[RestorePoint]) -> None:
             tree.pins.remove(rp)
 
 
-def _remove_apply(tree: Checkpoints, nodes: list[CNode], dropped: list[RestorePoint] = ()) -> None:
+def _remove_apply(tree: Checkpoints, nodes: list[CNode], dropped: Iterable[RestorePoint] = ()) -> None:
     _forget_restore(tree, list(dropped))
     top = nodes[0]
     parent = tree.nodes.get(top.parent)
@@ -1898,6 +1909,7 @@ class Rename(_CkptChange):
         if not node.attached:
             raise NotFound(f"{tree.path_of(node)} is gone")
         dst = tree.dir(self.new_parent)
+        p: CNode | None
         ancestors, p = [], dst
         while p is not None:
             ancestors.append(p.id)
@@ -1914,7 +1926,7 @@ class Rename(_CkptChange):
         # a replaced file loses its name now and its data at its last close, or right after
         # this change if nobody has it open then (an open can come until it is applied)
         self.held: CFile | None = target if isinstance(target, CFile) else None
-        self.victims = _subtree(tree, target) if target is not None and self.held is None else []
+        self.victims: list[CNode] = _subtree(tree, target) if target is not None and self.held is None else []
 
     def txn(self, txn) -> None:
         self._put(txn, self.node, parent=self.new_parent, name=self.new_name)
@@ -2059,12 +2071,12 @@ class Restore(_CkptChange):
                 if (chunk.tier, chunk.loc) not in pinned:
                     tree.drop_value(txn, chunk)
         for rp in self.points:
-            f = tree.nodes.get(rp.file_id)
-            if isinstance(f, CFile):
-                for index, chunk in list(f.stored.items()) + f.garbage:
+            node = tree.nodes.get(rp.file_id)
+            if isinstance(node, CFile):
+                for index, chunk in list(node.stored.items()) + node.garbage:
                     if rp.chunks.get(index) is not chunk:
-                        txn.delete(_ckey(f.id, index), db=self.db)
-                        if (chunk.tier, chunk.loc) not in pinned and f.id not in extra_ids:
+                        txn.delete(_ckey(node.id, index), db=self.db)
+                        if (chunk.tier, chunk.loc) not in pinned and node.id not in extra_ids:
                             tree.drop_value(txn, chunk)
             record = {"kind": FILE, "parent": self.places[rp.file_id], "name": rp.name.hex(), "mode": rp.mode,
                       "uid": rp.uid, "gid": rp.gid, "mtime_ns": rp.mtime_ns, "atime_ns": rp.atime_ns,

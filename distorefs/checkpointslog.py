@@ -46,7 +46,8 @@ from typing import Callable
 import trio
 
 from .checkpoints import (CONTROL, DIR, FILE, LINK, ROOT_ID, RUN, STEP, Checkpoints, CDir, CFile, CLink, CNode,
-                          CStep, RemoveTree, _ckey, _CkptChange, _may_hold, _remove_apply, _remove_txn, _subtree)
+                          CStep, RemoveTree, _ckey, _CkptChange, _may_hold, _remove_apply, _remove_txn, _subtree,
+                          _Times)
 from .clusterlog import Record, SharedLog
 from .committer import Committer, Overlay
 from .errors import Busy, DistorefsError, InvalidArgument, NotFound
@@ -80,8 +81,8 @@ def manifest_of(tree: Checkpoints, step: CStep) -> tuple[dict, list[StoredValue]
     def walk(d: CDir, parent: int) -> None:
         for name in sorted(d.children):
             n = tree.nodes[d.children[name]]
-            entry = {"parent": parent, "name": name.hex(), "kind": n.kind, "mode": n.mode, "uid": n.uid,
-                     "gid": n.gid, "mtime_ns": n.mtime_ns}
+            entry: dict = {"parent": parent, "name": name.hex(), "kind": n.kind, "mode": n.mode, "uid": n.uid,
+                           "gid": n.gid, "mtime_ns": n.mtime_ns}
             nodes.append(entry)
             if isinstance(n, CFile):
                 entry.update(size=n.size, chunk_bytes=n.chunk_bytes, chunks=sorted(n.stored))
@@ -221,7 +222,7 @@ class CheckpointsLog:
             if not current():
                 raise NotFound("written again or removed while it was being exported")
             # the copies land in `out` even if the wait is cancelled: they are deleted then
-            await trio.to_thread.run_sync(lambda g=list(group): out.extend(self.values.copy_to_cluster(g)))
+            await trio.to_thread.run_sync(lambda g: out.extend(self.values.copy_to_cluster(g)), list(group))
 
         for value in values:
             group.append(value)
@@ -393,6 +394,8 @@ class ApplyStep(_CkptChange):
 
     def plan(self, overlay: Overlay) -> None:
         tree, m = self.tree, self.manifest
+        self.victims: list[CNode]
+        self.made: list[CNode]
         self.skip, self.victims, self.made = True, [], []
         run_name, step_name = bytes.fromhex(m["run"]["name"]), bytes.fromhex(m["name"])
         if run_name in CONTROL:
@@ -411,7 +414,7 @@ class ApplyStep(_CkptChange):
             self.victims = _subtree(tree, old)  # written again there: this export replaces it
         self.skip = False
         now = now_ns()
-        times = {"atime_ns": now, "ctime_ns": now}
+        times: _Times = {"atime_ns": now, "ctime_ns": now}
         if run is None:
             r = m["run"]
             run = CDir(tree.next_id, RUN, ROOT_ID, run_name, r["mode"], r["uid"], r["gid"], now, **times)

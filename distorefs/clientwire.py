@@ -24,7 +24,7 @@ import functools
 import json
 import math
 import struct
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -359,7 +359,7 @@ def entry_columns(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     rows = arrays.get("entries")
     if rows is None:
         return arrays
-    return {**arrays, **{name: rows[name] for name in ENTRY.names}}
+    return {**arrays, **{name: rows[name] for name in cast("tuple[str, ...]", ENTRY.names)}}  # (a record dtype)
 
 
 def item_tables(items: Sequence[Any]) -> dict[str, np.ndarray]:

@@ -23,7 +23,7 @@ import json
 import struct
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 from .backends.redisengine import ClusterEngine, Refused
 from .backends.errors import BackendError
@@ -326,7 +326,7 @@ class SharedLog:
             args += [it.key, it.size, it.value, it.places,
                      _OWNER.pack(it.owner.mode, it.owner.uid, it.owner.gid, it.mtime_ns),
                      b"" if it.priority is None else repr(it.priority).encode()]
-        return self._eval(_INSERT, kind, name, *args)
+        return cast("list[bytes]", self._eval(_INSERT, kind, name, *args))  # (its script replies with a list)
 
     def delete(self, kind: str, name: str, key: bytes, seq: int | None = None) -> bytes:
         """Delete the entry `key` (only if it is still seq `seq`, when given)."""

@@ -28,7 +28,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Hashable, Sequence
 
 import trio
 
@@ -151,7 +151,7 @@ class Committer:
         if pending.error is not None:
             raise pending.error
 
-    async def submit_all(self, changes: list[Change]) -> list[BaseException | None]:
+    async def submit_all(self, changes: Sequence[Change]) -> list[BaseException | None]:
         """Queue many changes at once (they share groups) and wait for all; their errors, in order."""
         pending = [self._enqueue(change, waited=True) for change in changes]
         for p in pending:
@@ -273,13 +273,13 @@ class Committer:
         try:
             await self._lane.run(work)
         except Exception as raised:
-            exc = from_backend(raised)  # a full disk, say: ENOSPC
+            mapped = from_backend(raised)  # a full disk, say: ENOSPC
             if len(planned) > 1:
                 for pending in planned:
                     await self._commit([pending])  # alone: never replanned
                 return replanned
-            error = exc if isinstance(exc, DistorefsError) else DistorefsError(f"commit failed: {exc}")
-            if not isinstance(exc, DistorefsError):
+            error = mapped if isinstance(mapped, DistorefsError) else DistorefsError(f"commit failed: {mapped}")
+            if not isinstance(mapped, DistorefsError):
                 log.error("commit of %r failed", planned[0].change, exc_info=raised)
             try:
                 planned[0].change.failed()

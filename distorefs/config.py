@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from .errors import InvalidArgument, InvalidConfig
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
-RING_REMOVERS = ("fifo", "lifo", "uniform")  # distorefs/removers.py
+RING_REMOVERS: tuple[str, ...] = ("fifo", "lifo", "uniform")  # distorefs/removers.py
 BUFFER_REMOVERS = RING_REMOVERS + ("lowest_priority",)  # buffers have priorities
 SEQUENCE_PRIORITIES = ("max", "mean")
 MAX_SEQUENCE_LENGTH = 65536

@@ -24,6 +24,7 @@ see each other in order; the in-memory counters follow at apply.
 
 from __future__ import annotations
 
+import builtins
 import io
 import json
 import logging
@@ -33,7 +34,7 @@ import struct
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
-from typing import Hashable, Iterator
+from typing import Hashable, Iterator, Sequence, cast
 
 import numpy as np
 import trio
@@ -88,7 +89,7 @@ class Counters:
     stored_bytes: int = 0
     sealed: int = 0
 
-    def pack(self) -> bytes:
+    def pack(self) -> builtins.bytes:  # `bytes` in here is the field
         return _COUNTERS.pack(self.next_file, self.next_dir, self.items, self.bytes, self.stored_bytes, self.sealed)
 
     @classmethod
@@ -118,7 +119,8 @@ class DirRec:
     def unpack(cls, dir_id: int, data) -> "DirRec":
         rest = bytes(data[_DIR.size:])
         name, sep, times = rest.partition(b"\0")
-        rec = cls(dir_id, *_DIR.unpack_from(data), name)
+        parent, mode, uid, gid, mtime_ns, next_ordinal = _DIR.unpack_from(data)
+        rec = cls(dir_id, parent, mode, uid, gid, mtime_ns, next_ordinal, name)
         rec.atime_ns, rec.ctime_ns = _TIMES.unpack(times) if sep and len(times) == _TIMES.size else (
             rec.mtime_ns, rec.mtime_ns)
         return rec
@@ -546,7 +548,7 @@ class Dataset:
         order = await trio.to_thread.run_sync(self._parse_order, data)
         self.order = order
         self.stats_counters["orders"] += 1
-        self.prefetcher.declare(order, stream)
+        self.prefetcher.declare(cast("Sequence[int]", order), stream)  # an int64 array: indexed and sliced
         return len(order)
 
     def _read_directly(self, stream: Hashable) -> bool:
@@ -639,8 +641,8 @@ class Dataset:
         async def fetch(index: int, chunk: StoredValue) -> bytes:
             assert item is not None  # its chunks are the draft's base; another writer may have replaced them since
             return (await self._chunk(item, index))[1]
-        draft = Draft(self.spool_dir, step, self.config.max_item_bytes, list(item.chunks) if fits else [],
-                      item.size if fits else 0, fetch)  # type: ignore[union-attr]
+        draft = Draft(self.spool_dir, step, self.config.max_item_bytes,  # `fits` holds only with an item
+                      list(item.chunks) if fits else [], item.size if fits else 0, fetch)  # type: ignore[union-attr]
         if item is not None and not fits and item.size:  # stored in chunks of another size: copied in once
             try:
                 for off in range(0, item.size, step):
@@ -880,12 +882,12 @@ class Dataset:
                 continue
             changes.append(PutItem(self, ROOT_DIR, s.parts, owner, source=s, batch=batch))
         errors = await self.committer.submit_all(changes)
-        verified = await trio.to_thread.run_sync(
-            self._verify_all, [(c.item, c.source.crc) for c, e in zip(changes, errors) if e is None])
+        verified = await trio.to_thread.run_sync(  # each change has its source (made above)
+            self._verify_all, [(c.item, cast(_Source, c.source).crc) for c, e in zip(changes, errors) if e is None])
         ok_iter = iter(verified)
         for change, error in zip(changes, errors):
+            assert change.source is not None
             s = change.source
-            assert s is not None
             if error is not None:
                 results.append(StageResult(s.path, "error", str(error)))
                 self.stats_counters["stage_errors"] += 1
@@ -1270,10 +1272,10 @@ class PutItem(_DsChange):
                 raise AlreadyExists(f"{os.fsdecode(name)} is a symlink")
             old = ds._item_txn(txn, STAGING, found[1])
         layout = self._current_layout(old)
-        kept = {(c.tier, c.loc) for c in layout or [] if isinstance(c, StoredValue)}
+        kept_values = {(c.tier, c.loc) for c in layout or [] if isinstance(c, StoredValue)}
         if old is not None:
             item_id = old.id
-            ds.values.delete_all(txn, [c for c in old.chunks if (c.tier, c.loc) not in kept])
+            ds.values.delete_all(txn, [c for c in old.chunks if (c.tier, c.loc) not in kept_values])
             c.items -= 1
             c.bytes -= old.size
             c.stored_bytes -= old.stored_size
@@ -1282,6 +1284,7 @@ class PutItem(_DsChange):
             self.add_child(txn, parent, name, FILE, item_id)
         base = b"D" + ds._prefix + _U64.pack(item_id)
         if self.draft is not None:
+            assert layout is not None  # the draft's plan
             chunks, size, crc = self._from_draft(txn, base, layout)
         elif self.encoded is not None:
             chunks = [ds.values.put(txn, base + _DS.pack(i), enc) for i, enc in enumerate(self.encoded)]
@@ -1332,7 +1335,8 @@ class PutItem(_DsChange):
         chunk's own."""
         draft, cfg = self.draft, self.ds.config
         assert draft is not None
-        chunks, crc = [], 0
+        chunks: list[StoredValue] = []
+        crc = 0
         for i, part in enumerate(layout):
             if isinstance(part, StoredValue):
                 chunk = part
@@ -1349,7 +1353,8 @@ class PutItem(_DsChange):
         s = self.source
         assert s is not None
         cfg = self.ds.config
-        chunks, size, crc = [], 0, 0
+        chunks: list[StoredValue] = []
+        size, crc = 0, 0
         assert s.opened is not None  # opened with the caller's rights; read up to its size at open
         try:
             for raw in read_bounded(s.opened, s.src, cfg.chunk_bytes):
@@ -1512,8 +1517,11 @@ class Seal(_DsChange):
         # Pass 1: sizes of the index (longest path, metadata fields), and who may read it:
         # it names every item, so group or others may read it only if every directory
         # lets them list it (read and search).
-        longest, metas = 1, {}
-        self.index_mode = _listable_by(ds._dir_txn(txn, ROOT_DIR).mode, 0o444)
+        longest = 1
+        metas: dict[str, list] = {}
+        root = ds._dir_txn(txn, ROOT_DIR)
+        assert root is not None  # the root's record, or one made up if it has none
+        self.index_mode = _listable_by(root.mode, 0o444)
         for event in self._walk(txn):
             if event[0] == DIR:
                 rec = ds._dir_txn(txn, event[3])
@@ -1584,7 +1592,7 @@ class Seal(_DsChange):
     def _store_index(self, txn, spool: str, fields) -> None:
         ds = self.ds
         step = ds.config.chunk_bytes
-        chunks = []
+        chunks: list[StoredValue] = []
         with open(spool, "rb") as f:
             while True:
                 raw = f.read(step)
@@ -1657,7 +1665,7 @@ def _index_value(value, dt: str):
 
 def _meta_fields(metas: dict[str, list]) -> list[tuple[str, str, object, str]]:
     """numpy field (name, dtype, value when missing, metadata key) for each per-item metadata key."""
-    fields = []
+    fields: list[tuple[str, str, object, str]] = []
     for name, values in sorted(metas.items()):
         if name in ("item", "path", "size", "checksum"):
             name_out = f"meta_{name}"

@@ -128,9 +128,9 @@ class Draft:
         if base is not None and copy:
             data = await self.fetch(i, base)
             start = i * self.chunk_bytes
-            data = memoryview(data)[:max(0, min(len(data), self.size - start))]
-            if len(data):
-                await trio.to_thread.run_sync(os.pwrite, self.fd, data, start)
+            view = memoryview(data)[:max(0, min(len(data), self.size - start))]
+            if len(view):
+                await trio.to_thread.run_sync(os.pwrite, self.fd, view, start)
         if i < len(self.base):
             self.base[i] = None
         self.written.add(i)

@@ -125,9 +125,9 @@ def prometheus_text(stats: dict) -> str:
             for path, number in _leaves(value):
                 families.add((key,) + path, number, {})
         else:
-            number = _number(value)
-            if number is not None:
-                families.add((key,), number, {})
+            scalar = _number(value)
+            if scalar is not None:
+                families.add((key,), scalar, {})
     return families.render()
 
 

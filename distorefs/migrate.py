@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from typing import cast
 
 from .backends.lmdbenv import LmdbEnv
 from .catalog import DB_ENTRIES, DB_META, DB_NS, FORMAT_VERSION, EntryMeta, ns_prefix, pack_u32, unpack_u32
@@ -54,7 +55,7 @@ def _migrate_ring(env: LmdbEnv, values: ValueLayer, kind: str, name: str, record
     prefix = ns_prefix(record["id"])
     config = BufferConfig.from_dict(record["config"]) if kind == "buffers" else None
     parsed = config is not None and not config.raw
-    layout = Layout.from_json(config.schema) if parsed and config.schema else None
+    layout = Layout.from_json(config.schema) if parsed and config is not None and config.schema else None
     mixed = False
     after = prefix
     count = 0
@@ -100,7 +101,7 @@ def _migrate_ring(env: LmdbEnv, values: ValueLayer, kind: str, name: str, record
         after = batch[-1][0]
     if config is not None and (mixed or (layout is not None and config.schema is None)):
         new = dataclasses.replace(config, raw=True, schema=None) if mixed else \
-            dataclasses.replace(config, schema=layout.to_json())
+            dataclasses.replace(config, schema=cast(Layout, layout).to_json())  # (not mixed: there is one)
 
         def save(txn):
             key = f"{kind}/{name}".encode()

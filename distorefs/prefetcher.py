@@ -196,7 +196,7 @@ class Prefetcher(Generic[K]):
                     await self._wake.wait()
                     self._wake = trio.Event()
                     while self._next < len(self._plan) and self._active < self.workers and self._room():
-                        keys = []
+                        keys: list[tuple[K, trio.Event]] = []
                         while self._next < len(self._plan) and len(keys) < self.batch_items:
                             key = self._plan[self._next]
                             if not isinstance(key, tuple):
@@ -317,6 +317,7 @@ class PrefetchStreams(Generic[K]):
         for stream in streams:
             p = self.streams.get(stream)
             for key in list(p._held) if p is not None else ():
+                assert p is not None  # (no keys without a plan)
                 p.forget(key)
 
     def drop(self, stream: Hashable) -> None:

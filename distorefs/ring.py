@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import struct
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, TypeVar, cast
 
 import numpy as np
 import trio
@@ -288,17 +288,18 @@ class Ring:
         if self.prefetcher is not None:
             for i, m in enumerate(metas):
                 if values[i] is None:
-                    values[i] = await self.prefetcher.take((m.seq, m.gen))
-                    if values[i] is not None:
-                        cache.put(self._cache_key(m), values[i])  # drawn again soon, maybe
+                    taken = values[i] = await self.prefetcher.take((m.seq, m.gen))
+                    if taken is not None:
+                        cache.put(self._cache_key(m), taken)  # drawn again soon, maybe
         missing = [i for i, v in enumerate(values) if v is None]
         if missing:
             loaded = await self.values.fetch([self.fetch_item(metas[i]) for i in missing])
             for i, value in zip(missing, loaded):
                 values[i] = value if isinstance(value, bytes) else await self._load(metas[i], follow_rewrites)
+        read = cast("list[bytes]", values)  # every None was filled above
         self.counters["reads"] += len(metas)
-        self.counters["read_bytes"] += sum(len(v) for v in values)  # type: ignore[arg-type]
-        return values  # type: ignore[return-value]
+        self.counters["read_bytes"] += sum(len(v) for v in read)
+        return read
 
     async def warm(self, meta: EntryMeta) -> "WarmResult":
         """Load an entry's value into the memory tier (distorefs warmup)."""
@@ -352,7 +353,8 @@ class Ring:
             return change.meta  # type: ignore[return-value]
         raise AssertionError("unreachable")
 
-    async def _insert_shared(self, key: bytes, data: bytes, owner: Owner, priority: float | None) -> EntryMeta:
+    async def _insert_shared(self, key: bytes, data: "bytes | SpooledEntry", owner: Owner,
+                             priority: float | None) -> EntryMeta:
         """The value to the cluster, then the insert to its log (both durable), then the
         entry as this node's follower applied it. Inserts waiting meanwhile go together:
         their values in a round trip per master, their records in one script."""
@@ -436,7 +438,7 @@ class Ring:
         for it in batch:
             it.outcome.done.set()
 
-    async def insert_many(self, items: list[tuple[bytes, bytes]], owner: Owner,
+    async def insert_many(self, items: "list[tuple[bytes, bytes | SpooledEntry]]", owner: Owner,
                           priority: float | None = None) -> list["EntryMeta | BaseException"]:
         """Insert or rewrite many entries in the order given, sharing commit groups; each
         result is the entry committed or the error of its insert. One refused for lack of
@@ -453,9 +455,10 @@ class Ring:
             last = next((q for q in reversed(queued) if isinstance(q, _SharedInsert)), None)
             if last is not None:
                 await self._publish_queued(last)
-            for item in queued:
+            for queued_item in queued:
                 try:
-                    out.append(item if isinstance(item, DistorefsError) else await self._shared_done(item))
+                    out.append(queued_item if isinstance(queued_item, DistorefsError)
+                               else await self._shared_done(queued_item))
                 except DistorefsError as exc:
                     out.append(exc)
             return out
@@ -761,10 +764,11 @@ class RingNamespace:
 
 
 _SEQ = struct.Struct(">Q")
+_T = TypeVar("_T")
 
 
-def _scan(txn, db: bytes, prefix: bytes, decode) -> dict[int, object]:
-    out = {}
+def _scan(txn, db: bytes, prefix: bytes, decode: Callable[[memoryview], _T]) -> dict[int, _T]:
+    out: dict[int, _T] = {}
     cursor = txn.cursor(db)
     if cursor.set_range(prefix):
         for k, v in cursor:

@@ -41,6 +41,7 @@ def plan_room(values: ValueLayer, metas: list[EntryMeta], need: int) -> list[Ent
             info = segments.get(seg) if seg is not None else None
             if info is None:
                 continue
+            assert seg is not None  # (info was found by it)
             taken[seg] += 1
             if taken[seg] == info.live_records and seg not in current:
                 useful += info.total_bytes  # the whole file goes at the next collection

@@ -324,8 +324,8 @@ class SequenceIndex:
         seg_at = np.zeros(len(parts), dtype=np.int64)
         np.cumsum(seg_lens[:-1], out=seg_at[1:])
         flat = np.full(int(seg_lens.sum()), -1, dtype=np.int64)
-        for (seg, _, _), at in zip(parts, seg_at.tolist()):
-            flat[at:at + len(seg)] = seg
+        for (seg, _, _), offset in zip(parts, seg_at.tolist()):
+            flat[offset:offset + len(seg)] = seg
         total = int(counts.sum())
         first_of = np.zeros(len(parts), dtype=np.int64)
         np.cumsum(counts[:-1], out=first_of[1:])

@@ -22,7 +22,7 @@ import uuid
 import weakref
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, cast
 
 import trio
 
@@ -39,7 +39,7 @@ from .backends.redisengine import ClusterEngine, ClusterValues
 from .clientsession import ClientSession, DatasetSession, LocatedBlocks
 from .clusterlog import SHARED_KINDS, ClusterSpec, Record, SharedLog, id_tuple
 from .committer import Change, Committer, Overlay
-from .config import BufferConfig, NvmeDir, StoreConfig, WeightsConfig
+from .config import BufferConfig, NvmeDir, RingConfig, StoreConfig, WeightsConfig
 from .dataset import DB_DSNODES, Dataset
 from .datasetslog import DatasetsLog
 from .follower import LOADING_KEY, POSITION_KEY, Follower, Snapshotting
@@ -48,7 +48,7 @@ from .errors import AlreadyExists, DistorefsError, InvalidConfig, NoSpace, NotEm
 from .lockfile import take_lock
 from .memory import MemoryPlan
 from .migrate import migrate, stored_format
-from .names import check_name, check_namespace_name
+from .names import check_namespace_name
 from .namespace import ConfigureNamespace, SetNamespaceOwner, ns_key
 from .owner import Owner
 from .prefetcher import PrefetchBudget, hit_rate
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 EntryListener = Callable[[Ring, EntryMeta, "EntryMeta | None"], None]
 Namespace = Buffer | Bank | Dataset
-KINDS: dict[str, type] = {"buffers": Buffer, "banks": Bank, "datasets": Dataset}
+KINDS: dict[str, type[Namespace]] = {"buffers": Buffer, "banks": Bank, "datasets": Dataset}
 CATCH_UP_S = 120.0  # a node joining a shared store applies its log this long before serving
 CATALOG_DBS = (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DSNODES, DB_CKPT)
 
@@ -169,7 +169,8 @@ class Store:
                                  prefetch_budget=self.prefetch_budget, spool_dir=self.path / "spool",
                                  spawn=self.spawn, sync=self.sync, collect=self.collect,
                                  entry_changed=self._entry_changed, hot_value_added=self._hot_value_added,
-                                 memory_changed=self.apply_memory_plan, read_only=self.read_only,
+                                 memory_changed=cast(Callable[[], None], self.apply_memory_plan),  # plan unused there
+                                 read_only=self.read_only,
                                  follower=self.follower,
                                  share_sealed=self.datasets_log.export if self.datasets_log is not None else None)
         if not self.read_only:
@@ -276,8 +277,9 @@ class Store:
         if rec.op == "drop":
             return [DropNamespace(self, ns)]
         config = cls.config_type.from_dict(json.loads(rec.fields[b"config"]))
-        return [ConfigureNamespace(ns, config)] + [RemoveEntry(ns.ring, key, seq, "evictions")
-                                                    for seq, key in rec.evicted()]
+        assert not isinstance(ns, Dataset)  # a shared kind: buffers or banks
+        changes: list[Change] = [ConfigureNamespace(ns, config)]
+        return changes + [RemoveEntry(ns.ring, key, seq, "evictions") for seq, key in rec.evicted()]
 
     def _clear_spool(self) -> None:
         """Spool files are scratch of writers (drafts, a seal's index) that never finished:
@@ -324,7 +326,7 @@ class Store:
         return DatasetSession(dataset, self.values, self.env.path, lineage, read_only=self.read_only, located=located)
 
     def rings(self) -> list[Ring]:
-        return [ns.ring for kind in ("buffers", "banks") for ns in self.namespaces[kind].values()]
+        return [ns.ring for kind in (self.buffers, self.banks) for ns in kind.values()]
 
     def _entry_changed(self, ring: Ring, old: EntryMeta, new: EntryMeta | None) -> None:
         for listener in self.listeners:
@@ -352,9 +354,11 @@ class Store:
             if cls is None:
                 log.error("namespace %s/%s of unknown kind: left alone", kind, name)
                 continue
-            args = (self.services, record["id"], name, cls.config_type.from_dict(record["config"]),
+            config: Any = cls.config_type.from_dict(record["config"])  # of the kind's own type, as cls takes
+            args = (self.services, record["id"], name, config,
                     Owner(record["mode"], record["uid"], record["gid"]), record["ctime_ns"])
-            if cls is Dataset:
+            ns: Namespace
+            if issubclass(cls, Dataset):
                 ns = Dataset(*args, record=record)
                 ns.load(txn)
             else:
@@ -514,8 +518,9 @@ class Store:
     async def configure(self, kind: str, name: str, text: bytes):
         """Merge a JSON config into the namespace's; an invalid one raises InvalidConfig, old kept."""
         ns = self.namespace(kind, name)
-        config = ns.config_type.from_json(text, ns.config)
+        config = ns.config_type.from_json(text, cast(Any, ns.config))  # ns.config is of ns.config_type
         if self.follower is not None and kind in SHARED_KINDS:
+            assert isinstance(config, RingConfig)  # buffers or banks
             if config.evict != "fifo":
                 raise InvalidConfig(f"a shared {kind[:-1]} evicts in global FIFO order: evict must be fifo")
             check = getattr(ns, "check_reconfigure", None)
@@ -568,7 +573,7 @@ class Store:
             room += min(st.f_bavail * st.f_frsize, max(0, self.config.lmdb_bytes - lmdb.live_bytes))
         used = nvme.used_bytes + lmdb.used_bytes
         return {"total": used + room, "free": room, "used": used,
-                "files": sum(len(ns.ring) for kind in ("buffers", "banks") for ns in self.namespaces[kind].values())
+                "files": sum(len(ns.ring) for kind in (self.buffers, self.banks) for ns in kind.values())
                 + sum(ds.counters.items for ds in self.datasets.values())}
 
     def memory_held(self) -> int:
@@ -615,8 +620,8 @@ class Store:
                             "datasets": self.datasets_log.counters if self.datasets_log is not None else {}}}
                if self.follower is not None and self.cluster is not None else {}),
             "prefetch": {"budget_bytes": self.prefetch_budget.capacity, "held_bytes": self.prefetch_budget.used,
-                         **_sum_prefetch([ns.prefetcher for kind in self.namespaces.values()
-                                          for ns in kind.values() if getattr(ns, "prefetcher", None)])},
+                         **_sum_prefetch([p for kind in self.namespaces.values()
+                                          for ns in kind.values() if (p := getattr(ns, "prefetcher", None))])},
         }
 
 

@@ -59,6 +59,9 @@ def _row_min(rows: np.ndarray) -> np.ndarray:
 class SumTree:
     """Sum tree (plus min tree) over `capacity` slots, all starting at 0."""
 
+    _total: float | None  # cached by total() and min_positive(); None after an update
+    _min_positive: float | None
+
     def __init__(self, capacity: int, *, branching: int = DEFAULT_BRANCHING) -> None:
         """`branching` (a multiple of 8 in [8, 128]) tunes speed and depth only."""
         # Multiple of 8: rows of bools are counted as 64-bit words (_count_le);
@@ -131,7 +134,7 @@ class SumTree:
 
     # --------------------------------------------------------------- updates
 
-    def update(self, slots: np.ndarray, values: np.ndarray) -> None:
+    def update(self, slots: np.ndarray, values: np.ndarray | float) -> None:
         """Set `values[i]` at `slots[i]`; if a slot repeats, the last value wins.
 
         Values must be finite and >= 0 (ValueError otherwise, nothing changed).

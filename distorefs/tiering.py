@@ -191,6 +191,7 @@ class TierMover:
         for ns_id, metas in by_ring.items():
             ring = self._rings_by_id().get(ns_id)  # still there after the moves before
             start = 0
+            batch: list[EntryMeta]
             while ring is not None and start < len(metas):
                 batch, total = [], 0
                 while start < len(metas) and total < self._move_bytes() and len(batch) < MOVE_ENTRIES:

@@ -21,10 +21,11 @@ counted, EIO).
 
 from __future__ import annotations
 
+import builtins
 import logging
 import struct
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence, TypeAlias
 
 import trio
 
@@ -103,7 +104,7 @@ class Spooled:
     codec: int
 
 
-Fetched = "bytes | DistorefsError"
+Fetched: TypeAlias = "bytes | DistorefsError"
 
 
 @dataclass
@@ -116,7 +117,7 @@ class WarmResult:
     loaded: int = 0  # read and put there by it
     refused: int = 0  # not taken: too big for the tier, or the tier's budget is used up
 
-    def text(self) -> bytes:
+    def text(self) -> builtins.bytes:  # (`bytes` here is the field)
         """Short (one getxattr reply, under 128 bytes: Python's first buffer)."""
         return (b"values=%d bytes=%d already=%d loaded=%d refused=%d"
                 % (self.values, self.bytes, self.already, self.loaded, self.refused))
@@ -409,7 +410,7 @@ class ValueLayer:
         return freed
 
     def tier_stats(self) -> dict:
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
         for tier, backend in self.tiers.items():
             u = backend.usage()
             out[TIER_NAMES[tier]] = {"used_bytes": u.used_bytes, "live_bytes": u.live_bytes,

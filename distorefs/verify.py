@@ -961,9 +961,9 @@ def check_lmdb_space(check: Check) -> str:
     if counted != total:
         meta = DB_TIERMETA
 
-        def fix(txn, value=total):
+        def fix_counter(txn, value=total):
             txn.put(b"lmdb.live_bytes", struct.pack("<Q", value), db=meta)
-        check.error(f"LMDB live-bytes counter says {counted}, the values hold {total}", fix,
+        check.error(f"LMDB live-bytes counter says {counted}, the values hold {total}", fix_counter,
                     f"set to {total}")
     check.report.counts["lmdb_leaked_bytes"] = leaked_bytes
     return f"{_size(total)} live" + (f", {_size(leaked_bytes)} leaked" if leaked else "")
@@ -1030,10 +1030,10 @@ def check_segments(check: Check) -> str:
         if not seg_refs:
             if row is not None and row[2] > 0:
                 if check.complete:
-                    def fix(txn, seg=seg, total=row[1], stream=row[3]):
+                    def fix_unreferenced(txn, seg=seg, total=row[1], stream=row[3]):
                         txn.put(_SEG_KEY.pack(seg), _SEG_VAL.pack(0, total, 0, stream), db=segdb)
                     check.error(f"{name}: accounting says {row[2]} live records, none is referenced "
-                                f"(the space is never freed)", fix, "accounting set to 0 records")
+                                f"(the space is never freed)", fix_unreferenced, "accounting set to 0 records")
                     if check.repair:
                         row = (0, row[1], 0, row[3])
                 else:
@@ -1046,9 +1046,9 @@ def check_segments(check: Check) -> str:
                     finding = check.find(SPACE, f"{name}: no live value ({_size(size)}); the daemon's collector "
                                                 f"removes it", nbytes=size)
                     if check.repair and check.complete:
-                        def fix(txn, seg=seg):
+                        def fix_dead(txn, seg=seg):
                             txn.delete(_SEG_KEY.pack(seg), db=segdb)
-                        check.write(fix)
+                        check.write(fix_dead)
                         paths[seg].unlink(missing_ok=True)
                         finding.repair = "removed"
             elif row is not None:
@@ -1095,7 +1095,7 @@ def _referenced_record_bytes(path: Path, offsets: set[int], header, magic: bytes
     return used
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

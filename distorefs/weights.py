@@ -35,7 +35,7 @@ import struct
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable, ContextManager
+from typing import Awaitable, Callable, ContextManager, cast
 
 import trio
 
@@ -396,7 +396,7 @@ class WeightsTree:
         if off >= end:
             return b""
         step = version.step(self.config.chunk_bytes)
-        parts = []
+        parts: list[bytes | memoryview] = []
         for i in range(off // step, (end - 1) // step + 1):
             lo, hi = max(off - i * step, 0), min(end - i * step, step)
             chunk = version.chunks[i] if i < len(version.chunks) else None
@@ -846,7 +846,9 @@ class Remove(_TreeChange):
 
     def plan(self, overlay: Overlay) -> None:
         node = self.tree.child_or_none(self.parent_id, self.name)
-        check_remove(node, self.name, self.want_dir, lambda: not node.children)
+        # the emptiness test runs only once check_remove found the node
+        check_remove(node, self.name, self.want_dir, lambda: not cast(WNode, node).children)
+        assert node is not None  # check_remove raised NotFound
         self.node = node
         self.now = now_ns()
 
@@ -869,16 +871,19 @@ class Rename(_TreeChange):
 
     def plan(self, overlay: Overlay) -> None:
         tree = self.tree
-        self.node = tree.child_or_none(self.old_parent, self.old_name)
+        node = tree.child_or_none(self.old_parent, self.old_name)
         self._dir(self.new_parent)
         target = tree.child_or_none(self.new_parent, self.new_name)
-        check_rename(self.node, self.old_name, target, self.new_name, tree.ancestors(self.new_parent),
+        # the emptiness test runs only once check_rename has a target
+        check_rename(node, self.old_name, target, self.new_name, tree.ancestors(self.new_parent),
                      noreplace=self.noreplace, exchange=self.exchange,
-                     target_empty=lambda: not target.children)
-        if self.exchange and self.node.kind == DIR and target is not None and target.id in set(
+                     target_empty=lambda: not cast(WNode, target).children)
+        assert node is not None  # check_rename raised NotFound
+        self.node = node
+        if self.exchange and node.kind == DIR and target is not None and target.id in set(
                 tree.ancestors(self.old_parent)):
             raise InvalidArgument("cannot move a directory below itself")
-        if target is self.node:
+        if target is node:
             target = None
             self.noop = True
         else:
@@ -888,7 +893,6 @@ class Rename(_TreeChange):
         self.now = now_ns()
         # a rename over a file is a new version of that name: numbers go on from the replaced one's
         self.number = None
-        node = self.node
         if (not self.exchange and target is not None and target.kind == FILE and node.kind == FILE
                 and node.current is not None and node.current.number <= target.number):
             self.number = target.number + 1
@@ -902,6 +906,7 @@ class Rename(_TreeChange):
             versions = [*node.versions[:-1], replace(node.versions[-1], number=self.number)]
         self._put(txn, node.copy(parent=self.new_parent, name=self.new_name, versions=versions, ctime_ns=self.now))
         if self.exchange:
+            assert self.target is not None  # check_rename refused an exchange with nothing
             self._put(txn, self.target.copy(parent=self.old_parent, name=self.old_name, ctime_ns=self.now))
         elif self.target is not None:
             _detach_txn(self, txn, self.target)
@@ -918,6 +923,7 @@ class Rename(_TreeChange):
             _detach_apply(tree, self.target)
         del old_parent.children[self.old_name]
         if self.exchange:
+            assert self.target is not None  # check_rename refused an exchange with nothing
             self.target.parent, self.target.name = self.old_parent, self.old_name
             old_parent.children[self.old_name] = self.target.id
             changed(self.target, self.now)

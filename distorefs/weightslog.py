@@ -84,15 +84,15 @@ class WeightsLog:
         elif rec.op == "wmkdir":
             await self._dir(path, _owner(f))
         elif rec.op == "wremove":
-            node = self._find(path)
-            if node is not None:
-                await self.committer.submit(Remove(tree, node.parent, node.name, node.kind == DIR))
+            found = self._find(path)
+            if found is not None:
+                await self.committer.submit(Remove(tree, found.parent, found.name, found.kind == DIR))
         elif rec.op == "wrename":
-            node = self._find(path)
+            found = self._find(path)
             to = f[b"to"].decode("utf-8", "surrogateescape").removeprefix("weights/")
-            if node is not None:
+            if found is not None:
                 parent, name = await self._parent_of(to, Owner(0o40755, 0, 0))
-                await self.committer.submit(Rename(tree, node.parent, node.name, parent.id, name, False,
+                await self.committer.submit(Rename(tree, found.parent, found.name, parent.id, name, False,
                                                    bool(int(f.get(b"exchange", b"0")))))
                 tree.wake()
         else:

@@ -70,15 +70,15 @@ class WeightsReplay:
             elif op == "wmkdir":
                 self._dir(_names(path), _owner(f))
             elif op == "wremove":
-                node = self._find(path)
-                if node is not None:
-                    check_remove(node, node.name, node.dir, lambda: not node.children)
-                    del node.parent.children[node.name]  # type: ignore[union-attr]
+                removed = self._find(path)
+                if removed is not None:
+                    check_remove(removed, removed.name, removed.dir, lambda: not removed.children)
+                    del removed.parent.children[removed.name]  # type: ignore[union-attr]
             elif op == "wrename":
-                node = self._find(path)
-                if node is not None:
+                moved = self._find(path)
+                if moved is not None:
                     to = f[b"to"].decode("utf-8", "surrogateescape").removeprefix("weights/")
-                    self._rename(node, to, bool(int(f.get(b"exchange", b"0"))))
+                    self._rename(moved, to, bool(int(f.get(b"exchange", b"0"))))
         except (DistorefsError, KeyError, ValueError):  # refused, or a record this version cannot read
             pass
 

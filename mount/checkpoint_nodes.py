@@ -56,7 +56,7 @@ class CheckpointWriter(Handle):
         self.reader = FileReader(self.tree, f) if readable else None
         self.direct_io = not readable
 
-    async def read(self, off: int, size: int) -> bytes:
+    async def read(self, off: int, size: int) -> bytes | memoryview:
         if self.reader is None:
             raise NotPermitted("not open for reading")
         return await self.reader.read(off, size)
@@ -88,7 +88,7 @@ class CheckpointReader(Handle):
         self.tree.open_read(f)
         self.reader = FileReader(self.tree, f)
 
-    async def read(self, off: int, size: int) -> bytes:
+    async def read(self, off: int, size: int) -> bytes | memoryview:
         return await self.reader.read(off, size)
 
     async def release(self) -> None:

@@ -37,7 +37,7 @@ class _Glibc:
         import ctypes
         import ctypes.util
         try:
-            self.libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            self.libc: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             self.libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: fixed, not dynamic
             self.libc.mallopt(-8, 4)  # M_ARENA_MAX
             self.libc.malloc_trim.argtypes = [ctypes.c_size_t]

@@ -14,7 +14,7 @@ import os
 import stat
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import pyfuse3
 import trio
@@ -451,6 +451,8 @@ class ItemReader(Handle):
     """Reads one item. A sealed item's value is taken from the prefetcher at open when it is
     held already (the kernel may serve every read from its page cache: no READ comes)."""
 
+    node: ItemNode | None
+
     def __init__(self, ds: Dataset, item: Item) -> None:
         self.ds = ds
         self.item = item
@@ -503,6 +505,8 @@ class ItemWriter(Handle):
     """A file written through the mount: staged in a draft on disk (distorefs/draft.py: copy on
     write over the item's chunks, memory bounded whatever the size), committed at every close
     (a created or truncated file too: it is listed once close() returns)."""
+
+    node: ItemNode
 
     def __init__(self, node: ItemNode, owner: Owner, draft, readable: bool, fresh: bool) -> None:
         self.node = node
@@ -612,7 +616,7 @@ class OrderFile(Node):
 
             async def declare(data: bytes) -> None:
                 for other in [s for s in self.ds.prefetcher.streams if s is not None and s != stream]:
-                    if process_gone(other):
+                    if process_gone(cast(int, other)):  # (a dataset's streams are processes)
                         self.ds.drop_order(other)
                 await self.ds.declare_order(data, stream)
                 if self.fs.names is not None:  # the kernel learns the items' names before their reads

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from distorefs import clientwire as wire
 from distorefs.batch import Batch, BatchFile
@@ -18,14 +18,17 @@ from distorefs.errors import DistorefsError, InvalidArgument, NotPermitted, TooL
 from distorefs.names import unescape_key
 from distorefs.ratelimit import InsertTicket
 
+if TYPE_CHECKING:
+    from .nodes import EntryNode, Node
+
 
 class Handle:
     direct_io = False
     keep_cache = False
     nonseekable = False
-    node = None
+    node: Node | None = None  # the node opened (mount/operations.py sets it if the handle did not)
 
-    async def read(self, off: int, size: int) -> bytes:
+    async def read(self, off: int, size: int) -> bytes | memoryview:
         raise NotPermitted("not open for reading")
 
     async def write(self, off: int, buf: bytes) -> int:
@@ -198,6 +201,8 @@ class EntryWriter(StagingWriter):
     commits). One the limiter held back at the create is admitted at its first write() or
     close(), which wait for it; if that wait is interrupted nothing of the entry is ever
     published (the writer fails as after a refused write)."""
+
+    node: EntryNode
 
     def __init__(self, node, initial: bytes, limit: int, readable: bool, owner, fresh: bool,
                  ticket: InsertTicket | None = None,

@@ -15,11 +15,14 @@ until the kernel forgets it, but no longer by its name.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Hashable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import pyfuse3
 
 from distorefs.errors import NotFound
+
+if TYPE_CHECKING:
+    from .nodes import Node
 
 ROOT_INODE = pyfuse3.ROOT_INODE
 
@@ -134,7 +137,7 @@ class InodeTable:
         if node.key is not None and self._by_key.get(node.key) == ino:  # type: ignore[attr-defined]
             del self._by_key[node.key]  # type: ignore[attr-defined]
 
-    def released(self, node) -> None:
+    def released(self, node: Node) -> None:
         """A handle on `node` closed; drop it if the kernel already forgot it."""
         ino = node.ino
         if not node.open_handles and ino not in self._lookups and ino not in self._fixed:

@@ -13,7 +13,7 @@ import json
 import os
 import stat
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, Iterator
 
 import pyfuse3
 
@@ -62,7 +62,7 @@ def make_attrs(ino: int, mode: int, size: int, uid: int, gid: int, mtime_ns: int
 
 class Node:
     ino: int = 0
-    key = None
+    key: Hashable | None = None  # its key in the inode table (mount/inodes.py), None once unnamed
     open_handles = 0
 
     def __init__(self, fs: "Filesystem") -> None:
@@ -220,7 +220,8 @@ class NamespacesDir(Node):
                           DIR_LONG, nlink=2 + len(self.fs.store.namespaces[self.kind]))
 
     def _node(self, name: str) -> Node:
-        ns = self.fs.store.namespace(self.kind, name)
+        ns: Any = self.fs.store.namespace(self.kind, name)  # a Dataset, Buffer or Bank, as `kind` says
+        make: Callable[[Filesystem, Any], Node]
         if self.kind == "datasets":
             from .dataset_nodes import DatasetDir
             make = DatasetDir

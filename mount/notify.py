@@ -14,10 +14,11 @@ inode lock.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import queue
 import threading
-from typing import Callable
+from typing import Callable, cast
 
 import pyfuse3
 
@@ -104,14 +105,14 @@ class PageCachePusher(_Sender):
             if self.queued_bytes + len(data) > self.max_bytes:
                 return False
             self.queued_bytes += len(data)
-        self._put(pyfuse3.notify_store, ino, 0, data, done=lambda n=len(data): self._pushed(n))
+        self._put(pyfuse3.notify_store, ino, 0, data, done=functools.partial(self._pushed, len(data)))
         return True
 
     def _pushed(self, n: int) -> None:
         with self._lock:
             self.queued_bytes -= n
 
-    def store_at_open(self, ino: int, data: bytes) -> bool:
+    def store_at_open(self, ino: int, data: bytes | memoryview) -> bool:
         """Put a value the daemon holds into the page cache of an inode being opened, now,
         before OPEN is answered: the reads that follow are the kernel's, no READ comes.
 
@@ -122,7 +123,7 @@ class PageCachePusher(_Sender):
         if not data:
             return False
         try:
-            pyfuse3.notify_store(ino, 0, data)
+            pyfuse3.notify_store(ino, 0, cast(bytes, data))  # its stub says bytes: it takes any buffer
         except OSError as exc:
             if exc.errno not in _GONE:
                 log.warning("page cache store of inode %d at open failed: %s", ino, exc)

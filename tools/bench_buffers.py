@@ -191,7 +191,8 @@ def _is_mounted(mnt: Path) -> bool:
 
 class DistorefsMount:
     def __init__(self, store: Path, mnt: Path) -> None:
-        self.store, self.mnt, self.pid = store, mnt, None
+        self.store, self.mnt = store, mnt
+        self.pid: int | None = None
         self.starting = False  # `distorefs mount` ran and did not finish (a signal cut it short)
 
     def mount(self, *options: str, flags: tuple[str, ...] = ()) -> None:
@@ -242,7 +243,8 @@ class DistorefsMount:
 
 class BindfsMount:
     def __init__(self, src: Path, mnt: Path) -> None:
-        self.src, self.mnt, self.proc = src, mnt, None
+        self.src, self.mnt = src, mnt
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -253,6 +255,7 @@ class BindfsMount:
         LIVE_MOUNTS.add(self)
         self.proc = subprocess.Popen(["bindfs", "-f", str(self.src), str(self.mnt)], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert self.proc.stderr is not None  # (stderr=PIPE)
         deadline = time.monotonic() + 20
         while not _is_mounted(self.mnt):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -487,14 +490,15 @@ class Bench:
     def measure(self, make_tasks: Callable[[int], list[dict]], seconds: float, system: str) -> dict:
         """_parallel, repeated (within a retry budget) while other work on the machine took
         more than OTHER_LOAD_MAX cores; keeps the attempt least disturbed, records them all."""
-        attempts = []
+        attempts: list[dict] = []
         while True:
             r = _parallel(make_tasks(len(attempts)), seconds, self.server_pid(system))
             attempts.append(r)
             if r.get("other_cpu_cores", 0.0) <= OTHER_LOAD_MAX or self.retries_left <= 0:
                 break
             self.retries_left -= 1
-        best = dict(min(attempts, key=lambda a: a.get("other_cpu_cores", 0.0)))
+        least = min(attempts, key=lambda a: a.get("other_cpu_cores", 0.0))
+        best = dict(least)  # a copy: it is one of the attempts it lists
         if len(attempts) > 1:
             best["attempts"] = [{k: a.get(k) for k in ("ops_per_s", "mb_per_s", "gb_per_s", "other_cpu_cores")}
                                 for a in attempts]
@@ -640,16 +644,16 @@ class Bench:
                 self.dfs.mount()
             cold = _drop_caches(self.notes)
             for label, nprocs in (("cold", 1), ("warm", 1), (f"warm_{procs}proc", procs)):
-                def tasks(attempt: int, nprocs=nprocs, system=system, names=names) -> list[dict]:
+                def make_tasks(attempt: int, nprocs=nprocs, system=system, names=names) -> list[dict]:
                     order = [names[i] for i in rng.permutation(len(names))]
                     return [{"kind": "read_list", "dir": str(dirs[system]), "names": order[i::nprocs]}
                             for i in range(nprocs)]
                 c0 = self._cache() if system == "distorefs" else None
                 if label == "cold":  # a retry would not be cold any more
-                    r = _parallel(tasks(0), 600.0, self.server_pid(system))
+                    r = _parallel(make_tasks(0), 600.0, self.server_pid(system))
                     r["page_cache_dropped"] = cold
                 else:
-                    r = self.measure(tasks, 600.0, system)
+                    r = self.measure(make_tasks, 600.0, system)
                 if c0 is not None:
                     c1 = self._cache()
                     hits, misses = c1["hits"] - c0["hits"], c1["misses"] - c0["misses"]
@@ -859,9 +863,10 @@ def _plot(rows: list[dict], path: Path, title: str, summary: list[str]) -> None:
 
 def machine_info(root: Path, notes: list[str]) -> dict:
     """What the numbers were measured on, and a note if the machine was busy at the start."""
-    machine = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-               "numpy": np.__version__, "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-               "workdir": str(root), "fs": _fs_of(root)}
+    machine: dict[str, Any] = {
+        "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+        "numpy": np.__version__, "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+        "workdir": str(root), "fs": _fs_of(root)}
     try:
         with open("/sys/block/" + Path(machine["fs"]["source"]).name + "/queue/read_ahead_kb") as f:
             machine["read_ahead_kb"] = int(f.read())
@@ -1007,9 +1012,9 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
                    f"big entries {BIG_SHAPE} uint8 (3.2 MB)",
                    f"other load at start/end: {machine['other_load_cores_start']}"
                    f"/{machine.get('other_load_cores_end')} cores", ""]
-        for r in rows:
-            if r["met"] is not None:
-                summary.append(f"{'met ' if r['met'] else 'MISS'} {r['operation'][:52]}")
+        for row in rows:
+            if row["met"] is not None:
+                summary.append(f"{'met ' if row['met'] else 'MISS'} {row['operation'][:52]}")
         _plot(rows, png_path, f"distorefs replay buffers vs plain files and bindfs "
                               f"({machine['cpus']} CPUs, {machine['fs']['fstype']}{', quick' if quick else ''})",
               summary)

@@ -73,7 +73,7 @@ def _total_bytes(p: dict) -> int:
 # ----- worker processes (spawned: fresh memory each) ---------------------------------------
 
 def _block() -> memoryview:
-    return memoryview(np.random.default_rng(1).integers(0, 256, BLOCK, dtype=np.uint8))
+    return np.random.default_rng(1).integers(0, 256, BLOCK, dtype=np.uint8).data  # (memoryview(array))
 
 
 def _write_file(path: Path, size: int, block: memoryview, salt: int) -> None:
@@ -121,7 +121,8 @@ def _checkpoint_main(step_dir: str, p: dict, mode: str, results) -> None:
         elif mode == "distorefs":
             _fsync_path(d)
             durable = time.perf_counter() - t0
-        out = {"closed_s": round(closed, 3), "durable_s": None if durable is None else round(durable, 3)}
+        out: dict[str, Any] = {"closed_s": round(closed, 3),
+                               "durable_s": None if durable is None else round(durable, 3)}
         if mode == "distorefs":
             out["state"] = os.getxattr(d, "user.distorefs.state").decode()
             out["latest"] = os.readlink(d.parent / "latest")

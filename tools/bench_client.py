@@ -359,17 +359,17 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, only: tuple
         return {"goal": text, "value": value, "met": met}
     goals = [
         goal("DQN learner loop via the client >= 0.8x in-process", f"{_ratio(client_dqn, inproc)}x",
-             None if _ratio(client_dqn, inproc) is None else _ratio(client_dqn, inproc) >= 0.8),
+             None if (q := _ratio(client_dqn, inproc)) is None else q >= 0.8),
         goal("sample(256) of 113 KB, 1 process >= 30,000 entries/s", f"{one}",
              None if one is None else one >= 30_000),
         goal("sample(256) of 113 KB, 1 process >= 0.3x cpprb", f"{_ratio(one, cpprb)}x",
-             None if _ratio(one, cpprb) is None else _ratio(one, cpprb) >= 0.3),
+             None if (q := _ratio(one, cpprb)) is None else q >= 0.3),
         goal("sample(256), 2 processes >= 1.6x one process", f"{_ratio(two, one)}x",
-             None if _ratio(two, one) is None else _ratio(two, one) >= 1.6),
+             None if (q := _ratio(two, one)) is None else q >= 1.6),
         goal("113 KB inserts, 4 actors >= 1.0x Reverb (9,322/s, the issue's figure)", f"{_ratio(ins, REVERB_INSERTS)}x",
-             None if _ratio(ins, REVERB_INSERTS) is None else _ratio(ins, REVERB_INSERTS) >= 1.0),
+             None if (q := _ratio(ins, REVERB_INSERTS)) is None else q >= 1.0),
         goal("dataset epoch, 10 KB items, 4 readers, cold: client >= 1.0x ext4", f"{_ratio(dc, de)}x",
-             None if _ratio(dc, de) is None else _ratio(dc, de) >= 1.0),
+             None if (q := _ratio(dc, de)) is None else q >= 1.0),
     ]
     table = format_table(res)
     result_doc = {"benchmark": "client", "quick": quick, "params": p, "machine": machine, "results": res,

@@ -319,7 +319,8 @@ def _plot(res: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels, series = [], {"ext4": [], "bindfs": [], "distorefs": []}
+    labels: list[str] = []
+    series: dict[str, list[float]] = {"ext4": [], "bindfs": [], "distorefs": []}
     for name in ("small", "big"):
         for readers, ep in res.get(name, {}).get("epochs", {}).items():
             labels.append(f"{name}\n{readers} reader(s)")

@@ -86,7 +86,7 @@ def _frame(i: int) -> np.ndarray:
     return a
 
 
-def _transition(i: int) -> dict[str, np.ndarray]:
+def _transition(i: int) -> dict[str, np.ndarray | np.generic]:
     rng = np.random.default_rng(i)
     return {"obs": rng.standard_normal(8).astype(np.float32), "action": np.int64(i % 4),
             "reward": np.float32(rng.standard_normal()), "done": np.bool_(i % 100 == 0)}
@@ -395,7 +395,8 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     out, root, notes, machine = r.out, r.root, r.notes, r.machine
     p = _params(quick)
     print(f"distorefs bench ops{' --quick' if quick else ''}: workdir {root}, {machine['cpus']} CPUs", flush=True)
-    systems = {"floor": Floor(root), "distorefs": Distorefs(root), "bindfs": Bindfs(root)}
+    systems: dict[str, Floor | Distorefs | Bindfs] = {"floor": Floor(root), "distorefs": Distorefs(root),
+                                                      "bindfs": Bindfs(root)}
     res: dict[str, Any] = {}
     errors: list[str] = []
     try:

@@ -56,7 +56,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -288,7 +288,7 @@ class _Source:
         elif system == "reverb":
             import reverb
             self.client = reverb.Client(f"localhost:{cfg['port']}")
-            self.batches = None
+            self.batches: Iterator[Any] | None = None  # Reverb batches as numpy, made at the first sample
         elif system == "client":
             from distorefs.client import open_buffer
             self.buffer = open_buffer(cfg["buffer"], direct=True, read_ahead=cfg.get("read_ahead", True))
@@ -993,14 +993,14 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None, only: tuple
         d = (res["dqn"].get("distorefs") or {}).get("learner_steps_per_s")
         i = (res["dqn"].get("in-process") or {}).get("learner_steps_per_s")
         goals.append({"goal": "DQN learner loop via files >= 0.5x in-process", "value": f"{_ratio(d, i)}x",
-                      "met": None if _ratio(d, i) is None else _ratio(d, i) >= 0.5})
+                      "met": None if (q := _ratio(d, i)) is None else q >= 0.5})
     if "frames" in phases:
         for label, key in (("sample_256_idle", "entries_per_s"), ("sample_256_with_4_writers", "entries_per_s"),
                            ("learner_64_with_2_writers", "steps_per_s")):
             dv = ((res["frames"].get("distorefs") or {}).get(label) or {}).get(key)
             rv = ((res["frames"].get("reverb") or {}).get(label) or {}).get(key)
             goals.append({"goal": f"{label.replace('_', ' ')} >= 1.0x Reverb", "value": f"{_ratio(dv, rv)}x",
-                          "met": None if _ratio(dv, rv) is None else _ratio(dv, rv) >= 1.0})
+                          "met": None if (q := _ratio(dv, rv)) is None else q >= 1.0})
     if "limiter" in phases:
         goals.append(_limiter_goal(res["limiter"]))
     table = format_table(res)

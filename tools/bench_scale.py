@@ -165,7 +165,8 @@ def _cpprb_run(prefix: str, n: int, seconds: float, results) -> None:
 
 # ----- the monitor -------------------------------------------------------------------------
 
-def _memory(pid: int) -> dict[str, int]:
+def _memory(pid: int | None) -> dict[str, int]:
+    # (pid None, no daemon found: there is no /proc/None, so nothing)
     out = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -180,7 +181,7 @@ def _memory(pid: int) -> dict[str, int]:
 class Monitor(threading.Thread):
     """Once a second: the store's counters, the daemon's memory and the disk bytes."""
 
-    def __init__(self, mnt: Path, pid: int, buf: str) -> None:
+    def __init__(self, mnt: Path, pid: int | None, buf: str) -> None:
         super().__init__(daemon=True)
         self.mnt, self.pid, self.buf = mnt, pid, buf
         self.samples: list[dict] = []
@@ -404,10 +405,10 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
         first_new = n
         for readers in p["readers"]:
             monitor.phase = f"sample x{readers}"
-            r = _sample_phase(buf, readers, p["seconds"], live, p["churn_per_s"], first_new, notes)
+            sample = _sample_phase(buf, readers, p["seconds"], live, p["churn_per_s"], first_new, notes)
             first_new += int(p["churn_per_s"] * (p["seconds"] + 30))
-            res["sample"].append(r)
-            print(f"  sample+read, {readers} reader(s): {r}", flush=True)
+            res["sample"].append(sample)
+            print(f"  sample+read, {readers} reader(s): {sample}", flush=True)
         monitor.phase = "settle"
         deadline = time.monotonic() + p["settle_max_s"]  # compaction finishing what it started
         while time.monotonic() < deadline:

@@ -39,7 +39,7 @@ def _params(quick: bool) -> dict:
     return {"steps": 4_000 if quick else 20_000, "seconds": 3.0 if quick else 10.0}
 
 
-def _step(rng: np.random.Generator, i: int) -> dict[str, np.ndarray]:
+def _step(rng: np.random.Generator, i: int) -> dict[str, np.ndarray | np.generic]:
     return {"obs": rng.integers(0, 256, OBS, dtype=np.uint8), "action": np.int64(i % 18),
             "reward": np.float32(i % 7)}
 

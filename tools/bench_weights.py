@@ -228,7 +228,7 @@ def _writer_main(mode: str, path: str, size: int, seconds: float, period: float,
             late = due - time.monotonic()
             if late > 0:
                 time.sleep(late)
-            rec = _publish(mode, Path(path), memoryview(buf), version)
+            rec = _publish(mode, Path(path), buf.data, version)  # (.data: memoryview(buf), typed as one)
             rec["late_s"] = max(0.0, -late)
             out["publishes"].append(rec)
             version += 1
@@ -301,7 +301,8 @@ def _stale(reads: list[tuple], pubs: list[dict]) -> tuple[int, list]:
     """Opens that started after version v was visible yet returned an older version."""
     vis = sorted((p["t_visible"], p["version"]) for p in pubs)
     times = [t for t, _ in vis]
-    stale, examples = 0, []
+    stale = 0
+    examples: list[dict[str, Any]] = []
     for t_open, _t_end, version, _n, _reason, _ino in reads:
         if version < 0:
             continue
@@ -321,7 +322,7 @@ def _run_system(name: str, mode: str, target: Path, p: dict, server_pid: int | N
     base = np.arange(CHUNK // 8, dtype=np.uint64)
     buf = np.empty(size, dtype=np.uint8)
     _fill(buf, 1, base)
-    initial = _publish(mode, path, memoryview(buf), 1)
+    initial = _publish(mode, path, buf.data, 1)
     del buf
     res: dict[str, Any] = {"mode": mode, "path": str(path), "initial_publish_s": round(initial["total_s"], 3),
                            "initial_xattr_version": initial["xattr_version"]}
@@ -355,7 +356,8 @@ def _run_system(name: str, mode: str, target: Path, p: dict, server_pid: int | N
                 proc.terminate()  # our own worker, by its handle
                 proc.join(timeout=5)
     readers = [o for o in outs if o["role"] == "reader"]
-    writer = next((o for o in outs if o["role"] == "writer"), {"publishes": [], "error": "no writer result"})
+    writer: dict[str, Any] = next((o for o in outs if o["role"] == "writer"),
+                                  {"publishes": [], "error": "no writer result"})
     errors = [f"{o['role']}: {o['error']}" for o in outs if o.get("error")]
     reads = [r for o in readers for r in o["reads"]]
     pubs = writer["publishes"]

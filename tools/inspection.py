@@ -54,7 +54,7 @@ def table(headers: list[str], rows: list[list], right: set[int] | None = None) -
 
 def xattrs(path: Path) -> dict[str, str]:
     """The `user.distorefs.*` attributes of `path` (empty if it has none)."""
-    out = {}
+    out: dict[str, str] = {}
     try:
         names = os.listxattr(path, follow_symlinks=False)
     except OSError:
@@ -158,7 +158,8 @@ def _npy_header(f) -> dict:
     version = np.lib.format.read_magic(f)
     reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
     if reader is None:
-        shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # 3.0
+        # 3.0; (private, and not in numpy's stubs)
+        shape, fortran, dtype = np.lib.format._read_array_header(f, version)  # type: ignore[attr-defined]
     else:
         shape, fortran, dtype = reader(f)
     return {"dtype": str(dtype), "shape": list(shape), "fortran_order": bool(fortran)}
@@ -194,8 +195,8 @@ def describe_content(path: Path) -> dict:
                     arrays, other = {}, []
                     for info in z.infolist():
                         if info.filename.endswith(".npy"):
-                            with z.open(info) as member:
-                                if member.read(6) == NPY_MAGIC:
+                            with z.open(info) as member_file:
+                                if member_file.read(6) == NPY_MAGIC:
                                     with z.open(info) as again:
                                         arrays[info.filename[:-4]] = _npy_header(again)
                                     continue
@@ -219,7 +220,8 @@ def inspect_info(path: Path) -> dict:
         try:
             info["content"] = describe_content(path)
         except OSError as exc:
-            info["content"] = {"error": f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}"}
+            code = errno.errorcode.get(exc.errno, exc.errno) if exc.errno is not None else None
+            info["content"] = {"error": f"{code}: {exc.strerror}"}
     elif stat_mod.S_ISDIR(st.st_mode):
         for name in ("config.json", "stats.json"):
             try:

@@ -346,7 +346,9 @@ class _Importer:
     # ----- general file trees (weights/, checkpoint steps) ---------------------------------
 
     def weights(self, src: Path, dest: Path, rel: Path) -> None:
-        is_root = mount_root(dest) / "weights" == dest
+        root = mount_root(dest)
+        assert root is not None  # (import_tree refused a dest that is not under a mount)
+        is_root = root / "weights" == dest
         if dest.exists():
             if set(os.listdir(dest)) - ({"config.json", "stats.json"} if is_root else set()):
                 raise ImportError_(f"{dest} is not empty: import into a new directory under weights/")
@@ -356,11 +358,13 @@ class _Importer:
             self.config(src / "config.json", dest / "config.json", rel / "config.json", optional=True)
         self.tree(src, dest, rel, skip_top={"config.json", "stats.json"} if is_root else set())
 
-    def tree(self, src: Path, dest: Path, rel: Path, skip_top: set[str] = frozenset()) -> bool:
+    def tree(self, src: Path, dest: Path, rel: Path, skip_top: set[str] | frozenset[str] = frozenset()) -> bool:
         """Copy a plain tree into a general file tree: directories, then files (in parallel,
         each verified and renamed into place), then symlinks, then directory modes and times
         (deepest first: creating children changed them). True if nothing was refused."""
-        dirs, files, links = [], [], []
+        dirs: list[Path] = []
+        files: list[Path] = []
+        links: list[Path] = []
         for here, subdirs, names in os.walk(src):
             h = Path(here)
             for n in names + subdirs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from typing import cast
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class DatasetItems:
             raise
         self.items = int(meta["items"])
         self.pid = os.getpid()
-        self._blocks: OrderedDict[int, tuple[dict, list[Wanted | None]]] = OrderedDict()
+        self._blocks: OrderedDict[int, tuple[dict, list[Wanted]]] = OrderedDict()
         self._lock = threading.Lock()
         self.counters = {"direct": 0, "through_mount": 0}
 
@@ -82,7 +83,8 @@ class DatasetItems:
         if any(isinstance(p, Exception) for p in parts):
             self.counters["through_mount"] += 1
             return None
-        data = parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[arg-type]
+        done = cast("list[bytes]", parts)  # no Exception among them (above)
+        data = done[0] if len(done) == 1 else b"".join(done)
         if len(data) != table["item_sizes"][j] or (len(parts) > 1 and checksum(data) != table["item_checksums"][j]):
             self.counters["through_mount"] += 1
             return None
