@@ -37,14 +37,12 @@
 
 #define NOFLUSH_FH (UINT64_C(1) << 63)
 
-#define XATTR_PREFIX "user.distorefs."
+#define XATTR_PREFIX "user.distorefs."  /* mount/nodes.py XATTR_PREFIX (test_page_cache reads both kinds) */
 
 typedef int (*reply_open_fn)(fuse_req_t, const struct fuse_file_info *);
 typedef struct fuse_session *(*session_new_fn)(struct fuse_args *, const struct fuse_lowlevel_ops *, size_t,
                                                void *);
 typedef void (*getxattr_fn)(fuse_req_t, fuse_ino_t, const char *, size_t);
-typedef void (*ioctl_fn)(fuse_req_t, fuse_ino_t, unsigned int, void *, struct fuse_file_info *, unsigned,
-                         const void *, size_t, size_t);
 
 static reply_open_fn libfuse_reply_open;
 static session_new_fn libfuse_session_new;
@@ -122,7 +120,7 @@ int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi)
 }
 
 /* Whether a lookup from the global scope (where pyfuse3's own lookup starts) finds this
-   library's fuse_reply_open, not libfuse's. */
+   library's fuse_reply_open and fuse_session_new, not libfuse's. */
 static PyObject *interposed(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(dlsym(RTLD_DEFAULT, "fuse_reply_open") == (void *)fuse_reply_open &&
@@ -152,7 +150,7 @@ static PyObject *set_answer_foreign_xattrs(PyObject *self, PyObject *on)
 
 static PyMethodDef methods[] = {
     {"interposed", interposed, METH_NOARGS,
-     "Whether pyfuse3's fuse_reply_open calls will come here."},
+     "Whether pyfuse3's fuse_reply_open and fuse_session_new calls will come here."},
     {"noflush_replies", replies, METH_NOARGS,
      "Opens answered with FOPEN_NOFLUSH since the library was loaded."},
     {"foreign_xattr_replies", xattr_replies, METH_NOARGS,
@@ -177,8 +175,7 @@ PyMODINIT_FUNC PyInit__interpose(void)
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (PyModule_AddObject(m, "NOFLUSH_FH", PyLong_FromUnsignedLongLong(NOFLUSH_FH)) < 0 ||
-                      PyModule_AddObject(m, "XATTR_PREFIX", PyBytes_FromString(XATTR_PREFIX)) < 0)) {
+    if (m != NULL && PyModule_AddObject(m, "NOFLUSH_FH", PyLong_FromUnsignedLongLong(NOFLUSH_FH)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

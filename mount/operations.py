@@ -116,8 +116,9 @@ class Filesystem(pyfuse3.Operations):
         foreign = interpose.foreign_xattr_replies()
         if foreign:
             requests["getxattr"] += foreign  # answered by the library (mount/interpose.py), not here
-        if interpose.ioctl_replies():
-            requests["ioctl"] = interpose.ioctl_replies()  # likewise: isatty() at every open
+        ioctls = interpose.ioctl_replies()
+        if ioctls:
+            requests["ioctl"] = ioctls  # likewise: isatty() at every open
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),

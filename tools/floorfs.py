@@ -195,8 +195,9 @@ class FloorFs(pyfuse3.Operations):
         if inode == self.control_ino:
             fh = self.control_fh = self.control_fh + 1
             counts = dict(self.requests)
-            if interpose.ioctl_replies():
-                counts["ioctl"] = interpose.ioctl_replies()
+            ioctls = interpose.ioctl_replies()
+            if ioctls:
+                counts["ioctl"] = ioctls
             self.snapshots[fh] = (json.dumps(counts) + "\n").encode()
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         node = self.nodes[inode]
