@@ -19,8 +19,12 @@ import pytest
 from distorefs_it import CLI, get_stats, read_entry, set_config, write_entry, xattr
 
 
+def mount_stats(fs) -> dict:
+    return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
+
+
 def requests(fs) -> dict:
-    return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]["requests"]
+    return mount_stats(fs)["requests"]
 
 
 def _counted(fs, kind: str, fn) -> int:
@@ -236,7 +240,7 @@ def test_the_kernels_capability_checks_are_answered_without_python(fs, buf):
     attributes are still the daemon's. The IOCTL of Python's isatty() at every open is
     answered there too, and counted."""
     def foreign() -> int:
-        return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]["foreign_xattrs_answered"]
+        return mount_stats(fs)["foreign_xattrs_answered"]
 
     before = foreign()
     write_entry(buf, "cap.npy", npy(np.full(4, 7, np.int32)))
