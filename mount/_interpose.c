@@ -21,6 +21,17 @@
  *   Python handler sees (`distorefs bench ops` reports it). The floor filesystem of the
  *   benchmarks loads the library for that count alone (foreign xattrs then go to Python).
  *
+ * - The front (fuse_session_fd, fuse_session_receive_buf, fuse_session_destroy): one native
+ *   thread of this library reads every request from /dev/fuse, without the GIL. What the
+ *   table above answers without Python (those GETXATTRs and IOCTLs) it answers there and
+ *   then; every other request it queues for pyfuse3, whose loop waits on an eventfd in
+ *   place of /dev/fuse and whose receive takes the next queued request (its buffer swapped
+ *   for the one pyfuse3 is done with, not copied). So a request Python never sees no longer
+ *   wakes the trio loop, takes pyfuse3's read lock and waits for the GIL behind whatever
+ *   the loop is doing: a learner's `priorities` write asks two GETXATTRs and an IOCTL, an
+ *   insert one of each. The cost is one more thread hand-off for each request Python
+ *   answers. At most FRONT_QUEUE requests wait for Python; then the front stops reading.
+ *
  * Built against the same libfuse headers as pyfuse3 (pkg-config fuse3), so the bitfield
  * is where pyfuse3's libfuse expects it.
  */
@@ -32,8 +43,14 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
 
 #define NOFLUSH_FH (UINT64_C(1) << 63)
 
@@ -43,15 +60,52 @@ typedef int (*reply_open_fn)(fuse_req_t, const struct fuse_file_info *);
 typedef struct fuse_session *(*session_new_fn)(struct fuse_args *, const struct fuse_lowlevel_ops *, size_t,
                                                void *);
 typedef void (*getxattr_fn)(fuse_req_t, fuse_ino_t, const char *, size_t);
+typedef int (*session_fd_fn)(struct fuse_session *);
+typedef int (*receive_buf_fn)(struct fuse_session *, struct fuse_buf *);
+typedef void (*process_buf_fn)(struct fuse_session *, const struct fuse_buf *);
+typedef void (*session_destroy_fn)(struct fuse_session *);
+
+/* The kernel's request layout (linux/fuse.h, which clashes with libfuse's headers):
+   struct fuse_in_header is 40 bytes with the opcode at offset 4; a GETXATTR's name follows
+   its 8-byte struct fuse_getxattr_in. */
+#define IN_HEADER_SIZE 40
+#define IN_OPCODE_OFFSET 4
+#define GETXATTR_IN_SIZE 8
+#define OPCODE_GETXATTR 22
+#define OPCODE_IOCTL 39
+
+#define FRONT_QUEUE 64  /* requests read ahead of pyfuse3 at most (the kernel's own queue holds the rest) */
+#define FRONT_SPARE 8   /* request buffers (libfuse's size, about 1 MiB each) kept for reuse */
 
 static reply_open_fn libfuse_reply_open;
 static session_new_fn libfuse_session_new;
+static session_fd_fn libfuse_session_fd;
+static receive_buf_fn libfuse_receive_buf;
+static process_buf_fn libfuse_process_buf;
+static session_destroy_fn libfuse_session_destroy;
 static getxattr_fn handler_getxattr;  /* pyfuse3's */
 static struct fuse_lowlevel_ops session_ops;  /* libfuse keeps a copy; this one outlives the call anyway */
 static unsigned long long noflush_replies;
 static unsigned long long foreign_xattr_replies;
 static unsigned long long ioctl_replies;
 static int answer_foreign_xattrs = 1;
+
+/* The front. Its queue, spares and end are guarded by front_lock; front_se and front_efd
+   are set before the thread starts and read-only after. */
+static int front_wanted = 1;
+static struct fuse_session *front_se;  /* the session fuse_session_new made with session_ops */
+static int front_efd = -1;             /* one count per queued request (EFD_SEMAPHORE) */
+static int front_started;
+static pthread_t front_thread;
+static pthread_mutex_t front_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t front_room = PTHREAD_COND_INITIALIZER;
+static struct queued { void *mem; size_t size; } front_queue[FRONT_QUEUE];
+static unsigned front_head, front_count;
+static void *front_spares[FRONT_SPARE];
+static unsigned front_spare_count;
+static int front_ended, front_result;
+static unsigned long long front_passed;  /* requests handed to pyfuse3 */
+
 
 /* Runs when the library is loaded, before anything can call through it. The library is
    linked against libfuse3, so that is loaded already: take its definitions, not ours
@@ -63,9 +117,17 @@ __attribute__((constructor)) static void find_libfuse(void)
         return;
     reply_open_fn reply = (reply_open_fn)dlsym(lib, "fuse_reply_open");
     session_new_fn session_new = (session_new_fn)dlsym(lib, "fuse_session_new");
-    if (reply != fuse_reply_open && session_new != fuse_session_new) {
+    session_fd_fn session_fd = (session_fd_fn)dlsym(lib, "fuse_session_fd");
+    receive_buf_fn receive_buf = (receive_buf_fn)dlsym(lib, "fuse_session_receive_buf");
+    session_destroy_fn session_destroy = (session_destroy_fn)dlsym(lib, "fuse_session_destroy");
+    if (reply != fuse_reply_open && session_new != fuse_session_new && session_fd != fuse_session_fd &&
+        receive_buf != fuse_session_receive_buf && session_destroy != fuse_session_destroy) {
         libfuse_reply_open = reply;
         libfuse_session_new = session_new;
+        libfuse_session_fd = session_fd;
+        libfuse_receive_buf = receive_buf;
+        libfuse_process_buf = (process_buf_fn)dlsym(lib, "fuse_session_process_buf");
+        libfuse_session_destroy = session_destroy;
     }
 }
 
@@ -102,7 +164,157 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     }
     if (session_ops.ioctl == NULL)
         session_ops.ioctl = ioctl_unsupported;
-    return libfuse_session_new(args, &session_ops, op_size, userdata);
+    struct fuse_session *se = libfuse_session_new(args, &session_ops, op_size, userdata);
+    if (se != NULL && front_wanted && front_se == NULL)
+        front_se = se;
+    return se;
+}
+
+/* ----- the front ------------------------------------------------------------------------ */
+
+/* Whether session_ops answers this request in C alone (so the front may process it). */
+static int answered_in_c(const char *mem, size_t size)
+{
+    uint32_t opcode;
+    if (size < IN_HEADER_SIZE)
+        return 0;
+    memcpy(&opcode, mem + IN_OPCODE_OFFSET, sizeof(opcode));
+    if (opcode == OPCODE_IOCTL)
+        return session_ops.ioctl == ioctl_unsupported;
+    if (opcode == OPCODE_GETXATTR && session_ops.getxattr == getxattr_own_names) {
+        size_t prefix = sizeof(XATTR_PREFIX) - 1;
+        if (size < IN_HEADER_SIZE + GETXATTR_IN_SIZE + prefix)
+            return 1;  /* a name shorter than the prefix: not ours */
+        return strncmp(mem + IN_HEADER_SIZE + GETXATTR_IN_SIZE, XATTR_PREFIX, prefix) != 0;
+    }
+    return 0;
+}
+
+static void *front_take_spare(void)  /* with front_lock held */
+{
+    return front_spare_count ? front_spares[--front_spare_count] : NULL;
+}
+
+static void *front_run(void *unused)
+{
+    struct fuse_buf buf;
+    int res;
+    memset(&buf, 0, sizeof(buf));
+    for (;;) {
+        res = libfuse_receive_buf(front_se, &buf);  /* blocks; allocates buf.mem when NULL */
+        if (res == -EINTR || res == -EAGAIN)
+            continue;
+        if (res <= 0)
+            break;
+        if (answered_in_c(buf.mem, buf.size)) {
+            libfuse_process_buf(front_se, &buf);
+            continue;  /* the same buffer for the next request */
+        }
+        pthread_mutex_lock(&front_lock);
+        while (front_count == FRONT_QUEUE)
+            pthread_cond_wait(&front_room, &front_lock);
+        front_queue[(front_head + front_count) % FRONT_QUEUE] = (struct queued){buf.mem, buf.size};
+        front_count++;
+        front_passed++;
+        buf.mem = front_take_spare();
+        pthread_mutex_unlock(&front_lock);
+        uint64_t one = 1;
+        if (write(front_efd, &one, sizeof(one)) < 0) {
+            /* not reached: the counter cannot overflow with at most FRONT_QUEUE counts */
+        }
+    }
+    pthread_mutex_lock(&front_lock);
+    front_ended = 1;
+    front_result = res;
+    pthread_mutex_unlock(&front_lock);
+    uint64_t all = UINT64_C(1) << 40;  /* every pyfuse3 task waiting wakes, finds the end */
+    if (write(front_efd, &all, sizeof(all)) < 0) {
+        /* nothing to do: the loop also ends at its own check of the session */
+    }
+    free(buf.mem);
+    return NULL;
+}
+
+static int front_start(struct fuse_session *se)
+{
+    sigset_t all, old;
+    if (libfuse_session_fd(se) < 0)  /* not mounted: nothing to read */
+        return 0;
+    front_efd = eventfd(0, EFD_NONBLOCK | EFD_SEMAPHORE | EFD_CLOEXEC);
+    if (front_efd < 0)
+        return 0;
+    sigfillset(&all);  /* signals stay with Python's threads */
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int err = pthread_create(&front_thread, NULL, front_run, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err != 0) {
+        close(front_efd);
+        front_efd = -1;
+        return 0;
+    }
+    front_started = 1;
+    return 1;
+}
+
+/* pyfuse3 asks once, after mounting, and waits on what it gets for requests. */
+int fuse_session_fd(struct fuse_session *se)
+{
+    if (se == front_se && (front_started || front_start(se)))
+        return front_efd;
+    return libfuse_session_fd(se);
+}
+
+int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
+{
+    uint64_t count;
+    void *drop = NULL;
+    if (!front_started || se != front_se)
+        return libfuse_receive_buf(se, buf);
+    if (read(front_efd, &count, sizeof(count)) != sizeof(count))
+        return -EINTR;  /* another task took it: pyfuse3 waits again */
+    pthread_mutex_lock(&front_lock);
+    if (front_count == 0) {
+        int res = front_ended ? front_result : -EINTR;
+        pthread_mutex_unlock(&front_lock);
+        return res;
+    }
+    struct queued q = front_queue[front_head];
+    front_head = (front_head + 1) % FRONT_QUEUE;
+    front_count--;
+    if (buf->mem != NULL) {  /* the request pyfuse3 answered last: its buffer is free */
+        if (front_spare_count < FRONT_SPARE)
+            front_spares[front_spare_count++] = buf->mem;
+        else
+            drop = buf->mem;
+    }
+    pthread_cond_signal(&front_room);
+    pthread_mutex_unlock(&front_lock);
+    free(drop);
+    buf->mem = q.mem;
+    buf->size = q.size;
+    buf->flags = 0;
+    buf->pos = 0;
+    return (int)q.size;
+}
+
+/* After an unmount the front's read ends (ENODEV); wait for it before the session goes.
+   A front still reading after 2 s (an unmount that did not happen) keeps the session. */
+void fuse_session_destroy(struct fuse_session *se)
+{
+    if (se == front_se && front_started) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 2;
+        if (pthread_timedjoin_np(front_thread, NULL, &until) != 0)
+            return;
+        front_started = 0;
+        for (unsigned i = 0; i < front_count; i++)
+            free(front_queue[(front_head + i) % FRONT_QUEUE].mem);
+        while (front_spare_count)
+            free(front_spares[--front_spare_count]);
+        front_count = 0;
+    }
+    libfuse_session_destroy(se);
 }
 
 int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi)
@@ -124,7 +336,10 @@ int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi)
 static PyObject *interposed(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(dlsym(RTLD_DEFAULT, "fuse_reply_open") == (void *)fuse_reply_open &&
-                           dlsym(RTLD_DEFAULT, "fuse_session_new") == (void *)fuse_session_new);
+                           dlsym(RTLD_DEFAULT, "fuse_session_new") == (void *)fuse_session_new &&
+                           dlsym(RTLD_DEFAULT, "fuse_session_fd") == (void *)fuse_session_fd &&
+                           dlsym(RTLD_DEFAULT, "fuse_session_receive_buf") == (void *)fuse_session_receive_buf &&
+                           dlsym(RTLD_DEFAULT, "fuse_session_destroy") == (void *)fuse_session_destroy);
 }
 
 static PyObject *replies(PyObject *self, PyObject *unused)
@@ -142,6 +357,20 @@ static PyObject *ioctls(PyObject *self, PyObject *unused)
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&ioctl_replies, __ATOMIC_RELAXED));
 }
 
+static PyObject *front_state(PyObject *self, PyObject *unused)
+{
+    pthread_mutex_lock(&front_lock);
+    unsigned long long passed = front_passed;
+    pthread_mutex_unlock(&front_lock);
+    return Py_BuildValue("(OK)", front_started ? Py_True : Py_False, passed);
+}
+
+static PyObject *set_front(PyObject *self, PyObject *on)
+{
+    front_wanted = PyObject_IsTrue(on) ? 1 : 0;
+    Py_RETURN_NONE;
+}
+
 static PyObject *set_answer_foreign_xattrs(PyObject *self, PyObject *on)
 {
     answer_foreign_xattrs = PyObject_IsTrue(on) ? 1 : 0;
@@ -156,6 +385,9 @@ static PyMethodDef methods[] = {
     {"foreign_xattr_replies", xattr_replies, METH_NOARGS,
      "GETXATTR requests of names outside XATTR_PREFIX answered ENODATA here since the library was loaded."},
     {"ioctl_replies", ioctls, METH_NOARGS, "IOCTL requests answered ENOSYS since the library was loaded."},
+    {"front", front_state, METH_NOARGS,
+     "(whether the front thread reads the session's requests, requests it handed to pyfuse3)."},
+    {"use_front", set_front, METH_O, "Whether the next session made is read by the front (default: yes)."},
     {"answer_foreign_xattrs", set_answer_foreign_xattrs, METH_O,
      "Whether sessions made from now on answer GETXATTR of foreign names here (default: yes)."},
     {NULL, NULL, 0, NULL},

@@ -10,6 +10,10 @@
   without Python; the session is made with pyfuse3's handler table but that entry.
 - IOCTL (pyfuse3 has no handler: every open by Python's open() asks isatty) is answered
   ENOSYS as libfuse would, and counted (`ioctl_replies`).
+- The front: a native thread of the library reads every request and answers those two
+  kinds itself, without the GIL or the trio loop; pyfuse3 waits on an eventfd and takes
+  the rest from its queue (`front()`). DISTOREFS_FRONT=0 in the daemon's environment
+  leaves the reading to pyfuse3, as before (for comparisons).
 
 The library defines those libfuse functions and forwards to libfuse's own; loaded into the
 global symbol scope before pyfuse3, its definitions are the ones pyfuse3's calls bind to.
@@ -45,6 +49,8 @@ def _load():
 
 _library, why_not = _load()
 active: bool = _library is not None
+if _library is not None and os.environ.get("DISTOREFS_FRONT", "1") == "0":
+    _library.use_front(False)
 _MARK = _library.NOFLUSH_FH if _library is not None else 0
 
 
@@ -68,11 +74,21 @@ def ioctl_replies() -> int:
     return _library.ioctl_replies() if _library is not None else 0
 
 
+def front() -> tuple[bool, int]:
+    """Whether the front reads the session's requests, and how many it handed to pyfuse3."""
+    if _library is None:
+        return False, 0
+    on, passed = _library.front()
+    return bool(on), int(passed)
+
+
 def count_only() -> None:
-    """Sessions made from now on leave GETXATTR to pyfuse3 (the floor filesystem of the
-    benchmarks: its requests counted, its answers its own)."""
+    """Sessions made from now on leave GETXATTR to pyfuse3 and their reading to pyfuse3's
+    loop (the floor filesystem of the benchmarks: its requests counted, its answers and its
+    loop pyfuse3's own)."""
     if _library is not None:
         _library.answer_foreign_xattrs(False)
+        _library.use_front(False)
 
 
 def log_state() -> None:

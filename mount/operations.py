@@ -116,13 +116,14 @@ class Filesystem(pyfuse3.Operations):
         foreign = interpose.foreign_xattr_replies()
         if foreign:
             requests["getxattr"] += foreign  # answered by the library (mount/interpose.py), not here
+        front, passed = interpose.front()  # requests the library's thread handed to pyfuse3
         ioctls = interpose.ioctl_replies()
         if ioctls:
             requests["ioctl"] = ioctls  # likewise: isatty() at every open
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),
-                      "foreign_xattrs_answered": foreign,
+                      "foreign_xattrs_answered": foreign, "front": front, "front_passed": passed,
                       "names_listed": self.names.listed if self.names else 0}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes

@@ -256,6 +256,59 @@ def test_the_kernels_capability_checks_are_answered_without_python(fs, buf):
     assert requests_during(fs, "ioctl", lambda: open(path, "rb").close()) == 1
 
 
+def test_the_front_thread_answers_the_kernels_checks_and_queues_the_rest(fs, buf):
+    """The library's front thread reads every request (mount/interpose.py): the kernel's
+    security.capability checks and Python's isatty IOCTLs are answered there and never
+    handed to pyfuse3; the daemon's own requests (an entry's own attributes, a read) are."""
+    path = buf / "entries" / "front.npy"
+    write_entry(buf, "front.npy", npy(np.arange(5, dtype=np.int64)))
+
+    def handed() -> int:
+        return mount_stats(fs)["front_passed"]
+
+    def checks() -> None:
+        for _ in range(200):
+            with pytest.raises(OSError) as err:
+                os.getxattr(path, "security.capability")
+            assert err.value.errno == errno.ENODATA
+            with open(path, "rb") as f:  # isatty: an IOCTL
+                f.isatty()
+
+    assert mount_stats(fs)["front"] is True
+    idle = handed()
+    idle = handed() - idle  # what reading the counts hands over
+    before = handed()
+    checks()
+    answered = handed() - before - idle
+    # 200 checks, 200 opens (OPEN; LOOKUP and RELEASE at most) and 400 IOCTLs: only the
+    # opens' own requests reach pyfuse3
+    assert 200 <= answered <= 3 * 200 + 20
+    before = handed()
+    assert int(xattr(path, "size")) == os.path.getsize(path)  # distorefs' own name: pyfuse3's handler
+    assert handed() - before - idle >= 1
+    assert np.array_equal(np.load(path), np.arange(5))
+
+
+def test_without_the_front_pyfuse3_reads_the_requests(fresh_mount, monkeypatch):
+    """DISTOREFS_FRONT=0 (for comparisons): pyfuse3's loop reads /dev/fuse as it would
+    alone; the library still answers the capability checks, on that loop."""
+    monkeypatch.setenv("DISTOREFS_FRONT", "0")
+    m = fresh_mount()
+    buf = m.mnt / "buffers" / "nofront"
+    buf.mkdir()
+    stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
+    assert stats["front"] is False and stats["front_passed"] == 0
+    write_entry(buf, "a.npy", npy(np.full(3, 9, np.int32)))
+    with open(buf / "priorities", "w") as f:
+        f.write("a.npy 4.5\n")
+    assert float(xattr(buf / "entries" / "a.npy", "priority")) == 4.5
+    with pytest.raises(OSError) as err:
+        os.getxattr(buf / "entries" / "a.npy", "security.capability")
+    assert err.value.errno == errno.ENODATA
+    stats = json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
+    assert stats["foreign_xattrs_answered"] >= 3
+
+
 def test_a_learners_batches_cost_an_open_and_a_release(fs, buf):
     """One process loading batch/N.npz again and again (a learner's loop): the kernel keeps
     the name and, the batches being all one size, the size; each np.load costs OPEN and
