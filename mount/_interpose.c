@@ -32,6 +32,15 @@
  *   insert one of each. The cost is one more thread hand-off for each request Python
  *   answers. At most FRONT_QUEUE requests wait for Python; then the front stops reading.
  *
+ * - Answers Python leaves to the front (fuse_reply_attr, fuse_reply_entry; the session's
+ *   GETATTR and FLUSH handlers): an inode whose attributes Python holds (hold_attributes:
+ *   a file whose attributes change only by an act Python sees, which drops them) gets its
+ *   GETATTR answered by the front from the attributes Python last replied with; a handle
+ *   Python marks as having nothing to do at close (flush_answered) gets its FLUSH answered
+ *   0 by the front. A `priorities` write paid a GETATTR (the truncating open drops the
+ *   kernel's attributes and Python's open() stats the file) and a FLUSH: both in C now.
+ *   On pyfuse3's own thread those handlers are pyfuse3's, always.
+ *
  * Built against the same libfuse headers as pyfuse3 (pkg-config fuse3), so the bitfield
  * is where pyfuse3's libfuse expects it.
  */
@@ -60,6 +69,9 @@ typedef int (*reply_open_fn)(fuse_req_t, const struct fuse_file_info *);
 typedef struct fuse_session *(*session_new_fn)(struct fuse_args *, const struct fuse_lowlevel_ops *, size_t,
                                                void *);
 typedef void (*getxattr_fn)(fuse_req_t, fuse_ino_t, const char *, size_t);
+typedef void (*file_op_fn)(fuse_req_t, fuse_ino_t, struct fuse_file_info *);
+typedef int (*reply_attr_fn)(fuse_req_t, const struct stat *, double);
+typedef int (*reply_entry_fn)(fuse_req_t, const struct fuse_entry_param *);
 typedef int (*session_fd_fn)(struct fuse_session *);
 typedef int (*receive_buf_fn)(struct fuse_session *, struct fuse_buf *);
 typedef void (*process_buf_fn)(struct fuse_session *, const struct fuse_buf *);
@@ -71,8 +83,14 @@ typedef void (*session_destroy_fn)(struct fuse_session *);
 #define IN_HEADER_SIZE 40
 #define IN_OPCODE_OFFSET 4
 #define GETXATTR_IN_SIZE 8
+#define OPCODE_GETATTR 3
+#define OPCODE_FLUSH 25
 #define OPCODE_GETXATTR 22
 #define OPCODE_IOCTL 39
+#define IN_NODEID_OFFSET 16
+#define FLUSH_IN_FH_OFFSET 0  /* struct fuse_flush_in: fh first */
+#define FLUSH_IN_SIZE 24
+#define HELD_MAX 64  /* inodes with held attributes, and handles with nothing at flush, at most */
 
 #define FRONT_QUEUE 64  /* requests read ahead of pyfuse3 at most (the kernel's own queue holds the rest) */
 #define FRONT_SPARE 8   /* request buffers (libfuse's size, about 1 MiB each) kept for reuse */
@@ -83,6 +101,8 @@ static session_fd_fn libfuse_session_fd;
 static receive_buf_fn libfuse_receive_buf;
 static process_buf_fn libfuse_process_buf;
 static session_destroy_fn libfuse_session_destroy;
+static reply_attr_fn libfuse_reply_attr;
+static reply_entry_fn libfuse_reply_entry;
 static getxattr_fn handler_getxattr;  /* pyfuse3's */
 static struct fuse_lowlevel_ops session_ops;  /* libfuse keeps a copy; this one outlives the call anyway */
 static unsigned long long noflush_replies;
@@ -106,6 +126,16 @@ static unsigned front_spare_count;
 static int front_ended, front_result;
 static unsigned long long front_passed;  /* requests handed to pyfuse3 */
 
+/* What Python leaves to the front, guarded by held_lock. */
+static struct held { uint64_t ino; int valid; struct stat attr; double timeout; } held[HELD_MAX];
+static unsigned held_count;
+static uint64_t flush_free[HELD_MAX];  /* handles with nothing to do at flush */
+static unsigned flush_free_count;
+static pthread_mutex_t held_lock = PTHREAD_MUTEX_INITIALIZER;
+static file_op_fn handler_getattr, handler_flush;  /* pyfuse3's */
+static unsigned long long front_getattrs, front_flushes;
+/* On the front's thread: the answer answered_in_c found for the request it processes next. */
+static __thread struct { int opcode; struct stat attr; double timeout; } front_answer;
 
 /* Runs when the library is loaded, before anything can call through it. The library is
    linked against libfuse3, so that is loaded already: take its definitions, not ours
@@ -128,7 +158,74 @@ __attribute__((constructor)) static void find_libfuse(void)
         libfuse_receive_buf = receive_buf;
         libfuse_process_buf = (process_buf_fn)dlsym(lib, "fuse_session_process_buf");
         libfuse_session_destroy = session_destroy;
+        libfuse_reply_attr = (reply_attr_fn)dlsym(lib, "fuse_reply_attr");
+        libfuse_reply_entry = (reply_entry_fn)dlsym(lib, "fuse_reply_entry");
     }
+}
+
+static struct held *held_find(uint64_t ino)  /* with held_lock held */
+{
+    for (unsigned i = 0; i < held_count; i++)
+        if (held[i].ino == ino)
+            return &held[i];
+    return NULL;
+}
+
+static int flush_free_find(uint64_t fh)  /* with held_lock held; its index or -1 */
+{
+    for (unsigned i = 0; i < flush_free_count; i++)
+        if (flush_free[i] == fh)
+            return (int)i;
+    return -1;
+}
+
+/* Python's attribute replies: kept for the inodes it holds. */
+static void held_remember(const struct stat *attr, double timeout)
+{
+    pthread_mutex_lock(&held_lock);
+    struct held *h = held_count ? held_find((uint64_t)attr->st_ino) : NULL;
+    if (h != NULL) {
+        h->attr = *attr;
+        h->timeout = timeout;
+        h->valid = 1;
+    }
+    pthread_mutex_unlock(&held_lock);
+}
+
+int fuse_reply_attr(fuse_req_t req, const struct stat *attr, double attr_timeout)
+{
+    if (held_count)  /* unlocked peek: a hold made now applies from the next reply */
+        held_remember(attr, attr_timeout);
+    return libfuse_reply_attr(req, attr, attr_timeout);
+}
+
+int fuse_reply_entry(fuse_req_t req, const struct fuse_entry_param *e)
+{
+    if (held_count && e->ino != 0)
+        held_remember(&e->attr, e->attr_timeout);
+    return libfuse_reply_entry(req, e);
+}
+
+static void getattr_held(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    if (front_answer.opcode == OPCODE_GETATTR) {  /* the front's thread, with the answer */
+        front_answer.opcode = 0;
+        __atomic_add_fetch(&front_getattrs, 1, __ATOMIC_RELAXED);
+        libfuse_reply_attr(req, &front_answer.attr, front_answer.timeout);
+        return;
+    }
+    handler_getattr(req, ino, fi);
+}
+
+static void flush_answered(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    if (front_answer.opcode == OPCODE_FLUSH) {
+        front_answer.opcode = 0;
+        __atomic_add_fetch(&front_flushes, 1, __ATOMIC_RELAXED);
+        fuse_reply_err(req, 0);
+        return;
+    }
+    handler_flush(req, ino, fi);
 }
 
 static void getxattr_own_names(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size)
@@ -164,6 +261,12 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     }
     if (session_ops.ioctl == NULL)
         session_ops.ioctl = ioctl_unsupported;
+    if (front_wanted && op->getattr != NULL && op->flush != NULL) {
+        handler_getattr = op->getattr;
+        session_ops.getattr = getattr_held;
+        handler_flush = op->flush;
+        session_ops.flush = flush_answered;
+    }
     struct fuse_session *se = libfuse_session_new(args, &session_ops, op_size, userdata);
     if (se != NULL && front_wanted && front_se == NULL)
         front_se = se;
@@ -181,6 +284,32 @@ static int answered_in_c(const char *mem, size_t size)
     memcpy(&opcode, mem + IN_OPCODE_OFFSET, sizeof(opcode));
     if (opcode == OPCODE_IOCTL)
         return session_ops.ioctl == ioctl_unsupported;
+    if (opcode == OPCODE_GETATTR && session_ops.getattr == getattr_held) {
+        uint64_t ino;
+        int found = 0;
+        memcpy(&ino, mem + IN_NODEID_OFFSET, sizeof(ino));
+        pthread_mutex_lock(&held_lock);
+        struct held *h = held_count ? held_find(ino) : NULL;
+        if (h != NULL && h->valid) {
+            front_answer.opcode = OPCODE_GETATTR;
+            front_answer.attr = h->attr;
+            front_answer.timeout = h->timeout;
+            found = 1;
+        }
+        pthread_mutex_unlock(&held_lock);
+        return found;
+    }
+    if (opcode == OPCODE_FLUSH && session_ops.flush == flush_answered && size >= IN_HEADER_SIZE + FLUSH_IN_SIZE) {
+        uint64_t fh;
+        int found;
+        memcpy(&fh, mem + IN_HEADER_SIZE + FLUSH_IN_FH_OFFSET, sizeof(fh));
+        pthread_mutex_lock(&held_lock);
+        found = flush_free_count && flush_free_find(fh) >= 0;
+        pthread_mutex_unlock(&held_lock);
+        if (found)
+            front_answer.opcode = OPCODE_FLUSH;
+        return found;
+    }
     if (opcode == OPCODE_GETXATTR && session_ops.getxattr == getxattr_own_names) {
         size_t prefix = sizeof(XATTR_PREFIX) - 1;
         if (size < IN_HEADER_SIZE + GETXATTR_IN_SIZE + prefix)
@@ -208,6 +337,7 @@ static void *front_run(void *unused)
             break;
         if (answered_in_c(buf.mem, buf.size)) {
             libfuse_process_buf(front_se, &buf);
+            front_answer.opcode = 0;  /* used (or the request refused before its handler) */
             continue;  /* the same buffer for the next request */
         }
         pthread_mutex_lock(&front_lock);
@@ -339,7 +469,9 @@ static PyObject *interposed(PyObject *self, PyObject *unused)
                            dlsym(RTLD_DEFAULT, "fuse_session_new") == (void *)fuse_session_new &&
                            dlsym(RTLD_DEFAULT, "fuse_session_fd") == (void *)fuse_session_fd &&
                            dlsym(RTLD_DEFAULT, "fuse_session_receive_buf") == (void *)fuse_session_receive_buf &&
-                           dlsym(RTLD_DEFAULT, "fuse_session_destroy") == (void *)fuse_session_destroy);
+                           dlsym(RTLD_DEFAULT, "fuse_session_destroy") == (void *)fuse_session_destroy &&
+                           dlsym(RTLD_DEFAULT, "fuse_reply_attr") == (void *)fuse_reply_attr &&
+                           dlsym(RTLD_DEFAULT, "fuse_reply_entry") == (void *)fuse_reply_entry);
 }
 
 static PyObject *replies(PyObject *self, PyObject *unused)
@@ -365,6 +497,52 @@ static PyObject *front_state(PyObject *self, PyObject *unused)
     return Py_BuildValue("(OK)", front_started ? Py_True : Py_False, passed);
 }
 
+static PyObject *hold_attributes(PyObject *self, PyObject *args)
+{
+    unsigned long long ino;
+    int on, done = 1;
+    if (!PyArg_ParseTuple(args, "Kp", &ino, &on))
+        return NULL;
+    pthread_mutex_lock(&held_lock);
+    struct held *h = held_find(ino);
+    if (on && h == NULL) {
+        if (held_count < HELD_MAX)
+            held[held_count++] = (struct held){.ino = ino, .valid = 0};
+        else
+            done = 0;
+    } else if (!on && h != NULL) {
+        *h = held[--held_count];
+    }
+    pthread_mutex_unlock(&held_lock);
+    return PyBool_FromLong(done);
+}
+
+static PyObject *set_flush_free(PyObject *self, PyObject *args)
+{
+    unsigned long long fh;
+    int on, done = 1;
+    if (!PyArg_ParseTuple(args, "Kp", &fh, &on))
+        return NULL;
+    pthread_mutex_lock(&held_lock);
+    int i = flush_free_find(fh);
+    if (on && i < 0) {
+        if (flush_free_count < HELD_MAX)
+            flush_free[flush_free_count++] = fh;
+        else
+            done = 0;
+    } else if (!on && i >= 0) {
+        flush_free[i] = flush_free[--flush_free_count];
+    }
+    pthread_mutex_unlock(&held_lock);
+    return PyBool_FromLong(done);
+}
+
+static PyObject *front_answers(PyObject *self, PyObject *unused)
+{
+    return Py_BuildValue("(KK)", __atomic_load_n(&front_getattrs, __ATOMIC_RELAXED),
+                         __atomic_load_n(&front_flushes, __ATOMIC_RELAXED));
+}
+
 static PyObject *set_front(PyObject *self, PyObject *on)
 {
     front_wanted = PyObject_IsTrue(on) ? 1 : 0;
@@ -388,6 +566,11 @@ static PyMethodDef methods[] = {
     {"front", front_state, METH_NOARGS,
      "(whether the front thread reads the session's requests, requests it handed to pyfuse3)."},
     {"use_front", set_front, METH_O, "Whether the next session made is read by the front (default: yes)."},
+    {"hold_attributes", hold_attributes, METH_VARARGS,
+     "(ino, on): the front answers GETATTR of ino with Python's last attribute reply for it (False: no room)."},
+    {"flush_free", set_flush_free, METH_VARARGS,
+     "(fh, on): the front answers FLUSH of handle fh itself (False: no room)."},
+    {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes) the front answered itself."},
     {"answer_foreign_xattrs", set_answer_foreign_xattrs, METH_O,
      "Whether sessions made from now on answer GETXATTR of foreign names here (default: yes)."},
     {NULL, NULL, 0, NULL},

@@ -46,7 +46,9 @@ def stable_number(kind: int, space: int, obj: int) -> int | None:
 
 
 class InodeTable:
-    def __init__(self) -> None:
+    def __init__(self, on_drop: Callable[[int], None] | None = None) -> None:
+        # on_drop(ino): the number left the table (what was kept for it elsewhere goes too)
+        self._on_drop = on_drop
         self._nodes: dict[int, object] = {}
         self._by_key: dict[Hashable, int] = {}
         self._lookups: dict[int, int] = {}
@@ -111,7 +113,12 @@ class InodeTable:
             del self._by_key[node.key]  # type: ignore[attr-defined]
         node.key = None  # type: ignore[attr-defined]
         if not self._lookups.get(ino) and ino not in self._fixed:
-            del self._nodes[ino]
+            self._drop(ino)
+
+    def _drop(self, ino: int) -> None:
+        del self._nodes[ino]
+        if self._on_drop is not None:
+            self._on_drop(ino)
 
     def known(self, ino: int) -> bool:
         """Whether the kernel holds `ino` (looked up and not forgotten)."""
@@ -133,7 +140,7 @@ class InodeTable:
             return
         if getattr(node, "open_handles", 0):
             return  # forgotten while open (rare): dropped on release instead
-        self._nodes.pop(ino)
+        self._drop(ino)
         if node.key is not None and self._by_key.get(node.key) == ino:  # type: ignore[attr-defined]
             del self._by_key[node.key]  # type: ignore[attr-defined]
 
@@ -142,6 +149,6 @@ class InodeTable:
         ino = node.ino
         if not node.open_handles and ino not in self._lookups and ino not in self._fixed:
             if self._nodes.get(ino) is node:
-                del self._nodes[ino]
+                self._drop(ino)
                 if node.key is not None and self._by_key.get(node.key) == ino:
                     del self._by_key[node.key]

@@ -12,7 +12,10 @@
   ENOSYS as libfuse would, and counted (`ioctl_replies`).
 - The front: a native thread of the library reads every request and answers those two
   kinds itself, without the GIL or the trio loop; pyfuse3 waits on an eventfd and takes
-  the rest from its queue (`front()`). DISTOREFS_FRONT=0 in the daemon's environment
+  the rest from its queue (`front()`). It also answers GETATTR of an inode whose
+  attributes Python holds there (`hold_attributes`: they change only by an act of Python's,
+  which forgets them first) and FLUSH of a handle with nothing to do at close
+  (`flush_free`). DISTOREFS_FRONT=0 in the daemon's environment
   leaves the reading to pyfuse3, as before (for comparisons).
 
 The library defines those libfuse functions and forwards to libfuse's own; loaded into the
@@ -80,6 +83,34 @@ def front() -> tuple[bool, int]:
         return False, 0
     on, passed = _library.front()
     return bool(on), int(passed)
+
+
+def hold_attributes(ino: int) -> None:
+    """From the next attribute reply for `ino` on, the front answers its GETATTRs with it,
+    until `forget_attributes(ino)`. For attributes that change only by an act of ours."""
+    if _library is not None:
+        _library.hold_attributes(ino, True)
+
+
+def forget_attributes(ino: int) -> None:
+    """GETATTR of `ino` reaches Python again (before its attributes change)."""
+    if _library is not None:
+        _library.hold_attributes(ino, False)
+
+
+def flush_free(fh: int, free: bool) -> None:
+    """Whether handle `fh` has nothing to do at close: its FLUSH is then answered by the
+    front. Set false before anything that gives it work, and at its release."""
+    if _library is not None:
+        _library.flush_free(fh, free)
+
+
+def front_answers() -> tuple[int, int]:
+    """(GETATTRs, FLUSHes) the front answered itself so far."""
+    if _library is None:
+        return 0, 0
+    getattrs, flushes = _library.front_answers()
+    return int(getattrs), int(flushes)
 
 
 def count_only() -> None:

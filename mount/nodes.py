@@ -28,6 +28,7 @@ from distorefs.names import check_name
 from distorefs.owner import Owner
 from distorefs.ratelimit import InsertTicket
 
+from . import interpose
 from .callers import abandoned_by, process_of
 from .handles import (BytesReader, ClientHandle, ConfigWriter, EntryWriter, Handle, PrioritiesWriter,
                       SampleReader, wants_read, wants_write)
@@ -294,7 +295,11 @@ class RingDir(Node):
                                       uid=attr.st_uid if fields.update_uid else None,
                                       gid=attr.st_gid if fields.update_gid else None)
         # entries/, at/, sample/ ... take their owner and mode from the namespace: the kernel
-        # holds their attributes for DIR_LONG and checks permissions against them.
+        # holds their attributes for DIR_LONG and checks permissions against them, and the
+        # library holds priorities' (PrioritiesFile).
+        priorities = self.fs.inodes.ino_of(("priorities", self.ns.ns_id))
+        if priorities is not None:
+            interpose.forget_attributes(priorities)
         if self.fs.invalidator is not None:
             for name in (b"entries", b"at", b"sample", b"batch", b"priorities", b"client", b"config.json",
                          b"stats.json"):
@@ -385,6 +390,13 @@ class BufferControlFile(Node):
 
 class PrioritiesFile(BufferControlFile):
     """priorities: a read renders them, a write updates them."""
+
+    def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        # They change only with the buffer's owner (BufferDir.setattr forgets them first).
+        # A learner's every `open(priorities, "w")` drops them in the kernel (O_TRUNC) and
+        # Python's open() stats the file: that GETATTR is answered by the library's thread.
+        interpose.hold_attributes(self.ino)
+        return super().attributes(ctx)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):

@@ -71,7 +71,7 @@ class Filesystem(pyfuse3.Operations):
     def __init__(self, store: Store) -> None:
         super().__init__()
         self.store = store
-        self.inodes = InodeTable()
+        self.inodes = InodeTable(on_drop=interpose.forget_attributes)
         self.handles: dict[int, Handle] = {}
         self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
         self._fh = itertools.count(1)
@@ -117,6 +117,11 @@ class Filesystem(pyfuse3.Operations):
         if foreign:
             requests["getxattr"] += foreign  # answered by the library (mount/interpose.py), not here
         front, passed = interpose.front()  # requests the library's thread handed to pyfuse3
+        getattrs, flushes = interpose.front_answers()
+        if getattrs:
+            requests["getattr"] += getattrs  # answered by the library's thread, likewise
+        if flushes:
+            requests["flush"] += flushes
         ioctls = interpose.ioctl_replies()
         if ioctls:
             requests["ioctl"] = ioctls  # likewise: isatty() at every open
@@ -342,7 +347,14 @@ class Filesystem(pyfuse3.Operations):
 
     @_translate
     async def write(self, fh, off, buf):
-        return await self._handle(fh).write(off, buf)
+        handle = self._handle(fh)
+        if not handle.flush_tracked:
+            return await handle.write(off, buf)
+        interpose.flush_free(fh, False)
+        n = await handle.write(off, buf)
+        if handle.nothing_at_flush():
+            interpose.flush_free(fh, True)  # its close's FLUSH is answered by the library
+        return n
 
     @_translate
     async def flush(self, fh):
@@ -360,6 +372,8 @@ class Filesystem(pyfuse3.Operations):
         handle = self.handles.pop(fh, None)
         if handle is None:
             return
+        if handle.flush_tracked:
+            interpose.flush_free(fh, False)  # the number goes to the next open
         node = handle.node
         try:
             await handle.release()

@@ -289,6 +289,70 @@ def test_the_front_thread_answers_the_kernels_checks_and_queues_the_rest(fs, buf
     assert np.array_equal(np.load(path), np.arange(5))
 
 
+def test_a_priorities_write_reaches_python_twice(fs, buf):
+    """A learner's `open(priorities, "w")` + write + close: the truncating open drops the
+    kernel's attributes and Python's open() stats the file; that GETATTR, and the FLUSH of
+    a close after whole lines (each write returns committed), are answered by the library's
+    front from what Python left it. Python sees the OPEN and the WRITE (and the RELEASE,
+    after close returns); the counts still show every request."""
+    for i in range(3):
+        write_entry(buf, f"p{i}.npy", npy(np.full(2, i, np.int32)))
+
+    def handed() -> int:
+        return mount_stats(fs)["front_passed"]
+
+    def update(text: str) -> None:
+        with open(buf / "priorities", "w") as f:
+            f.write(text)
+
+    update("p0.npy 1.0\n")  # the attributes are held from the first reply on
+    os.stat(buf / "priorities")
+    idle = handed()
+    idle = handed() - idle
+    first = mount_stats(fs)
+    for n in range(20):
+        update(f"p0.npy {n + 2.5}\np1.npy {n + 0.5}\n")
+    time.sleep(0.2)  # the last RELEASE
+    last = mount_stats(fs)
+    counted, now = first["requests"], last["requests"]
+    # per update: OPEN, WRITE and RELEASE (before the front answered them, GETATTR and FLUSH too)
+    assert last["front_passed"] - first["front_passed"] - idle <= 20 * 3 + 4
+    assert float(xattr(buf / "entries" / "p0.npy", "priority")) == 21.5
+    assert float(xattr(buf / "entries" / "p1.npy", "priority")) == 19.5
+    assert now["flush"] - counted["flush"] >= 20 and now["getattr"] - counted["getattr"] >= 20
+    assert mount_stats(fs)["front"] is True
+
+    # a last line without its newline is the close's to apply: that FLUSH is Python's
+    update("p2.npy 6.5")
+    assert float(xattr(buf / "entries" / "p2.npy", "priority")) == 6.5
+    with pytest.raises(OSError) as err:  # and a bad line still fails the close that sends it
+        update("p2.npy x\n")
+    assert err.value.errno == errno.EINVAL
+    assert float(xattr(buf / "entries" / "p2.npy", "priority")) == 6.5
+
+
+def test_a_chmod_of_the_buffer_reaches_the_attributes_the_library_holds(fs, buf):
+    """priorities' attributes follow the buffer's owner and mode: a chmod of the buffer
+    forgets what the front holds, so the stat after the next truncating open is new."""
+    write_entry(buf, "c.npy", npy(np.zeros(2, np.int32)))
+
+    def mode_after_update() -> int:
+        with open(buf / "priorities", "w") as f:
+            f.write("c.npy 2\n")
+            return os.fstat(f.fileno()).st_mode & 0o777
+
+    os.stat(buf / "priorities")
+    assert mode_after_update() == 0o644
+    assert mode_after_update() == 0o644  # from the front
+    os.chmod(buf, 0o700)
+    try:
+        assert mode_after_update() == 0o600
+        assert (buf / "priorities").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.chmod(buf, 0o755)
+    assert mode_after_update() == 0o644
+
+
 def test_without_the_front_pyfuse3_reads_the_requests(fresh_mount, monkeypatch):
     """DISTOREFS_FRONT=0 (for comparisons): pyfuse3's loop reads /dev/fuse as it would
     alone; the library still answers the capability checks, on that loop."""
