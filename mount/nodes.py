@@ -296,16 +296,15 @@ class RingDir(Node):
                                       gid=attr.st_gid if fields.update_gid else None)
         # entries/, at/, sample/ ... take their owner and mode from the namespace: the kernel
         # holds their attributes for DIR_LONG and checks permissions against them, and the
-        # library holds priorities' (PrioritiesFile).
-        priorities = self.fs.inodes.ino_of(("priorities", self.ns.ns_id))
-        if priorities is not None:
-            interpose.forget_attributes(priorities)
-        if self.fs.invalidator is not None:
-            for name in (b"entries", b"at", b"sample", b"batch", b"priorities", b"client", b"config.json",
-                         b"stats.json"):
-                ino = self.fs.inodes.ino_of((name.decode().split(".")[0], self.ns.ns_id))
-                if ino is not None:
-                    self.fs.invalidator.inode(ino)
+        # library holds those of entries/ and priorities (EntriesDir, PrioritiesFile).
+        for name in (b"entries", b"at", b"sample", b"batch", b"priorities", b"client", b"config.json",
+                     b"stats.json"):
+            ino = self.fs.inodes.ino_of((name.decode().split(".")[0], self.ns.ns_id))
+            if ino is None:
+                continue
+            interpose.forget_attributes(ino)
+            if self.fs.invalidator is not None:
+                self.fs.invalidator.inode(ino)
 
 
 class BankDir(RingDir):
@@ -552,6 +551,10 @@ class EntriesDir(Node):
         self._private = itertools.count()
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
+        # They change only with the namespace's owner (RingDir.setattr forgets them first).
+        # Every insert drops them in the kernel (a create in a directory does) and the next
+        # one's path walk asks again: that GETATTR is answered by the library's thread.
+        interpose.hold_attributes(self.ino)
         o = self.buf.owner
         return make_attrs(self.ino, stat.S_IFDIR | (o.mode & 0o7777), 0, o.uid, o.gid, self.buf.ctime_ns,
                           DIR_LONG, nlink=2)

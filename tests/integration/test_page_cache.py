@@ -331,9 +331,33 @@ def test_a_priorities_write_reaches_python_twice(fs, buf):
     assert float(xattr(buf / "entries" / "p2.npy", "priority")) == 6.5
 
 
+def test_an_insert_reaches_python_five_times(fs, buf):
+    """An insert by Python's open(): the create drops entries/' attributes in the kernel and
+    the next insert's path walk asks for them; the front answers that GETATTR from what
+    Python holds there, as it answers the IOCTL and the GETXATTR before write(). Python sees
+    LOOKUP, CREATE, WRITE, FLUSH (the commit) and RELEASE."""
+    write_entry(buf, "i0.npy", npy(np.zeros(2, np.int32)))
+    (buf / "entries").stat()
+
+    def handed() -> int:
+        return mount_stats(fs)["front_passed"]
+
+    idle = handed()
+    idle = handed() - idle
+    first = mount_stats(fs)
+    for i in range(1, 21):
+        write_entry(buf, f"i{i}.npy", npy(np.full(2, i, np.int32)))
+    time.sleep(0.2)  # the last RELEASE
+    last = mount_stats(fs)
+    assert last["front_passed"] - first["front_passed"] - idle <= 20 * 5 + 4
+    assert last["requests"]["getattr"] - first["requests"]["getattr"] >= 20  # still counted
+    assert np.array_equal(np.load(buf / "entries" / "i20.npy"), np.full(2, 20, np.int32))
+
+
 def test_a_chmod_of_the_buffer_reaches_the_attributes_the_library_holds(fs, buf):
-    """priorities' attributes follow the buffer's owner and mode: a chmod of the buffer
-    forgets what the front holds, so the stat after the next truncating open is new."""
+    """priorities' and entries/' attributes follow the buffer's owner and mode: a chmod of
+    the buffer forgets what the front holds, so the stat after the next truncating open, or
+    after the next insert, is new."""
     write_entry(buf, "c.npy", npy(np.zeros(2, np.int32)))
 
     def mode_after_update() -> int:
@@ -344,13 +368,21 @@ def test_a_chmod_of_the_buffer_reaches_the_attributes_the_library_holds(fs, buf)
     os.stat(buf / "priorities")
     assert mode_after_update() == 0o644
     assert mode_after_update() == 0o644  # from the front
+    def entries_mode_after_insert(name: str) -> int:  # a create drops entries/' attributes
+        write_entry(buf, name, npy(np.zeros(2, np.int32)))
+        return (buf / "entries").stat().st_mode & 0o7777
+
+    assert entries_mode_after_insert("d1.npy") == 0o755
+    assert entries_mode_after_insert("d2.npy") == 0o755  # from the front
     os.chmod(buf, 0o700)
     try:
         assert mode_after_update() == 0o600
         assert (buf / "priorities").stat().st_mode & 0o777 == 0o600
+        assert entries_mode_after_insert("d3.npy") == 0o700
     finally:
         os.chmod(buf, 0o755)
     assert mode_after_update() == 0o644
+    assert entries_mode_after_insert("d4.npy") == 0o755
 
 
 def test_without_the_front_pyfuse3_reads_the_requests(fresh_mount, monkeypatch):
