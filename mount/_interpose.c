@@ -39,6 +39,10 @@
  *   Python marks as having nothing to do at close (flush_answered) gets its FLUSH answered
  *   0 by the front. A `priorities` write paid a GETATTR (the truncating open drops the
  *   kernel's attributes and Python's open() stats the file) and a FLUSH: both in C now.
+ *   And RELEASE of a handle Python marks as having nothing to do then but bookkeeping
+ *   (release_free: the read-only opens that send no FLUSH) is answered by the front, its
+ *   number kept for Python to take (take_released) before it handles its next request:
+ *   every read of an entry, a batch or a dataset item paid a trip through Python for it.
  *   On pyfuse3's own thread those handlers are pyfuse3's, always.
  *
  * Built against the same libfuse headers as pyfuse3 (pkg-config fuse3), so the bitfield
@@ -90,6 +94,9 @@ typedef void (*session_destroy_fn)(struct fuse_session *);
 #define IN_NODEID_OFFSET 16
 #define FLUSH_IN_FH_OFFSET 0  /* struct fuse_flush_in: fh first */
 #define FLUSH_IN_SIZE 24
+#define OPCODE_RELEASE 18
+#define RELEASE_IN_SIZE 24  /* struct fuse_release_in: fh first */
+#define RELEASE_MAX 1024    /* handles whose RELEASE the front may answer, and answered ones not yet taken */
 #define HELD_MAX 64  /* inodes with held attributes, and handles with nothing at flush, at most */
 
 #define FRONT_QUEUE 64  /* requests read ahead of pyfuse3 at most (the kernel's own queue holds the rest) */
@@ -132,8 +139,12 @@ static unsigned held_count;
 static uint64_t flush_free[HELD_MAX];  /* handles with nothing to do at flush */
 static unsigned flush_free_count;
 static pthread_mutex_t held_lock = PTHREAD_MUTEX_INITIALIZER;
-static file_op_fn handler_getattr, handler_flush;  /* pyfuse3's */
-static unsigned long long front_getattrs, front_flushes;
+static uint64_t release_free[RELEASE_MAX];  /* handles whose release is Python's bookkeeping only */
+static unsigned release_free_count;
+static uint64_t released[RELEASE_MAX];  /* answered here, for Python to take */
+static unsigned released_count;
+static file_op_fn handler_getattr, handler_flush, handler_release;  /* pyfuse3's */
+static unsigned long long front_getattrs, front_flushes, front_releases;
 /* On the front's thread: the answer answered_in_c found for the request it processes next. */
 static __thread struct { int opcode; struct stat attr; double timeout; } front_answer;
 
@@ -217,6 +228,17 @@ static void getattr_held(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *
     handler_getattr(req, ino, fi);
 }
 
+static void release_answered(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    if (front_answer.opcode == OPCODE_RELEASE) {  /* its number is in `released` already */
+        front_answer.opcode = 0;
+        __atomic_add_fetch(&front_releases, 1, __ATOMIC_RELAXED);
+        fuse_reply_err(req, 0);
+        return;
+    }
+    handler_release(req, ino, fi);
+}
+
 static void flush_answered(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     if (front_answer.opcode == OPCODE_FLUSH) {
@@ -261,11 +283,13 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     }
     if (session_ops.ioctl == NULL)
         session_ops.ioctl = ioctl_unsupported;
-    if (front_wanted && op->getattr != NULL && op->flush != NULL) {
+    if (front_wanted && op->getattr != NULL && op->flush != NULL && op->release != NULL) {
         handler_getattr = op->getattr;
         session_ops.getattr = getattr_held;
         handler_flush = op->flush;
         session_ops.flush = flush_answered;
+        handler_release = op->release;
+        session_ops.release = release_answered;
     }
     struct fuse_session *se = libfuse_session_new(args, &session_ops, op_size, userdata);
     if (se != NULL && front_wanted && front_se == NULL)
@@ -297,6 +321,27 @@ static int answered_in_c(const char *mem, size_t size)
             found = 1;
         }
         pthread_mutex_unlock(&held_lock);
+        return found;
+    }
+    if (opcode == OPCODE_RELEASE && session_ops.release == release_answered &&
+        size >= IN_HEADER_SIZE + RELEASE_IN_SIZE) {
+        uint64_t fh;
+        int found = 0;
+        memcpy(&fh, mem + IN_HEADER_SIZE, sizeof(fh));
+        pthread_mutex_lock(&held_lock);
+        for (unsigned i = 0; i < release_free_count; i++) {
+            if (release_free[i] == fh) {  /* out of the set either way: this is its last request */
+                release_free[i] = release_free[--release_free_count];
+                if (released_count < RELEASE_MAX) {  /* else pyfuse3's handler takes it */
+                    released[released_count++] = fh;
+                    found = 1;
+                }
+                break;
+            }
+        }
+        pthread_mutex_unlock(&held_lock);
+        if (found)
+            front_answer.opcode = OPCODE_RELEASE;
         return found;
     }
     if (opcode == OPCODE_FLUSH && session_ops.flush == flush_answered && size >= IN_HEADER_SIZE + FLUSH_IN_SIZE) {
@@ -539,8 +584,38 @@ static PyObject *set_flush_free(PyObject *self, PyObject *args)
 
 static PyObject *front_answers(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("(KK)", __atomic_load_n(&front_getattrs, __ATOMIC_RELAXED),
-                         __atomic_load_n(&front_flushes, __ATOMIC_RELAXED));
+    return Py_BuildValue("(KKK)", __atomic_load_n(&front_getattrs, __ATOMIC_RELAXED),
+                         __atomic_load_n(&front_flushes, __ATOMIC_RELAXED),
+                         __atomic_load_n(&front_releases, __ATOMIC_RELAXED));
+}
+
+static PyObject *set_release_free(PyObject *self, PyObject *arg)
+{
+    unsigned long long fh = PyLong_AsUnsignedLongLong(arg);
+    int done = 0;
+    if (fh == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&held_lock);
+    if (front_started && release_free_count < RELEASE_MAX) {  /* only the front takes them out */
+        release_free[release_free_count++] = fh;
+        done = 1;
+    }
+    pthread_mutex_unlock(&held_lock);
+    return PyBool_FromLong(done);
+}
+
+static PyObject *take_released(PyObject *self, PyObject *unused)
+{
+    if (__atomic_load_n(&released_count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
+        return PyTuple_New(0);
+    pthread_mutex_lock(&held_lock);
+    PyObject *out = PyTuple_New(released_count);
+    for (unsigned i = 0; out != NULL && i < released_count; i++)
+        PyTuple_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(released[i]));
+    if (out != NULL)
+        released_count = 0;
+    pthread_mutex_unlock(&held_lock);
+    return out;
 }
 
 static PyObject *set_front(PyObject *self, PyObject *on)
@@ -570,7 +645,10 @@ static PyMethodDef methods[] = {
      "(ino, on): the front answers GETATTR of ino with Python's last attribute reply for it (False: no room)."},
     {"flush_free", set_flush_free, METH_VARARGS,
      "(fh, on): the front answers FLUSH of handle fh itself (False: no room)."},
-    {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes) the front answered itself."},
+    {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes, RELEASEs) the front answered itself."},
+    {"release_free", set_release_free, METH_O,
+     "fh: the front answers handle fh's RELEASE itself and keeps its number for take_released (False: no room)."},
+    {"take_released", take_released, METH_NOARGS, "The handles whose RELEASE the front answered since the last call."},
     {"answer_foreign_xattrs", set_answer_foreign_xattrs, METH_O,
      "Whether sessions made from now on answer GETXATTR of foreign names here (default: yes)."},
     {NULL, NULL, 0, NULL},

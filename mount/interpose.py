@@ -15,7 +15,8 @@
   the rest from its queue (`front()`). It also answers GETATTR of an inode whose
   attributes Python holds there (`hold_attributes`: they change only by an act of Python's,
   which forgets them first) and FLUSH of a handle with nothing to do at close
-  (`flush_free`). DISTOREFS_FRONT=0 in the daemon's environment
+  (`flush_free`), and RELEASE of a handle whose release is bookkeeping only (`release_free`,
+  `take_released`). DISTOREFS_FRONT=0 in the daemon's environment
   leaves the reading to pyfuse3, as before (for comparisons).
 
 The library defines those libfuse functions and forwards to libfuse's own; loaded into the
@@ -105,12 +106,24 @@ def flush_free(fh: int, free: bool) -> None:
         _library.flush_free(fh, free)
 
 
-def front_answers() -> tuple[int, int]:
-    """(GETATTRs, FLUSHes) the front answered itself so far."""
+def release_free(fh: int) -> None:
+    """Handle `fh` has nothing to do at release but Python's bookkeeping: the front answers
+    its RELEASE and keeps the number for `take_released`."""
+    if _library is not None:
+        _library.release_free(fh)
+
+
+def take_released() -> tuple[int, ...]:
+    """The handles whose RELEASE the front answered since the last call."""
+    return _library.take_released() if _library is not None else ()
+
+
+def front_answers() -> tuple[int, int, int]:
+    """(GETATTRs, FLUSHes, RELEASEs) the front answered itself so far."""
     if _library is None:
-        return 0, 0
-    getattrs, flushes = _library.front_answers()
-    return int(getattrs), int(flushes)
+        return 0, 0, 0
+    getattrs, flushes, releases = _library.front_answers()
+    return int(getattrs), int(flushes), int(releases)
 
 
 def count_only() -> None:

@@ -43,6 +43,9 @@ def _translate(fn):
     async def wrapper(self, *args):
         self.requests[name] += 1
         try:
+            released = interpose.take_released()
+            if released:  # closed since the last request (the library answered their RELEASE)
+                await self._released(released)
             return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
@@ -117,7 +120,7 @@ class Filesystem(pyfuse3.Operations):
         if foreign:
             requests["getxattr"] += foreign  # answered by the library (mount/interpose.py), not here
         front, passed = interpose.front()  # requests the library's thread handed to pyfuse3
-        getattrs, flushes = interpose.front_answers()
+        getattrs, flushes, _ = interpose.front_answers()  # its RELEASEs are counted as taken
         if getattrs:
             requests["getattr"] += getattrs  # answered by the library's thread, likewise
         if flushes:
@@ -206,6 +209,8 @@ class Filesystem(pyfuse3.Operations):
         handle.node = handle.node or node
         self.handles[fh] = handle
         node.open_handles += 1
+        if noflush:  # nothing to do at close: nothing at release but ours (the library answers it)
+            interpose.release_free(fh)
         return pyfuse3.FileInfo(fh=interpose.noflush(fh) if noflush else fh, direct_io=handle.direct_io,
                                 keep_cache=handle.keep_cache, nonseekable=handle.nonseekable)
 
@@ -368,6 +373,17 @@ class Filesystem(pyfuse3.Operations):
         await handle.fsync()
 
     async def release(self, fh):
+        released = interpose.take_released()
+        if released:
+            await self._released(released)
+        await self._release(fh)
+
+    async def _released(self, fhs: tuple[int, ...]) -> None:
+        """Handles the library's front answered RELEASE for (mount/interpose.py release_free)."""
+        for fh in fhs:
+            await self._release(fh)
+
+    async def _release(self, fh: int) -> None:
         self.requests["release"] += 1
         handle = self.handles.pop(fh, None)
         if handle is None:

@@ -354,6 +354,28 @@ def test_an_insert_reaches_python_five_times(fs, buf):
     assert np.array_equal(np.load(buf / "entries" / "i20.npy"), np.full(2, 20, np.int32))
 
 
+def test_a_read_reaches_python_once(fs, buf):
+    """open + read + close of an entry: the content goes into the page cache at OPEN and
+    the close sends no FLUSH; the RELEASE that follows is answered by the library's front,
+    which keeps the handle's number for Python to take before its next request. Python
+    sees the OPEN alone; the handles are gone by the next request, and counted."""
+    write_entry(buf, "r.npy", npy(np.arange(6, dtype=np.int16)))
+    path = buf / "entries" / "r.npy"
+    data = path.read_bytes()
+
+    idle = mount_stats(fs)["front_passed"]
+    idle = mount_stats(fs)["front_passed"] - idle
+    first = mount_stats(fs)
+    for _ in range(20):
+        with open(path, "rb") as f:
+            assert f.read() == data
+    time.sleep(0.2)  # the last RELEASE
+    last = mount_stats(fs)
+    assert last["front_passed"] - first["front_passed"] - idle <= 20 + 4  # before: OPEN and RELEASE
+    assert last["requests"]["release"] - first["requests"]["release"] >= 20
+    assert last["open_handles"] <= first["open_handles"] + 1  # stats.json's own
+
+
 def test_a_chmod_of_the_buffer_reaches_the_attributes_the_library_holds(fs, buf):
     """priorities' and entries/' attributes follow the buffer's owner and mode: a chmod of
     the buffer forgets what the front holds, so the stat after the next truncating open, or
