@@ -182,10 +182,10 @@ static struct held *held_find(uint64_t ino)  /* with held_lock held */
     return NULL;
 }
 
-static int flush_free_find(uint64_t fh)  /* with held_lock held; its index or -1 */
+static int number_at(const uint64_t *numbers, unsigned count, uint64_t n)  /* its index or -1 */
 {
-    for (unsigned i = 0; i < flush_free_count; i++)
-        if (flush_free[i] == fh)
+    for (unsigned i = 0; i < count; i++)
+        if (numbers[i] == n)
             return (int)i;
     return -1;
 }
@@ -329,14 +329,12 @@ static int answered_in_c(const char *mem, size_t size)
         int found = 0;
         memcpy(&fh, mem + IN_HEADER_SIZE, sizeof(fh));
         pthread_mutex_lock(&held_lock);
-        for (unsigned i = 0; i < release_free_count; i++) {
-            if (release_free[i] == fh) {  /* out of the set either way: this is its last request */
-                release_free[i] = release_free[--release_free_count];
-                if (released_count < RELEASE_MAX) {  /* else pyfuse3's handler takes it */
-                    released[released_count++] = fh;
-                    found = 1;
-                }
-                break;
+        int i = number_at(release_free, release_free_count, fh);
+        if (i >= 0) {  /* out of the set either way: this is its last request */
+            release_free[i] = release_free[--release_free_count];
+            if (released_count < RELEASE_MAX) {  /* else pyfuse3's handler takes it */
+                released[released_count++] = fh;
+                found = 1;
             }
         }
         pthread_mutex_unlock(&held_lock);
@@ -349,7 +347,7 @@ static int answered_in_c(const char *mem, size_t size)
         int found;
         memcpy(&fh, mem + IN_HEADER_SIZE + FLUSH_IN_FH_OFFSET, sizeof(fh));
         pthread_mutex_lock(&held_lock);
-        found = flush_free_count && flush_free_find(fh) >= 0;
+        found = number_at(flush_free, flush_free_count, fh) >= 0;
         pthread_mutex_unlock(&held_lock);
         if (found)
             front_answer.opcode = OPCODE_FLUSH;
@@ -569,7 +567,7 @@ static PyObject *set_flush_free(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "Kp", &fh, &on))
         return NULL;
     pthread_mutex_lock(&held_lock);
-    int i = flush_free_find(fh);
+    int i = number_at(flush_free, flush_free_count, fh);
     if (on && i < 0) {
         if (flush_free_count < HELD_MAX)
             flush_free[flush_free_count++] = fh;
