@@ -27,11 +27,11 @@ class Handle:
     keep_cache = False
     nonseekable = False
     flush_tracked = False  # says after each write whether its close has anything to do
+    node: Node | None = None  # the node opened (mount/operations.py sets it if the handle did not)
 
     def nothing_at_flush(self) -> bool:
         """(flush_tracked handles) Whether flush() would do nothing now."""
         return False
-    node: Node | None = None  # the node opened (mount/operations.py sets it if the handle did not)
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         raise NotPermitted("not open for reading")

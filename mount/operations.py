@@ -43,9 +43,7 @@ def _translate(fn):
     async def wrapper(self, *args):
         self.requests[name] += 1
         try:
-            released = interpose.take_released()
-            if released:  # closed since the last request (the library answered their RELEASE)
-                await self._released(released)
+            await self._release_taken()  # closed since the last request
             return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
@@ -373,14 +371,13 @@ class Filesystem(pyfuse3.Operations):
         await handle.fsync()
 
     async def release(self, fh):
-        released = interpose.take_released()
-        if released:
-            await self._released(released)
+        await self._release_taken()
         await self._release(fh)
 
-    async def _released(self, fhs: tuple[int, ...]) -> None:
-        """Handles the library's front answered RELEASE for (mount/interpose.py release_free)."""
-        for fh in fhs:
+    async def _release_taken(self) -> None:
+        """Release the handles whose RELEASE the library's front answered since the last
+        call (mount/interpose.py release_free)."""
+        for fh in interpose.take_released():
             await self._release(fh)
 
     async def _release(self, fh: int) -> None:
