@@ -144,7 +144,7 @@ static unsigned release_free_count;
 static uint64_t released[RELEASE_MAX];  /* answered here, for Python to take */
 static unsigned released_count;
 static file_op_fn handler_getattr, handler_flush, handler_release;  /* pyfuse3's */
-static unsigned long long front_getattrs, front_flushes, front_releases;
+static unsigned long long front_getattrs, front_flushes;  /* RELEASEs: Python counts them as it takes them */
 /* On the front's thread: the answer answered_in_c found for the request it processes next. */
 static __thread struct { int opcode; struct stat attr; double timeout; } front_answer;
 
@@ -232,7 +232,6 @@ static void release_answered(fuse_req_t req, fuse_ino_t ino, struct fuse_file_in
 {
     if (front_answer.opcode == OPCODE_RELEASE) {  /* its number is in `released` already */
         front_answer.opcode = 0;
-        __atomic_add_fetch(&front_releases, 1, __ATOMIC_RELAXED);
         fuse_reply_err(req, 0);
         return;
     }
@@ -582,9 +581,8 @@ static PyObject *set_flush_free(PyObject *self, PyObject *args)
 
 static PyObject *front_answers(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("(KKK)", __atomic_load_n(&front_getattrs, __ATOMIC_RELAXED),
-                         __atomic_load_n(&front_flushes, __ATOMIC_RELAXED),
-                         __atomic_load_n(&front_releases, __ATOMIC_RELAXED));
+    return Py_BuildValue("(KK)", __atomic_load_n(&front_getattrs, __ATOMIC_RELAXED),
+                         __atomic_load_n(&front_flushes, __ATOMIC_RELAXED));
 }
 
 static PyObject *set_release_free(PyObject *self, PyObject *arg)
@@ -643,7 +641,7 @@ static PyMethodDef methods[] = {
      "(ino, on): the front answers GETATTR of ino with Python's last attribute reply for it (False: no room)."},
     {"flush_free", set_flush_free, METH_VARARGS,
      "(fh, on): the front answers FLUSH of handle fh itself (False: no room)."},
-    {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes, RELEASEs) the front answered itself."},
+    {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes) the front answered itself."},
     {"release_free", set_release_free, METH_O,
      "fh: the front answers handle fh's RELEASE itself and keeps its number for take_released (False: no room)."},
     {"take_released", take_released, METH_NOARGS, "The handles whose RELEASE the front answered since the last call."},

@@ -118,12 +118,13 @@ def take_released() -> tuple[int, ...]:
     return _library.take_released() if _library is not None else ()
 
 
-def front_answers() -> tuple[int, int, int]:
-    """(GETATTRs, FLUSHes, RELEASEs) the front answered itself so far."""
+def front_answers() -> tuple[int, int]:
+    """(GETATTRs, FLUSHes) the front answered itself so far (its RELEASEs are counted as
+    Python takes them)."""
     if _library is None:
-        return 0, 0, 0
-    getattrs, flushes, releases = _library.front_answers()
-    return int(getattrs), int(flushes), int(releases)
+        return 0, 0
+    getattrs, flushes = _library.front_answers()
+    return int(getattrs), int(flushes)
 
 
 def count_only() -> None:

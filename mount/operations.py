@@ -118,7 +118,7 @@ class Filesystem(pyfuse3.Operations):
         if foreign:
             requests["getxattr"] += foreign  # answered by the library (mount/interpose.py), not here
         front, passed = interpose.front()  # requests the library's thread handed to pyfuse3
-        getattrs, flushes, _ = interpose.front_answers()  # its RELEASEs are counted as taken
+        getattrs, flushes = interpose.front_answers()
         if getattrs:
             requests["getattr"] += getattrs  # answered by the library's thread, likewise
         if flushes:
