@@ -85,6 +85,7 @@ class Buffer(RingNamespace):
         self._npz_sizes: set[int] = set()  # batch sizes last drawn for a batch/N.npz: built ahead
         self._changed = trio.Event()
         self._waiting = 0  # tasks waiting for min_size_to_sample
+        self._priorities_queued = 0  # SetPriorities queued and not yet applied (or failed)
         self.counters = {"batches": 0, "sampled_entries": 0, "presampled_used": 0, "built_ahead_used": 0,
                          "priority_updates": 0, "priority_unknown_keys": 0, "exhausted": 0}
 
@@ -283,6 +284,8 @@ class Buffer(RingNamespace):
         of a batch not handed out after all)."""
         self.check_batch_size(n)
         sequences = self.sequences
+        if not self._presampled.get(n):  # drawn now, from the current priorities (a batch drawn ahead is not)
+            await self.settled()
         while True:
             while (self.sampler.drawable_count() < self.config.min_size_to_sample
                    or (sequences.on and not sequences.count())):
@@ -567,6 +570,7 @@ class Buffer(RingNamespace):
         if shared is not None:
             pairs = [(m.key, v) for m, v in zip(metas, values)]
             return shared.publish_soon(shared.log.priorities, self.kind, self.name, pairs), len(metas)
+        self._priorities_queued += 1
         return self.committer.enqueue(SetPriorities(self, metas, values)), len(metas)
 
     async def set_times_sampled(self, key: bytes, times: int) -> None:
@@ -584,7 +588,16 @@ class Buffer(RingNamespace):
             raise NotFound(f"buffers/{self.name}: no entry {key!r}")
         await self.committer.submit(SetTimesSampled(self, meta, times))
 
-    def priorities_text(self) -> bytes:
+    async def settled(self) -> None:
+        """Wait until priorities already committed are applied here too: a `priorities`
+        close may be answered as its transaction commits, a moment before it is applied
+        (mount/handles.py PrioritiesWriter). Draws, the `priorities` file and the priority
+        xattr look at the sampler after this."""
+        if self._priorities_queued:
+            await self.committer.settle()
+
+    async def priorities_text(self) -> bytes:
+        await self.settled()
         prio = self.sampler.priority
         return b"".join(b"%s %s\n" % (escape_key(m.key), priority_text(prio[m.slot])) for m in self.ring.oldest())
 
@@ -782,7 +795,11 @@ class SetPriorities(Change):
         for seq, _, value in self.rows:
             txn.put(entry_key(ns, seq), pack_f64(value), db=DB_PRIO)
 
+    def failed(self) -> None:
+        self.buffer._priorities_queued -= 1
+
     def apply(self) -> None:
+        self.buffer._priorities_queued -= 1
         ring = self.buffer.ring
         rows = [(slot, v) for seq, slot, v in self.rows
                 if (m := ring.slot_meta[slot]) is not None and m.seq == seq]

@@ -269,6 +269,11 @@ class Committer:
             elif preparing:
                 preparing[0].prepare()
             self._write_txn(write)
+            for pending in planned:  # committed: whoever asked is told now, not after the hop back
+                try:
+                    pending.tell()
+                except Exception:  # a bug must fail the request, never the commit
+                    log.exception("telling the commit of %r failed", pending.change)
 
         try:
             await self._lane.run(work)
@@ -303,5 +308,4 @@ class Committer:
             (log.debug if rejected else log.warning)("background change %r failed: %s", pending.change, error)
         if error is not None and not rejected:
             self.failures += 1
-        pending.error = error
-        pending.done.set()
+        pending.finish(error)

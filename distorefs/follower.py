@@ -200,16 +200,16 @@ class Follower:
         out = Outcome()
 
         async def go() -> None:
+            error: DistorefsError | None = None
             try:
                 await self.publish(append, *args)
             except DistorefsError as exc:
-                out.error = exc
+                error = exc
             finally:
-                out.done.set()
+                out.finish(error)
 
         if self._nursery is None:
-            out.error = NotFound("the store's cluster log is not being followed (the store is not running)")
-            out.done.set()
+            out.finish(NotFound("the store's cluster log is not being followed (the store is not running)"))
         else:
             self._nursery.start_soon(go)
         return out

@@ -426,8 +426,7 @@ class Ring:
             await shared.until(ids[-1])
         except BaseException as exc:
             for it in batch:
-                it.outcome.error = exc if isinstance(exc, DistorefsError) else DistorefsError(f"insert failed: {exc}")
-                it.outcome.done.set()
+                it.outcome.finish(exc if isinstance(exc, DistorefsError) else DistorefsError(f"insert failed: {exc}"))
             if not isinstance(exc, Exception):
                 raise
             if not isinstance(exc, DistorefsError):
@@ -436,7 +435,7 @@ class Ring:
         finally:
             publishing.difference_update(it.key for it in batch)
         for it in batch:
-            it.outcome.done.set()
+            it.outcome.finish()
 
     async def insert_many(self, items: "list[tuple[bytes, bytes | SpooledEntry]]", owner: Owner,
                           priority: float | None = None) -> list["EntryMeta | BaseException"]:
@@ -761,7 +760,6 @@ class RingNamespace:
     @property
     def ns_id(self) -> int:
         return self.ring.ns_id
-
 
 _SEQ = struct.Struct(">Q")
 _T = TypeVar("_T")

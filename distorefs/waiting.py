@@ -13,6 +13,7 @@ passes `abandoned` (distorefs/mount/callers.py).
 
 from __future__ import annotations
 
+import errno
 from typing import Callable
 
 import trio
@@ -26,18 +27,50 @@ Abandoned = Callable[[], bool]
 
 class Outcome:
     """Work going on elsewhere (a commit, a publish): `wait()` returns once it is done,
-    or raises its error."""
+    or raises its error.
 
-    __slots__ = ("done", "error")
+    `then(fn)` asks to be told as soon as it is known: fn(0), or fn(errno) of its error.
+    Whoever does the work may tell before `done` is set, from its own thread (`tell`):
+    the committer tells from its thread once the transaction committed, before the change
+    is applied on the event loop. A closing writer that waits in the libfuse library's
+    thread (mount/interpose.py flush_pending) is answered one thread hand-off sooner."""
+
+    __slots__ = ("done", "error", "_told")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.error: BaseException | None = None
+        self._told: Callable[[int], None] | None = None
 
     async def wait(self) -> None:
         await self.done.wait()
         if self.error is not None:
             raise self.error
+
+    def then(self, fn: Callable[[int], None]) -> None:
+        """fn(errno or 0) once the outcome is known (now, if it is), exactly once."""
+        if self.done.is_set():
+            fn(_errno_of(self.error))
+        else:
+            self._told = fn
+
+    def tell(self, error: BaseException | None = None) -> None:
+        """The outcome is known (the worker's thread may call this once, before `finish`)."""
+        fn, self._told = self._told, None
+        if fn is not None:
+            fn(_errno_of(error))
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """(event loop) Done: waiters wake; whoever asked `then` is told, unless told already."""
+        self.error = error
+        self.done.set()
+        self.tell(error)
+
+
+def _errno_of(error: BaseException | None) -> int:
+    if error is None:
+        return 0
+    return getattr(error, "errno", None) or errno.EIO
 
 
 async def wait_event(event: trio.Event, abandoned: Abandoned | None, what: str) -> None:

@@ -56,6 +56,7 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -95,6 +96,9 @@ typedef void (*session_destroy_fn)(struct fuse_session *);
 #define FLUSH_IN_FH_OFFSET 0  /* struct fuse_flush_in: fh first */
 #define FLUSH_IN_SIZE 24
 #define OPCODE_RELEASE 18
+#define OPCODE_OPEN 14
+#define OPEN_IN_SIZE 8  /* struct fuse_open_in: flags, open_flags */
+#define FRONT_FH (UINT64_C(1) << 62)  /* handle numbers the front gives out (Python's count from 1) */
 #define RELEASE_IN_SIZE 24  /* struct fuse_release_in: fh first */
 #define RELEASE_MAX 1024    /* handles whose RELEASE the front may answer, and answered ones not yet taken */
 #define HELD_MAX 64  /* inodes with held attributes, and handles with nothing at flush, at most */
@@ -136,17 +140,30 @@ static unsigned long long front_passed;  /* requests handed to pyfuse3 */
 /* What Python leaves to the front, guarded by held_lock. */
 static struct held { uint64_t ino; int valid; struct stat attr; double timeout; } held[HELD_MAX];
 static unsigned held_count;
-static uint64_t flush_free[HELD_MAX];  /* handles with nothing to do at flush */
-static unsigned flush_free_count;
+/* Handles whose FLUSH the front answers: nothing to do at close once `pending` commits
+   Python queued for them are done (flush_pending, flush_committed); a FLUSH that comes
+   before is parked and answered by the last of them, with the first error seen. */
+struct parked { fuse_req_t req; struct parked *next; };
+static struct flushing { uint64_t fh; int python; unsigned pending; int err; struct parked *parked; } flushing[HELD_MAX];
+static unsigned flushing_count;
 static pthread_mutex_t held_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t release_free[RELEASE_MAX];  /* handles whose release is Python's bookkeeping only */
 static unsigned release_free_count;
 static uint64_t released[RELEASE_MAX];  /* answered here, for Python to take */
 static unsigned released_count;
-static file_op_fn handler_getattr, handler_flush, handler_release;  /* pyfuse3's */
+/* Inodes whose opens of one access mode the front answers itself (answer_opens), and the
+   handles it gave out that are not released yet; Python adopts one (adopt_opened) at its
+   first request that reaches Python. */
+static struct { uint64_t ino; int accmode; } open_free[HELD_MAX];
+static unsigned open_free_count;
+static struct { uint64_t fh; uint64_t ino; uint32_t flags; int adopted; } opened[HELD_MAX];
+static unsigned opened_count;
+static uint64_t opened_next;
+static unsigned long long front_opens;
+static file_op_fn handler_getattr, handler_flush, handler_release, handler_open;  /* pyfuse3's */
 static unsigned long long front_getattrs, front_flushes;  /* RELEASEs: Python counts them as it takes them */
 /* On the front's thread: the answer answered_in_c found for the request it processes next. */
-static __thread struct { int opcode; struct stat attr; double timeout; } front_answer;
+static __thread struct { int opcode; struct stat attr; double timeout; uint64_t fh; } front_answer;
 
 /* Runs when the library is loaded, before anything can call through it. The library is
    linked against libfuse3, so that is loaded already: take its definitions, not ours
@@ -190,6 +207,43 @@ static int number_at(const uint64_t *numbers, unsigned count, uint64_t n)  /* it
     return -1;
 }
 
+static struct flushing *flushing_find(uint64_t fh)  /* with held_lock held */
+{
+    for (unsigned i = 0; i < flushing_count; i++)
+        if (flushing[i].fh == fh)
+            return &flushing[i];
+    return NULL;
+}
+
+static struct flushing *flushing_add(uint64_t fh, int python)  /* with held_lock held; NULL: no room */
+{
+    if (flushing_count == HELD_MAX)
+        return NULL;
+    flushing[flushing_count] = (struct flushing){.fh = fh, .python = python};
+    return &flushing[flushing_count++];
+}
+
+/* Answer the FLUSHes parked on `f` (none pending any more) with its first error, taken. */
+static struct parked *flushing_unpark(struct flushing *f, int *err)  /* with held_lock held */
+{
+    struct parked *p = f->parked;
+    *err = f->err;
+    f->parked = NULL;
+    if (p != NULL)
+        f->err = 0;  /* reported once */
+    return p;
+}
+
+static void reply_parked(struct parked *p, int err)  /* without held_lock */
+{
+    while (p != NULL) {
+        struct parked *next = p->next;
+        fuse_reply_err(p->req, err);
+        free(p);
+        p = next;
+    }
+}
+
 /* Python's attribute replies: kept for the inodes it holds. */
 static void held_remember(const struct stat *attr, double timeout)
 {
@@ -228,6 +282,20 @@ static void getattr_held(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *
     handler_getattr(req, ino, fi);
 }
 
+static void open_answered(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    if (front_answer.opcode == OPCODE_OPEN) {  /* its number is in `opened` already */
+        struct fuse_file_info out;
+        front_answer.opcode = 0;
+        memset(&out, 0, sizeof(out));
+        out.fh = front_answer.fh;
+        __atomic_add_fetch(&front_opens, 1, __ATOMIC_RELAXED);
+        libfuse_reply_open(req, &out);
+        return;
+    }
+    handler_open(req, ino, fi);
+}
+
 static void release_answered(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     if (front_answer.opcode == OPCODE_RELEASE) {  /* its number is in `released` already */
@@ -243,7 +311,23 @@ static void flush_answered(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info
     if (front_answer.opcode == OPCODE_FLUSH) {
         front_answer.opcode = 0;
         __atomic_add_fetch(&front_flushes, 1, __ATOMIC_RELAXED);
-        fuse_reply_err(req, 0);
+        struct parked *p = malloc(sizeof(*p));
+        int err = 0;
+        pthread_mutex_lock(&held_lock);
+        struct flushing *f = flushing_find(fi->fh);
+        if (f != NULL && f->pending && p != NULL) {  /* answered by the last commit it waits for */
+            *p = (struct parked){req, f->parked};
+            f->parked = p;
+            req = NULL;
+        } else if (f != NULL) {
+            err = f->err;
+            f->err = 0;
+        }
+        pthread_mutex_unlock(&held_lock);
+        if (req != NULL) {
+            free(p);
+            fuse_reply_err(req, err);
+        }
         return;
     }
     handler_flush(req, ino, fi);
@@ -289,6 +373,10 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
         session_ops.flush = flush_answered;
         handler_release = op->release;
         session_ops.release = release_answered;
+        if (op->open != NULL) {
+            handler_open = op->open;
+            session_ops.open = open_answered;
+        }
     }
     struct fuse_session *se = libfuse_session_new(args, &session_ops, op_size, userdata);
     if (se != NULL && front_wanted && front_se == NULL)
@@ -297,6 +385,37 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
 }
 
 /* ----- the front ------------------------------------------------------------------------ */
+
+/* Whether the front answers the RELEASE of handle fh: one it opened that Python never saw,
+   or one whose release is Python's bookkeeping only (its number goes to `released`, for
+   take_released; with no room there, pyfuse3's handler releases it). Out of the front's
+   sets either way: this is the handle's last request. With held_lock held. */
+static int release_here(uint64_t fh)
+{
+    int j = -1;
+    for (unsigned k = 0; k < opened_count && j < 0; k++)
+        if (opened[k].fh == fh)
+            j = (int)k;
+    if (j >= 0) {
+        int adopted = opened[j].adopted;
+        opened[j] = opened[--opened_count];
+        if (!adopted) {  /* nothing of it anywhere but here */
+            struct flushing *f = flushing_find(fh);
+            if (f != NULL && !f->pending && f->parked == NULL)
+                *f = flushing[--flushing_count];
+            return 1;
+        }
+    } else {
+        int i = number_at(release_free, release_free_count, fh);
+        if (i < 0)
+            return 0;
+        release_free[i] = release_free[--release_free_count];
+    }
+    if (released_count == RELEASE_MAX)
+        return 0;
+    released[released_count++] = fh;
+    return 1;
+}
 
 /* Whether session_ops answers this request in C alone (so the front may process it). */
 static int answered_in_c(const char *mem, size_t size)
@@ -322,20 +441,33 @@ static int answered_in_c(const char *mem, size_t size)
         pthread_mutex_unlock(&held_lock);
         return found;
     }
+    if (opcode == OPCODE_OPEN && session_ops.open == open_answered && size >= IN_HEADER_SIZE + OPEN_IN_SIZE) {
+        uint64_t ino;
+        uint32_t flags;
+        int found = 0;
+        memcpy(&ino, mem + IN_NODEID_OFFSET, sizeof(ino));
+        memcpy(&flags, mem + IN_HEADER_SIZE, sizeof(flags));
+        pthread_mutex_lock(&held_lock);
+        for (unsigned i = 0; i < open_free_count && !found; i++)
+            found = open_free[i].ino == ino && open_free[i].accmode == (int)(flags & O_ACCMODE);
+        if (found && opened_count < HELD_MAX) {
+            uint64_t fh = FRONT_FH | ++opened_next;
+            opened[opened_count++] = (typeof(opened[0])){fh, ino, flags, 0};
+            flushing_add(fh, 0);  /* nothing to do at its close yet (no room: Python's flush) */
+            front_answer.opcode = OPCODE_OPEN;
+            front_answer.fh = fh;
+        } else {
+            found = 0;  /* no room: pyfuse3's handler opens it */
+        }
+        pthread_mutex_unlock(&held_lock);
+        return found;
+    }
     if (opcode == OPCODE_RELEASE && session_ops.release == release_answered &&
         size >= IN_HEADER_SIZE + RELEASE_IN_SIZE) {
         uint64_t fh;
-        int found = 0;
         memcpy(&fh, mem + IN_HEADER_SIZE, sizeof(fh));
         pthread_mutex_lock(&held_lock);
-        int i = number_at(release_free, release_free_count, fh);
-        if (i >= 0) {  /* out of the set either way: this is its last request */
-            release_free[i] = release_free[--release_free_count];
-            if (released_count < RELEASE_MAX) {  /* else pyfuse3's handler takes it */
-                released[released_count++] = fh;
-                found = 1;
-            }
-        }
+        int found = release_here(fh);
         pthread_mutex_unlock(&held_lock);
         if (found)
             front_answer.opcode = OPCODE_RELEASE;
@@ -346,7 +478,8 @@ static int answered_in_c(const char *mem, size_t size)
         int found;
         memcpy(&fh, mem + IN_HEADER_SIZE + FLUSH_IN_FH_OFFSET, sizeof(fh));
         pthread_mutex_lock(&held_lock);
-        found = number_at(flush_free, flush_free_count, fh) >= 0;
+        struct flushing *f = flushing_find(fh);
+        found = f != NULL && !f->python;
         pthread_mutex_unlock(&held_lock);
         if (found)
             front_answer.opcode = OPCODE_FLUSH;
@@ -485,6 +618,22 @@ void fuse_session_destroy(struct fuse_session *se)
         while (front_spare_count)
             free(front_spares[--front_spare_count]);
         front_count = 0;
+        /* A FLUSH still parked is answered before its session goes (a commit finishing
+           later finds none): its request belongs to the session. */
+        pthread_mutex_lock(&held_lock);
+        struct parked *all = NULL;
+        for (unsigned i = 0; i < flushing_count; i++) {
+            int err;
+            struct parked *p = flushing_unpark(&flushing[i], &err);
+            while (p != NULL) {
+                struct parked *next = p->next;
+                p->next = all;
+                all = p;
+                p = next;
+            }
+        }
+        pthread_mutex_unlock(&held_lock);
+        reply_parked(all, EIO);
     }
     libfuse_session_destroy(se);
 }
@@ -555,8 +704,49 @@ static PyObject *hold_attributes(PyObject *self, PyObject *args)
     } else if (!on && h != NULL) {
         *h = held[--held_count];
     }
+    if (!on) {  /* and its opens reach Python again, until answer_opens */
+        for (unsigned i = 0; i < open_free_count; i++)
+            if (open_free[i].ino == ino) {
+                open_free[i--] = open_free[--open_free_count];
+            }
+    }
     pthread_mutex_unlock(&held_lock);
     return PyBool_FromLong(done);
+}
+
+static PyObject *answer_opens(PyObject *self, PyObject *args)
+{
+    unsigned long long ino;
+    int accmode, done = 0;
+    if (!PyArg_ParseTuple(args, "Ki", &ino, &accmode))
+        return NULL;
+    pthread_mutex_lock(&held_lock);
+    for (unsigned i = 0; i < open_free_count && !done; i++)
+        done = open_free[i].ino == ino && open_free[i].accmode == accmode;
+    if (!done && open_free_count < HELD_MAX) {
+        open_free[open_free_count++] = (typeof(open_free[0])){ino, accmode};
+        done = 1;
+    }
+    pthread_mutex_unlock(&held_lock);
+    return PyBool_FromLong(done);
+}
+
+static PyObject *adopt_opened(PyObject *self, PyObject *arg)
+{
+    unsigned long long fh = PyLong_AsUnsignedLongLong(arg);
+    if (fh == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&held_lock);
+    for (unsigned i = 0; i < opened_count; i++)
+        if (opened[i].fh == fh && !opened[i].adopted) {
+            opened[i].adopted = 1;  /* its RELEASE is answered here and handed to take_released */
+            unsigned long long ino = opened[i].ino;
+            unsigned flags = opened[i].flags;
+            pthread_mutex_unlock(&held_lock);
+            return Py_BuildValue("(KI)", ino, flags);
+        }
+    pthread_mutex_unlock(&held_lock);
+    Py_RETURN_NONE;
 }
 
 static PyObject *set_flush_free(PyObject *self, PyObject *args)
@@ -566,23 +756,85 @@ static PyObject *set_flush_free(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "Kp", &fh, &on))
         return NULL;
     pthread_mutex_lock(&held_lock);
-    int i = number_at(flush_free, flush_free_count, fh);
-    if (on && i < 0) {
-        if (flush_free_count < HELD_MAX)
-            flush_free[flush_free_count++] = fh;
+    struct flushing *f = flushing_find(fh);
+    if (on) {
+        if (f == NULL)
+            f = flushing_add(fh, 0);
+        if (f != NULL)
+            f->python = 0;
         else
             done = 0;
-    } else if (!on && i >= 0) {
-        flush_free[i] = flush_free[--flush_free_count];
+    } else if (f != NULL && !f->pending && f->parked == NULL) {
+        *f = flushing[--flushing_count];
+    } else if (f != NULL) {  /* its commits still count down: kept, its FLUSH goes to Python */
+        f->python = 1;
     }
     pthread_mutex_unlock(&held_lock);
     return PyBool_FromLong(done);
 }
 
+static PyObject *flush_pending(PyObject *self, PyObject *arg)
+{
+    unsigned long long fh = PyLong_AsUnsignedLongLong(arg);
+    int done = 0;
+    if (fh == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&held_lock);
+    if (front_started && session_ops.flush == flush_answered) {  /* else no FLUSH ever parks here */
+        struct flushing *f = flushing_find(fh);
+        if (f == NULL)
+            f = flushing_add(fh, 1);
+        if (f != NULL) {
+            f->pending++;
+            done = 1;
+        }
+    }
+    pthread_mutex_unlock(&held_lock);
+    return PyBool_FromLong(done);
+}
+
+static PyObject *flush_committed(PyObject *self, PyObject *args)
+{
+    unsigned long long fh;
+    int err;
+    struct parked *p = NULL;
+    if (!PyArg_ParseTuple(args, "Ki", &fh, &err))
+        return NULL;
+    pthread_mutex_lock(&held_lock);
+    struct flushing *f = flushing_find(fh);
+    if (f != NULL && f->pending) {
+        if (err && !f->err)
+            f->err = err;
+        if (--f->pending == 0) {
+            p = flushing_unpark(f, &err);
+            if (f->python && p == NULL)  /* its FLUSH goes to Python, which has the errors too */
+                *f = flushing[--flushing_count];
+        }
+    }
+    pthread_mutex_unlock(&held_lock);
+    if (p != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        reply_parked(p, err);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *front_answers(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("(KK)", __atomic_load_n(&front_getattrs, __ATOMIC_RELAXED),
-                         __atomic_load_n(&front_flushes, __ATOMIC_RELAXED));
+    return Py_BuildValue("(KKK)", __atomic_load_n(&front_getattrs, __ATOMIC_RELAXED),
+                         __atomic_load_n(&front_flushes, __ATOMIC_RELAXED),
+                         __atomic_load_n(&front_opens, __ATOMIC_RELAXED));
+}
+
+static PyObject *front_tables(PyObject *self, PyObject *unused)
+{
+    pthread_mutex_lock(&held_lock);
+    PyObject *out = Py_BuildValue("{sIsIsIsIsIsI}", "held", held_count, "opens_answered", open_free_count,
+                                  "opened", opened_count, "flushing", flushing_count,
+                                  "release_free", release_free_count, "released", released_count);
+    pthread_mutex_unlock(&held_lock);
+    return out;
 }
 
 static PyObject *set_release_free(PyObject *self, PyObject *arg)
@@ -641,7 +893,19 @@ static PyMethodDef methods[] = {
      "(ino, on): the front answers GETATTR of ino with Python's last attribute reply for it (False: no room)."},
     {"flush_free", set_flush_free, METH_VARARGS,
      "(fh, on): the front answers FLUSH of handle fh itself (False: no room)."},
-    {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes) the front answered itself."},
+    {"flush_pending", flush_pending, METH_O,
+     "fh: one more commit for handle fh; a FLUSH the front answers waits for it (False: no room, or no front)."},
+    {"flush_committed", flush_committed, METH_VARARGS,
+     "(fh, errno): one of fh's pending commits is done (0) or failed; the last answers its parked FLUSHes."},
+    {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes, OPENs) the front answered itself."},
+    {"front_tables", front_tables, METH_NOARGS, "How full the front's tables are (each holds at most 64 but "
+     "release_free and released, 1024)."},
+    {"answer_opens", answer_opens, METH_VARARGS,
+     "(ino, accmode): the front answers opens of ino with that access mode itself, with a handle number of "
+     "its own (False: no room); until hold_attributes(ino, False)."},
+    {"adopt_opened", adopt_opened, METH_O,
+     "fh: (ino, open flags) of a handle the front opened, now Python's (its RELEASE goes to take_released); "
+     "None if it opened no such handle."},
     {"release_free", set_release_free, METH_O,
      "fh: the front answers handle fh's RELEASE itself and keeps its number for take_released (False: no room)."},
     {"take_released", take_released, METH_NOARGS, "The handles whose RELEASE the front answered since the last call."},

@@ -6,6 +6,7 @@ batch or fetch a value) and at flush (to commit), never per read or write chunk.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import TYPE_CHECKING, Awaitable, Callable
@@ -17,6 +18,9 @@ from distorefs.clientsession import ClientSession, DatasetSession
 from distorefs.errors import DistorefsError, InvalidArgument, NotPermitted, TooLarge
 from distorefs.names import unescape_key
 from distorefs.ratelimit import InsertTicket
+from distorefs.waiting import Outcome
+
+from . import interpose
 
 if TYPE_CHECKING:
     from .nodes import EntryNode, Node
@@ -28,6 +32,7 @@ class Handle:
     nonseekable = False
     flush_tracked = False  # says after each write whether its close has anything to do
     node: Node | None = None  # the node opened (mount/operations.py sets it if the handle did not)
+    fh: int | None = None  # its number (mount/operations.py sets it)
 
     def nothing_at_flush(self) -> bool:
         """(flush_tracked handles) Whether flush() would do nothing now."""
@@ -286,9 +291,12 @@ class PrioritiesWriter(Handle):
 
     A line split across two writes is kept until its end arrives (or until close). A write
     with a malformed line fails with EINVAL and applies none of its lines. A write returns
-    once its lines are committed, so a close after whole lines has nothing to wait for: the
-    libfuse library answers its FLUSH (mount/interpose.py flush_free), one round trip
-    through Python fewer for a learner's every update.
+    once its lines are checked and queued for commit; close() returns once they are
+    committed. That wait is the libfuse library's: it parks the close's FLUSH until the
+    committer's thread says the transaction committed (mount/interpose.py flush_pending),
+    so a learner's update costs one trip through Python (the WRITE), and its close is
+    answered before the change is applied here (reads that show priorities settle first).
+    Without the library's front, the write waits for the commit itself, as before.
     """
 
     flush_tracked = True
@@ -296,6 +304,7 @@ class PrioritiesWriter(Handle):
     def __init__(self, buffer: Buffer) -> None:
         self.buffer = buffer
         self.partial = b""
+        self.commits: list[Outcome] = []  # queued by writes; flush() waits for them
 
     async def write(self, off: int, buf: bytes) -> int:
         text = self.partial + buf
@@ -304,7 +313,13 @@ class PrioritiesWriter(Handle):
         if pairs:
             pending, _ = self.buffer.queue_priorities(pairs)  # checked now: EINVAL fails this write
             if pending is not None:
-                await pending.wait()
+                if self.fh is not None and interpose.flush_pending(self.fh):
+                    pending.then(functools.partial(interpose.flush_committed, self.fh))
+                    # a long-lived handle keeps only the commits it may still report
+                    self.commits = [c for c in self.commits if not c.done.is_set() or c.error is not None]
+                    self.commits.append(pending)
+                else:
+                    await pending.wait()
         self.partial = text[cut:]
         return len(buf)
 
@@ -312,7 +327,10 @@ class PrioritiesWriter(Handle):
         return not self.partial.strip()
 
     async def flush(self) -> None:
-        if self.partial.strip():  # what close() acknowledges is committed
+        commits, self.commits = self.commits, []
+        for commit in commits:  # what close() acknowledges is committed
+            await commit.wait()
+        if self.partial.strip():
             line, self.partial = self.partial, b""
             await self.buffer.set_priorities(parse_priorities(line))
 

@@ -94,7 +94,8 @@ def hold_attributes(ino: int) -> None:
 
 
 def forget_attributes(ino: int) -> None:
-    """GETATTR of `ino` reaches Python again (before its attributes change)."""
+    """GETATTR of `ino` reaches Python again (before its attributes change), and so do its
+    opens (`answer_opens`)."""
     if _library is not None:
         _library.hold_attributes(ino, False)
 
@@ -104,6 +105,39 @@ def flush_free(fh: int, free: bool) -> None:
     front. Set false before anything that gives it work, and at its release."""
     if _library is not None:
         _library.flush_free(fh, free)
+
+
+def answer_opens(ino: int, accmode: int) -> None:
+    """The front answers opens of `ino` with access mode `accmode` (os.O_WRONLY, say) itself,
+    with a handle number of its own, until `forget_attributes(ino)`. For a file whose open
+    is nothing but making its handle, with the kernel checking permissions
+    (default_permissions): the handle is made at its first request that reaches Python
+    (`adopt_opened`). Its FLUSH is answered by the front until a write gives it work
+    (`flush_free`), its RELEASE too (handed to `take_released` once adopted)."""
+    if _library is not None:
+        _library.answer_opens(ino, accmode)
+
+
+def adopt_opened(fh: int) -> tuple[int, int] | None:
+    """(inode, open flags) of handle `fh` if the front opened it and Python had not yet."""
+    if _library is None:
+        return None
+    opened = _library.adopt_opened(fh)
+    return None if opened is None else (int(opened[0]), int(opened[1]))
+
+
+def flush_pending(fh: int) -> bool:
+    """One more commit for handle `fh`: a FLUSH the front answers is parked until
+    `flush_committed` was called for each. False (no front, no room): nothing was counted,
+    the caller waits for its commit itself."""
+    return _library is not None and bool(_library.flush_pending(fh))
+
+
+def flush_committed(fh: int, errno: int) -> None:
+    """One of `fh`'s pending commits is done (errno 0) or failed; the last one answers the
+    FLUSHes parked meanwhile, with the first error. Any thread."""
+    if _library is not None:
+        _library.flush_committed(fh, errno)
 
 
 def release_free(fh: int) -> None:
@@ -118,13 +152,18 @@ def take_released() -> tuple[int, ...]:
     return _library.take_released() if _library is not None else ()
 
 
-def front_answers() -> tuple[int, int]:
-    """(GETATTRs, FLUSHes) the front answered itself so far (its RELEASEs are counted as
-    Python takes them)."""
+def front_answers() -> tuple[int, int, int]:
+    """(GETATTRs, FLUSHes, OPENs) the front answered itself so far (its RELEASEs are
+    counted as Python takes them)."""
     if _library is None:
-        return 0, 0
-    getattrs, flushes = _library.front_answers()
-    return int(getattrs), int(flushes)
+        return 0, 0, 0
+    getattrs, flushes, opens = _library.front_answers()
+    return int(getattrs), int(flushes), int(opens)
+
+
+def front_tables() -> dict[str, int]:
+    """How many numbers each of the front's tables holds now (stats.json mount.front_tables)."""
+    return dict(_library.front_tables()) if _library is not None else {}
 
 
 def count_only() -> None:

@@ -395,12 +395,15 @@ class PrioritiesFile(BufferControlFile):
         # A learner's every `open(priorities, "w")` drops them in the kernel (O_TRUNC) and
         # Python's open() stats the file: that GETATTR is answered by the library's thread.
         interpose.hold_attributes(self.ino)
+        # And that open itself: a write-only open only makes a PrioritiesWriter (the kernel
+        # checks permissions), made at the handle's first WRITE instead.
+        interpose.answer_opens(self.ino, os.O_WRONLY)
         return super().attributes(ctx)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
             return PrioritiesWriter(self.buf)
-        return BytesReader(self.buf.priorities_text(), cacheable=False)
+        return BytesReader(await self.buf.priorities_text(), cacheable=False)
 
 
 class ClientFile(BufferControlFile):
@@ -850,6 +853,11 @@ class EntryNode(Node):
             if self.version is None:
                 return
         await self.buf.ring.set_attrs(self.name, mode=mode, uid=uid, gid=gid, mtime_ns=mtime)
+
+    async def read_xattrs(self) -> dict[bytes, bytes]:
+        if isinstance(self.buf, Buffer):
+            await self.buf.settled()  # a priorities close is answered as it commits, just before it applies
+        return self.xattrs()
 
     def xattrs(self) -> dict[bytes, bytes]:
         meta = self.latest()

@@ -118,11 +118,13 @@ class Filesystem(pyfuse3.Operations):
         if foreign:
             requests["getxattr"] += foreign  # answered by the library (mount/interpose.py), not here
         front, passed = interpose.front()  # requests the library's thread handed to pyfuse3
-        getattrs, flushes = interpose.front_answers()
+        getattrs, flushes, opens = interpose.front_answers()
         if getattrs:
             requests["getattr"] += getattrs  # answered by the library's thread, likewise
         if flushes:
             requests["flush"] += flushes
+        if opens:
+            requests["open"] += opens
         ioctls = interpose.ioctl_replies()
         if ioctls:
             requests["ioctl"] = ioctls  # likewise: isatty() at every open
@@ -130,6 +132,7 @@ class Filesystem(pyfuse3.Operations):
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),
                       "foreign_xattrs_answered": foreign, "front": front, "front_passed": passed,
+                      "front_tables": interpose.front_tables(),
                       "names_listed": self.names.listed if self.names else 0}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes
@@ -204,18 +207,31 @@ class Filesystem(pyfuse3.Operations):
 
     def _open_handle(self, node: Node, handle: Handle, *, noflush: bool = False) -> pyfuse3.FileInfo:
         fh = next(self._fh)
-        handle.node = handle.node or node
-        self.handles[fh] = handle
-        node.open_handles += 1
+        self._adopt(fh, node, handle)
         if noflush:  # nothing to do at close: nothing at release but ours (the library answers it)
             interpose.release_free(fh)
         return pyfuse3.FileInfo(fh=interpose.noflush(fh) if noflush else fh, direct_io=handle.direct_io,
                                 keep_cache=handle.keep_cache, nonseekable=handle.nonseekable)
 
-    def _handle(self, fh: int) -> Handle:
+    def _adopt(self, fh: int, node: Node, handle: Handle) -> None:
+        handle.fh = fh
+        handle.node = handle.node or node
+        self.handles[fh] = handle
+        node.open_handles += 1
+
+    async def _handle(self, fh: int) -> Handle:
         handle = self.handles.get(fh)
-        if handle is None:
+        if handle is not None:
+            return handle
+        # An open the library's front answered (interpose.answer_opens) is opened here at
+        # its first request that reaches Python.
+        opened = interpose.adopt_opened(fh)
+        if opened is None:
             raise pyfuse3.FUSEError(errno.EBADF)
+        ino, flags = opened
+        node = self.inodes.get(ino)
+        handle = await node.open(flags, None)
+        self._adopt(fh, node, handle)
         return handle
 
     # ----- metadata ------------------------------------------------------------------
@@ -346,11 +362,11 @@ class Filesystem(pyfuse3.Operations):
 
     @_translate
     async def read(self, fh, off, size):
-        return await self._handle(fh).read(off, size)
+        return await (await self._handle(fh)).read(off, size)
 
     @_translate
     async def write(self, fh, off, buf):
-        handle = self._handle(fh)
+        handle = await self._handle(fh)
         if not handle.flush_tracked:
             return await handle.write(off, buf)
         interpose.flush_free(fh, False)
@@ -361,11 +377,11 @@ class Filesystem(pyfuse3.Operations):
 
     @_translate
     async def flush(self, fh):
-        await self._handle(fh).flush()
+        await (await self._handle(fh)).flush()
 
     @_translate
     async def fsync(self, fh, datasync):
-        handle = self._handle(fh)
+        handle = await self._handle(fh)
         await handle.flush()
         await self.store.sync()
         await handle.fsync()

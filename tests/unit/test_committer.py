@@ -53,3 +53,50 @@ def test_a_change_whose_preparation_fails_fails_alone(tmp_path):
     assert all(r is None for i, r in enumerate(results) if i != 7)
     assert changes[7] not in log
     assert all(c in log for i, c in enumerate(changes) if i != 7)
+
+
+class Told(Change):
+    """A change that records whether it was applied, and whether its transaction fails."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.applied = False
+
+    def txn(self, txn) -> None:
+        if self.fail:
+            raise DistorefsError("this transaction fails")
+
+    def apply(self) -> None:
+        self.applied = True
+
+
+def test_whoever_asked_is_told_in_the_committers_thread_before_the_change_is_applied(tmp_path):
+    """`then` on a queued change's outcome: told 0 from the committer's thread as soon as
+    the transaction committed (the change not applied yet), once; told the errno of a change
+    that failed; told at once when asked after the outcome is known."""
+    async def body(store):
+        told: list = []
+        main = threading.current_thread().name
+
+        def tell(change):
+            return lambda err: told.append((change, err, threading.current_thread().name, change.applied))
+
+        good, bad = Told(), Told(fail=True)
+        pending = [store.committer.enqueue(c) for c in (good, bad)]
+        for p, c in zip(pending, (good, bad)):
+            p.then(tell(c))
+        for p in pending:
+            try:
+                await p.wait()
+            except DistorefsError:
+                pass
+        late: list = []
+        pending[0].then(late.append)
+        pending[1].then(late.append)
+        return told, late, main, good, bad
+    told, late, main, good, bad = run(tmp_path / "s", body)
+    assert [(c, err) for c, err, _, _ in told] == [(good, 0), (bad, 5)]  # EIO: a commit that failed
+    (_, _, thread, applied), (_, _, bad_thread, _) = told
+    assert thread != main and applied is False  # the committer's thread, before apply
+    assert good.applied and not bad.applied
+    assert late == [0, 5]
