@@ -151,19 +151,27 @@ static uint64_t release_free[RELEASE_MAX];  /* handles whose release is Python's
 static unsigned release_free_count;
 static uint64_t released[RELEASE_MAX];  /* answered here, for Python to take */
 static unsigned released_count;
-/* Inodes whose opens of one access mode the front answers itself (answer_opens), and the
-   handles it gave out that are not released yet; Python adopts one (adopt_opened) at its
-   first request that reaches Python. */
-static struct { uint64_t ino; int accmode; } open_free[HELD_MAX];
-static unsigned open_free_count;
+/* Inodes whose opens of one access mode the front answers itself (answer_opens: a hash
+   table, open addressing, inode 0 marks a free slot), the handles it gave out that are not
+   released yet (Python adopts one, adopt_opened, at its first request that reaches Python),
+   and the inodes of ONCE marks opened here, for Python to take (take_opened). */
+#define MARKS_MAX 16384  /* a power of 2; filled to 3/4 at most */
+#define MARK_KEEP_CACHE 1
+#define MARK_NOFLUSH 2
+#define MARK_ONCE 4  /* one open, then the mark goes and the inode is noted for Python */
+#define NOTICES_MAX 4096
+static struct mark { uint64_t ino; int accmode; int flags; } marks[MARKS_MAX];
+static unsigned marks_count;
 static struct { uint64_t fh; uint64_t ino; uint32_t flags; int adopted; } opened[HELD_MAX];
 static unsigned opened_count;
 static uint64_t opened_next;
-static unsigned long long front_opens;
+static uint64_t notices[NOTICES_MAX];
+static unsigned notices_count;
+static unsigned long long front_opens, front_releases;  /* releases: of handles Python never saw */
 static file_op_fn handler_getattr, handler_flush, handler_release, handler_open;  /* pyfuse3's */
 static unsigned long long front_getattrs, front_flushes;  /* RELEASEs: Python counts them as it takes them */
 /* On the front's thread: the answer answered_in_c found for the request it processes next. */
-static __thread struct { int opcode; struct stat attr; double timeout; uint64_t fh; } front_answer;
+static __thread struct { int opcode; struct stat attr; double timeout; uint64_t fh; int mark; } front_answer;
 
 /* Runs when the library is loaded, before anything can call through it. The library is
    linked against libfuse3, so that is loaded already: take its definitions, not ours
@@ -221,6 +229,56 @@ static struct flushing *flushing_add(uint64_t fh, int python)  /* with held_lock
         return NULL;
     flushing[flushing_count] = (struct flushing){.fh = fh, .python = python};
     return &flushing[flushing_count++];
+}
+
+static unsigned mark_home(uint64_t ino)
+{
+    return (unsigned)((ino * UINT64_C(0x9E3779B97F4A7C15)) >> 40) & (MARKS_MAX - 1);
+}
+
+static struct mark *mark_find(uint64_t ino)  /* with held_lock held */
+{
+    for (unsigned i = mark_home(ino);; i = (i + 1) & (MARKS_MAX - 1)) {
+        if (marks[i].ino == ino)
+            return &marks[i];
+        if (marks[i].ino == 0)
+            return NULL;
+    }
+}
+
+static int mark_set(uint64_t ino, int accmode, int flags)  /* with held_lock held; 0: no room */
+{
+    unsigned i = mark_home(ino);
+    while (marks[i].ino != 0 && marks[i].ino != ino)
+        i = (i + 1) & (MARKS_MAX - 1);
+    if (marks[i].ino == 0) {
+        if (ino == 0 || marks_count >= MARKS_MAX / 4 * 3)
+            return 0;
+        marks_count++;
+    }
+    marks[i] = (struct mark){ino, accmode, flags};
+    return 1;
+}
+
+static void mark_drop(uint64_t ino)  /* with held_lock held */
+{
+    unsigned i = mark_home(ino);
+    while (marks[i].ino != ino) {
+        if (marks[i].ino == 0)
+            return;
+        i = (i + 1) & (MARKS_MAX - 1);
+    }
+    marks_count--;
+    /* Backward shift: a later mark of the same run moves into the hole unless the hole lies
+       before its home slot (then a search for it would stop at the hole). */
+    for (unsigned j = (i + 1) & (MARKS_MAX - 1); marks[j].ino != 0; j = (j + 1) & (MARKS_MAX - 1)) {
+        unsigned from_home = (j - mark_home(marks[j].ino)) & (MARKS_MAX - 1);
+        if (from_home >= ((j - i) & (MARKS_MAX - 1))) {
+            marks[i] = marks[j];
+            i = j;
+        }
+    }
+    marks[i].ino = 0;
 }
 
 /* Answer the FLUSHes parked on `f` (none pending any more) with its first error, taken. */
@@ -289,6 +347,8 @@ static void open_answered(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info 
         front_answer.opcode = 0;
         memset(&out, 0, sizeof(out));
         out.fh = front_answer.fh;
+        out.keep_cache = (front_answer.mark & MARK_KEEP_CACHE) != 0;
+        out.noflush = (front_answer.mark & MARK_NOFLUSH) != 0;
         __atomic_add_fetch(&front_opens, 1, __ATOMIC_RELAXED);
         libfuse_reply_open(req, &out);
         return;
@@ -403,6 +463,7 @@ static int release_here(uint64_t fh)
             struct flushing *f = flushing_find(fh);
             if (f != NULL && !f->pending && f->parked == NULL)
                 *f = flushing[--flushing_count];
+            front_releases++;
             return 1;
         }
     } else {
@@ -448,16 +509,25 @@ static int answered_in_c(const char *mem, size_t size)
         memcpy(&ino, mem + IN_NODEID_OFFSET, sizeof(ino));
         memcpy(&flags, mem + IN_HEADER_SIZE, sizeof(flags));
         pthread_mutex_lock(&held_lock);
-        for (unsigned i = 0; i < open_free_count && !found; i++)
-            found = open_free[i].ino == ino && open_free[i].accmode == (int)(flags & O_ACCMODE);
-        if (found && opened_count < HELD_MAX) {
+        struct mark *m = marks_count ? mark_find(ino) : NULL;
+        /* no room for the handle (or for the notice): pyfuse3's handler opens it */
+        /* A read-only open with O_TRUNC needs write permission and a truncation: Python's. */
+        if (m != NULL && m->accmode == (int)(flags & O_ACCMODE) && opened_count < HELD_MAX &&
+            !(m->accmode == O_RDONLY && (flags & O_TRUNC)) &&
+            (!(m->flags & MARK_ONCE) || notices_count < NOTICES_MAX)) {
             uint64_t fh = FRONT_FH | ++opened_next;
+            int mark = m->flags;
             opened[opened_count++] = (typeof(opened[0])){fh, ino, flags, 0};
-            flushing_add(fh, 0);  /* nothing to do at its close yet (no room: Python's flush) */
+            if (!(mark & MARK_NOFLUSH))
+                flushing_add(fh, 0);  /* nothing to do at its close yet (no room: Python's flush) */
+            if (mark & MARK_ONCE) {
+                notices[notices_count++] = ino;
+                mark_drop(ino);
+            }
             front_answer.opcode = OPCODE_OPEN;
             front_answer.fh = fh;
-        } else {
-            found = 0;  /* no room: pyfuse3's handler opens it */
+            front_answer.mark = mark;
+            found = 1;
         }
         pthread_mutex_unlock(&held_lock);
         return found;
@@ -704,12 +774,8 @@ static PyObject *hold_attributes(PyObject *self, PyObject *args)
     } else if (!on && h != NULL) {
         *h = held[--held_count];
     }
-    if (!on) {  /* and its opens reach Python again, until answer_opens */
-        for (unsigned i = 0; i < open_free_count; i++)
-            if (open_free[i].ino == ino) {
-                open_free[i--] = open_free[--open_free_count];
-            }
-    }
+    if (!on && marks_count)  /* and its opens reach Python again, until answer_opens */
+        mark_drop(ino);
     pthread_mutex_unlock(&held_lock);
     return PyBool_FromLong(done);
 }
@@ -717,18 +783,27 @@ static PyObject *hold_attributes(PyObject *self, PyObject *args)
 static PyObject *answer_opens(PyObject *self, PyObject *args)
 {
     unsigned long long ino;
-    int accmode, done = 0;
-    if (!PyArg_ParseTuple(args, "Ki", &ino, &accmode))
+    int accmode, flags, done;
+    if (!PyArg_ParseTuple(args, "Kii", &ino, &accmode, &flags))
         return NULL;
     pthread_mutex_lock(&held_lock);
-    for (unsigned i = 0; i < open_free_count && !done; i++)
-        done = open_free[i].ino == ino && open_free[i].accmode == accmode;
-    if (!done && open_free_count < HELD_MAX) {
-        open_free[open_free_count++] = (typeof(open_free[0])){ino, accmode};
-        done = 1;
-    }
+    done = mark_set(ino, accmode, flags);
     pthread_mutex_unlock(&held_lock);
     return PyBool_FromLong(done);
+}
+
+static PyObject *take_opened(PyObject *self, PyObject *unused)
+{
+    if (__atomic_load_n(&notices_count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
+        return PyTuple_New(0);
+    pthread_mutex_lock(&held_lock);
+    PyObject *out = PyTuple_New(notices_count);
+    for (unsigned i = 0; out != NULL && i < notices_count; i++)
+        PyTuple_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(notices[i]));
+    if (out != NULL)
+        notices_count = 0;
+    pthread_mutex_unlock(&held_lock);
+    return out;
 }
 
 static PyObject *adopt_opened(PyObject *self, PyObject *arg)
@@ -822,17 +897,21 @@ static PyObject *flush_committed(PyObject *self, PyObject *args)
 
 static PyObject *front_answers(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("(KKK)", __atomic_load_n(&front_getattrs, __ATOMIC_RELAXED),
+    pthread_mutex_lock(&held_lock);
+    unsigned long long releases = front_releases;
+    pthread_mutex_unlock(&held_lock);
+    return Py_BuildValue("(KKKK)", __atomic_load_n(&front_getattrs, __ATOMIC_RELAXED),
                          __atomic_load_n(&front_flushes, __ATOMIC_RELAXED),
-                         __atomic_load_n(&front_opens, __ATOMIC_RELAXED));
+                         __atomic_load_n(&front_opens, __ATOMIC_RELAXED), releases);
 }
 
 static PyObject *front_tables(PyObject *self, PyObject *unused)
 {
     pthread_mutex_lock(&held_lock);
-    PyObject *out = Py_BuildValue("{sIsIsIsIsIsI}", "held", held_count, "opens_answered", open_free_count,
+    PyObject *out = Py_BuildValue("{sIsIsIsIsIsIsI}", "held", held_count, "opens_answered", marks_count,
                                   "opened", opened_count, "flushing", flushing_count,
-                                  "release_free", release_free_count, "released", released_count);
+                                  "release_free", release_free_count, "released", released_count,
+                                  "opened_noted", notices_count);
     pthread_mutex_unlock(&held_lock);
     return out;
 }
@@ -897,12 +976,14 @@ static PyMethodDef methods[] = {
      "fh: one more commit for handle fh; a FLUSH the front answers waits for it (False: no room, or no front)."},
     {"flush_committed", flush_committed, METH_VARARGS,
      "(fh, errno): one of fh's pending commits is done (0) or failed; the last answers its parked FLUSHes."},
-    {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes, OPENs) the front answered itself."},
+    {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes, OPENs, RELEASEs of handles Python never saw) the front answered itself."},
     {"front_tables", front_tables, METH_NOARGS, "How full the front's tables are (each holds at most 64 but "
-     "release_free and released, 1024)."},
+     "marks, 16384, release_free and released, 1024, and notices, 4096)."},
     {"answer_opens", answer_opens, METH_VARARGS,
-     "(ino, accmode): the front answers opens of ino with that access mode itself, with a handle number of "
-     "its own (False: no room); until hold_attributes(ino, False)."},
+     "(ino, accmode, flags): the front answers opens of ino with that access mode itself, with a handle number "
+     "of its own (flags: 1 keep_cache, 2 noflush, 4 once: its first open only, noted for take_opened); "
+     "False: no room; until hold_attributes(ino, False)."},
+    {"take_opened", take_opened, METH_NOARGS, "The inodes of `once` marks the front opened since the last call."},
     {"adopt_opened", adopt_opened, METH_O,
      "fh: (ino, open flags) of a handle the front opened, now Python's (its RELEASE goes to take_released); "
      "None if it opened no such handle."},

@@ -9,6 +9,7 @@ holds. Items of an unsealed dataset can be rewritten, so their readers use direc
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import stat
@@ -29,6 +30,7 @@ from distorefs.sources import Credentials, check_can_act_for
 from distorefs.stagewire import StageStream
 from distorefs.values import WarmResult
 
+from . import interpose
 from .callers import lineage, process_gone, process_of
 from .handles import BytesReader, ClientHandle, ConfigWriter, Handle, wants_read, wants_write
 from .inodes import DATASET_DIR, DATASET_FILE, DATASET_LINK, stable_number
@@ -340,6 +342,16 @@ class ItemNode(Node):
             return make_attrs(self.ino, item.mode, item.size, item.uid, item.gid, item.mtime_ns,
                               self.fs.store.config.entry_timeout, entry_timeout=DIR_LONG)
         return stamp_attrs(self.ino, item.mode, item.size, item, NO_CACHE, nlink=nlink, entry_timeout=DIR_LONG)
+
+    def opened_by_front(self) -> None:
+        if self.ds.sealed and self.item_id is not None:
+            self.ds.prefetcher.take_nowait(self.item_id)  # the hit a pushed value is, counted once
+
+    async def adopt(self, flags: int) -> Handle:
+        handle = await self.open(flags, None)
+        if isinstance(handle, ItemReader) and self.ds.sealed:  # a READ after all: the pages went
+            handle.counted = handle.accounted = True  # its open was counted (opened_by_front)
+        return handle
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):
@@ -723,6 +735,10 @@ def push_into_page_cache(fs: "Filesystem", ds: Dataset):
         node = fs.inodes.node_of(("dsitem", ds.ds_id, SEALED, item_id))
         if node is None or node.open_handles:
             return False  # being read now: its READ takes the value from memory instead
-        node.in_page_cache = pusher.push(ino, value)
+        # Once the kernel holds the value, its next open is the front's: a sealed item's
+        # open only takes its value from the prefetcher (ItemNode.opened_by_front), and
+        # its reads are the kernel's (keep_cache; a READ after all makes the handle here).
+        node.in_page_cache = pusher.push(ino, value, then=functools.partial(
+            interpose.answer_opens, ino, os.O_RDONLY, keep_cache=True, noflush=True, once=True))
         return node.in_page_cache
     return push

@@ -70,6 +70,9 @@ class InodeTable:
             raise NotFound(f"stale inode {ino}")
         return node
 
+    def get_or_none(self, ino: int):
+        return self._nodes.get(ino)
+
     def ino_of(self, key: Hashable) -> int | None:
         return self._by_key.get(key)
 

@@ -107,15 +107,23 @@ def flush_free(fh: int, free: bool) -> None:
         _library.flush_free(fh, free)
 
 
-def answer_opens(ino: int, accmode: int) -> None:
+def answer_opens(ino: int, accmode: int, *, keep_cache: bool = False, noflush: bool = False,
+                 once: bool = False) -> None:
     """The front answers opens of `ino` with access mode `accmode` (os.O_WRONLY, say) itself,
     with a handle number of its own, until `forget_attributes(ino)`. For a file whose open
     is nothing but making its handle, with the kernel checking permissions
     (default_permissions): the handle is made at its first request that reaches Python
     (`adopt_opened`). Its FLUSH is answered by the front until a write gives it work
-    (`flush_free`), its RELEASE too (handed to `take_released` once adopted)."""
+    (`flush_free`), its RELEASE too (handed to `take_released` once adopted).
+    `keep_cache` and `noflush` go into the open's reply; `once`: only the next open, whose
+    inode is then noted for `take_opened`."""
     if _library is not None:
-        _library.answer_opens(ino, accmode)
+        _library.answer_opens(ino, accmode, (1 if keep_cache else 0) | (2 if noflush else 0) | (4 if once else 0))
+
+
+def take_opened() -> tuple[int, ...]:
+    """The inodes the front opened for `once` marks since the last call."""
+    return _library.take_opened() if _library is not None else ()
 
 
 def adopt_opened(fh: int) -> tuple[int, int] | None:
@@ -152,13 +160,13 @@ def take_released() -> tuple[int, ...]:
     return _library.take_released() if _library is not None else ()
 
 
-def front_answers() -> tuple[int, int, int]:
-    """(GETATTRs, FLUSHes, OPENs) the front answered itself so far (its RELEASEs are
-    counted as Python takes them)."""
+def front_answers() -> tuple[int, int, int, int]:
+    """(GETATTRs, FLUSHes, OPENs, RELEASEs of handles Python never saw) the front answered
+    itself so far (the RELEASEs of Python's handles are counted as Python takes them)."""
     if _library is None:
-        return 0, 0, 0
-    getattrs, flushes, opens = _library.front_answers()
-    return int(getattrs), int(flushes), int(opens)
+        return 0, 0, 0, 0
+    getattrs, flushes, opens, releases = _library.front_answers()
+    return int(getattrs), int(flushes), int(opens), int(releases)
 
 
 def front_tables() -> dict[str, int]:

@@ -121,6 +121,15 @@ class Node:
     def xattrs(self) -> dict[bytes, bytes]:
         return {}
 
+    def opened_by_front(self) -> None:
+        """The library's front answered an open of this node itself (a `once` mark of
+        interpose.answer_opens): what the node does at an open, without the handle."""
+
+    async def adopt(self, flags: int) -> "Handle":
+        """The handle of an open the front answered (interpose.adopt_opened), made at its
+        first request that reaches Python."""
+        return await self.open(flags, None)
+
     async def read_xattrs(self) -> dict[bytes, bytes]:
         """xattrs() for getxattr/listxattr; a node whose attributes cost work in proportion to
         its size computes them off the event loop here."""

@@ -37,8 +37,10 @@ class _Sender:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def _put(self, fn: Callable, *args, done: Callable[[], None] | None = None) -> None:
-        self._queue.put((fn, args, done))
+    def _put(self, fn: Callable, *args, done: Callable[[], None] | None = None,
+             then: Callable[[], None] | None = None) -> None:
+        """`done()` after the call whatever happened, `then()` after it succeeded."""
+        self._queue.put((fn, args, done, then))
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -49,11 +51,13 @@ class _Sender:
             item = self._queue.get()
             if item is None:
                 return
-            fn, args, done = item
+            fn, args, done, then = item
             what = f"{fn.__name__}{args[:2]!r}"
             try:
                 fn(*args)
                 self.sent += 1
+                if then is not None:
+                    then()
             except OSError as exc:
                 if exc.errno not in _GONE:
                     log.warning("kernel call %s failed: %s", what, exc)
@@ -100,12 +104,14 @@ class PageCachePusher(_Sender):
         self.stored_at_open = 0
         self._lock = threading.Lock()
 
-    def push(self, ino: int, data: bytes) -> bool:
+    def push(self, ino: int, data: bytes, then: Callable[[], None] | None = None) -> bool:
+        """Queue `data` for the page cache of `ino`; `then()` runs in the pusher's thread
+        once the kernel took it."""
         with self._lock:
             if self.queued_bytes + len(data) > self.max_bytes:
                 return False
             self.queued_bytes += len(data)
-        self._put(pyfuse3.notify_store, ino, 0, data, done=functools.partial(self._pushed, len(data)))
+        self._put(pyfuse3.notify_store, ino, 0, data, done=functools.partial(self._pushed, len(data)), then=then)
         return True
 
     def _pushed(self, n: int) -> None:

@@ -17,6 +17,7 @@ from collections import Counter
 from typing import NoReturn
 
 import pyfuse3
+import trio
 
 from distorefs.errors import DistorefsError, NotFound, OperationNotPermitted, Stale
 
@@ -118,13 +119,15 @@ class Filesystem(pyfuse3.Operations):
         if foreign:
             requests["getxattr"] += foreign  # answered by the library (mount/interpose.py), not here
         front, passed = interpose.front()  # requests the library's thread handed to pyfuse3
-        getattrs, flushes, opens = interpose.front_answers()
+        getattrs, flushes, opens, releases = interpose.front_answers()
         if getattrs:
             requests["getattr"] += getattrs  # answered by the library's thread, likewise
         if flushes:
             requests["flush"] += flushes
         if opens:
             requests["open"] += opens
+        if releases:
+            requests["release"] += releases
         ioctls = interpose.ioctl_replies()
         if ioctls:
             requests["ioctl"] = ioctls  # likewise: isatty() at every open
@@ -230,7 +233,7 @@ class Filesystem(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBADF)
         ino, flags = opened
         node = self.inodes.get(ino)
-        handle = await node.open(flags, None)
+        handle = await node.adopt(flags)
         self._adopt(fh, node, handle)
         return handle
 
@@ -392,9 +395,20 @@ class Filesystem(pyfuse3.Operations):
 
     async def _release_taken(self) -> None:
         """Release the handles whose RELEASE the library's front answered since the last
-        call (mount/interpose.py release_free)."""
+        call (mount/interpose.py release_free), and tell the nodes it opened itself."""
+        for ino in interpose.take_opened():
+            node = self.inodes.get_or_none(ino)
+            if node is not None:
+                node.opened_by_front()
         for fh in interpose.take_released():
             await self._release(fh)
+
+    async def take_front_notes(self, every: float) -> None:
+        """`_release_taken` every `every` seconds too: reads the front answers alone (a
+        dataset's items, pushed ahead) send Python no request to take them with."""
+        while True:
+            await trio.sleep(every)
+            await self._release_taken()
 
     async def _release(self, fh: int) -> None:
         self.requests["release"] += 1

@@ -42,6 +42,15 @@ def reads_during(fs, fn) -> int:
     return requests_during(fs, "read", fn)
 
 
+def passed_during(fs, fn) -> int:
+    """Requests the library's front handed to Python while `fn` ran, less reading the count."""
+    def count(fn) -> int:
+        before = mount_stats(fs)["front_passed"]
+        fn()
+        return mount_stats(fs)["front_passed"] - before
+    return count(fn) - count(lambda: None)
+
+
 def npy(a) -> bytes:
     out = io.BytesIO()
     np.save(out, a)
@@ -431,15 +440,8 @@ with open({str(buf / "priorities")!r}, "w") as f:
     for n in range(200):  # more than the front's tables hold: every handle it opened was let go
         with open(buf / "priorities", "w") as f:
             f.write(f"q0.npy {n}\n")
-    def passed_during(fn) -> int:  # requests handed to Python while fn ran, less reading the count
-        def count(fn) -> int:
-            before = mount_stats(fs)["front_passed"]
-            fn()
-            return mount_stats(fs)["front_passed"] - before
-        return count(fn) - count(lambda: None)
-
-    assert passed_during(lambda: [os.close(os.open(buf / "priorities", os.O_WRONLY | os.O_TRUNC))
-                                  for _ in range(20)]) < 5
+    assert passed_during(fs, lambda: [os.close(os.open(buf / "priorities", os.O_WRONLY | os.O_TRUNC))
+                                      for _ in range(20)]) < 5
     tables = mount_stats(fs)["front_tables"]
     assert tables["opened"] == 0 and tables["flushing"] == 0, tables  # every handle let go
     assert float(xattr(buf / "entries" / "q0.npy", "priority")) == 199.0
@@ -584,22 +586,57 @@ def test_prefetched_items_are_read_without_read_requests(fs, tmp_path):
     assert json.loads((ds / "stats.json").read_bytes())["prefetch"]["hits"] >= len(index)
 
 
-def test_an_item_pushed_ahead_counts_once_when_its_pages_are_gone(fs, tmp_path):
-    """A prefetched value pushed into the page cache is a hit at open; if the kernel has
-    dropped those pages by the time the item is read, its READ must not count a miss too."""
-    ds, payloads = staged(fs, tmp_path, "pushedgone", "q", 10, 9000)
+def pushed_ahead(ds, payloads: dict) -> np.ndarray:
+    """Every item of `ds` looked up by the kernel, the order of the index declared, and each
+    value pushed into the page cache by the prefetcher: the index."""
     for name in payloads:  # the kernel knows every inode: values loaded ahead are pushed
         (ds / "items" / name).read_bytes()
     index = np.load(ds / "index.npy")
     with open(ds / "order", "wb") as f:
         np.save(f, np.arange(len(index), dtype=np.int64))
+    deadline = time.monotonic() + 30
+    while (prefetch := json.loads((ds / "stats.json").read_bytes())["prefetch"])["pushed"] < len(index):
+        assert time.monotonic() < deadline, prefetch
+        time.sleep(0.05)
+    return index
+
+
+def test_items_pushed_ahead_are_opened_by_the_front(fs, tmp_path):
+    """An item whose value the prefetcher pushed into the page cache is opened by the
+    library's front (keep_cache, no FLUSH) and read from the pages: its open, reads and
+    release reach no Python; its prefetch hit is counted all the same, and every handle the
+    front opened is let go. Its next open (the mark was for one) is Python's again."""
+    ds, payloads = staged(fs, tmp_path, "frontopens", "f", 40, 5000)
+    index = pushed_ahead(ds, payloads)
+    time.sleep(0.2)  # the pusher's thread marks each inode once the kernel took its value
 
     def prefetch() -> dict:
         return json.loads((ds / "stats.json").read_bytes())["prefetch"]
-    deadline = time.monotonic() + 30
-    while prefetch()["pushed"] < len(index):
-        assert time.monotonic() < deadline, prefetch()
-        time.sleep(0.05)
+
+    def read_in_order() -> None:
+        for row in index:
+            name = row["path"].decode()
+            with open(ds / "items" / name, "rb") as f:
+                assert f.read() == payloads[name]
+
+    hits = prefetch()["hits"]
+    opens = requests(fs)["open"]
+    assert passed_during(fs, read_in_order) < len(index) // 4  # not an OPEN each
+    assert requests(fs)["open"] - opens >= len(index)  # still counted
+    assert prefetch()["hits"] - hits == len(index)
+    tables = mount_stats(fs)["front_tables"]
+    assert tables["opened"] == 0 and tables["opened_noted"] == 0, tables
+    assert passed_during(fs, read_in_order) >= len(index)  # opened again: Python's
+
+
+def test_an_item_pushed_ahead_counts_once_when_its_pages_are_gone(fs, tmp_path):
+    """A prefetched value pushed into the page cache is a hit at open; if the kernel has
+    dropped those pages by the time the item is read, its READ must not count a miss too."""
+    ds, payloads = staged(fs, tmp_path, "pushedgone", "q", 10, 9000)
+    index = pushed_ahead(ds, payloads)
+
+    def prefetch() -> dict:
+        return json.loads((ds / "stats.json").read_bytes())["prefetch"]
     before = prefetch()
     for row in index:
         name = row["path"].decode()
