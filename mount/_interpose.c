@@ -45,6 +45,18 @@
  *   every read of an entry, a batch or a dataset item paid a trip through Python for it.
  *   On pyfuse3's own thread those handlers are pyfuse3's, always.
  *
+ * - Opens the front answers (the session's OPEN handler): an inode Python marks
+ *   (answer_opens) has its opens of one access mode answered with a handle number of the
+ *   front's own (FRONT_FH): a write-only open of `priorities`, which only makes a handle,
+ *   and the next open of a sealed dataset item whose value is in the page cache already
+ *   (a `once` mark, keep_cache and noflush in the reply; the inode is noted for Python,
+ *   take_opened). Python makes the handle at the handle's first request that reaches it
+ *   (adopt_opened); the RELEASE of one it never saw ends here.
+ *
+ * - A FLUSH that waits for commits (flush_pending, flush_committed): a `priorities` write
+ *   returns once queued, and its close's FLUSH is parked here until the committer's thread
+ *   says the transaction committed; answered then, with the first error.
+ *
  * Built against the same libfuse headers as pyfuse3 (pkg-config fuse3), so the bitfield
  * is where pyfuse3's libfuse expects it.
  */

@@ -16,7 +16,12 @@
   attributes Python holds there (`hold_attributes`: they change only by an act of Python's,
   which forgets them first) and FLUSH of a handle with nothing to do at close
   (`flush_free`), and RELEASE of a handle whose release is bookkeeping only (`release_free`,
-  `take_released`). DISTOREFS_FRONT=0 in the daemon's environment
+  `take_released`). It answers the OPEN of an inode Python marks (`answer_opens`: a
+  write-only open of `priorities`; the next open of a sealed item already in the page
+  cache, noted for `take_opened`), Python making the handle only when a request of it
+  comes (`adopt_opened`); and it parks the FLUSH of a handle whose commits are still under
+  way until the committer's thread says they are done (`flush_pending`,
+  `flush_committed`). DISTOREFS_FRONT=0 in the daemon's environment
   leaves the reading to pyfuse3, as before (for comparisons).
 
 The library defines those libfuse functions and forwards to libfuse's own; loaded into the
