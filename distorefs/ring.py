@@ -761,6 +761,7 @@ class RingNamespace:
     def ns_id(self) -> int:
         return self.ring.ns_id
 
+
 _SEQ = struct.Struct(">Q")
 _T = TypeVar("_T")
 

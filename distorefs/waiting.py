@@ -48,7 +48,9 @@ class Outcome:
             raise self.error
 
     def then(self, fn: Callable[[int], None]) -> None:
-        """fn(errno or 0) once the outcome is known (now, if it is), exactly once."""
+        """fn(errno or 0) once the outcome is known (now, if it is), exactly once. Ask on the
+        event loop before the work can have started (as the work is queued): a worker's
+        `tell` running meanwhile could miss it."""
         if self.done.is_set():
             fn(_errno_of(self.error))
         else:
