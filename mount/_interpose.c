@@ -181,7 +181,7 @@ static uint64_t notices[NOTICES_MAX];
 static unsigned notices_count;
 static unsigned long long front_opens, front_releases;  /* releases: of handles Python never saw */
 static file_op_fn handler_getattr, handler_flush, handler_release, handler_open;  /* pyfuse3's */
-static unsigned long long front_getattrs, front_flushes;  /* RELEASEs: Python counts them as it takes them */
+static unsigned long long front_getattrs, front_flushes;  /* RELEASEs of Python's handles: Python counts them as it takes them */
 /* On the front's thread: the answer answered_in_c found for the request it processes next. */
 static __thread struct { int opcode; struct stat attr; double timeout; uint64_t fh; int mark; } front_answer;
 
