@@ -804,18 +804,25 @@ static PyObject *answer_opens(PyObject *self, PyObject *args)
     return PyBool_FromLong(done);
 }
 
-static PyObject *take_opened(PyObject *self, PyObject *unused)
+/* The numbers the front noted for Python (released handles, opened inodes), as a tuple;
+   the list is emptied. */
+static PyObject *take_numbers(const uint64_t *numbers, unsigned *count)
 {
-    if (__atomic_load_n(&notices_count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
+    if (__atomic_load_n(count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
         return PyTuple_New(0);
     pthread_mutex_lock(&held_lock);
-    PyObject *out = PyTuple_New(notices_count);
-    for (unsigned i = 0; out != NULL && i < notices_count; i++)
-        PyTuple_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(notices[i]));
+    PyObject *out = PyTuple_New(*count);
+    for (unsigned i = 0; out != NULL && i < *count; i++)
+        PyTuple_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(numbers[i]));
     if (out != NULL)
-        notices_count = 0;
+        *count = 0;
     pthread_mutex_unlock(&held_lock);
     return out;
+}
+
+static PyObject *take_opened(PyObject *self, PyObject *unused)
+{
+    return take_numbers(notices, &notices_count);
 }
 
 static PyObject *adopt_opened(PyObject *self, PyObject *arg)
@@ -945,16 +952,7 @@ static PyObject *set_release_free(PyObject *self, PyObject *arg)
 
 static PyObject *take_released(PyObject *self, PyObject *unused)
 {
-    if (__atomic_load_n(&released_count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
-        return PyTuple_New(0);
-    pthread_mutex_lock(&held_lock);
-    PyObject *out = PyTuple_New(released_count);
-    for (unsigned i = 0; out != NULL && i < released_count; i++)
-        PyTuple_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(released[i]));
-    if (out != NULL)
-        released_count = 0;
-    pthread_mutex_unlock(&held_lock);
-    return out;
+    return take_numbers(released, &released_count);
 }
 
 static PyObject *set_front(PyObject *self, PyObject *on)
