@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distorefs_it import CLI, assert_errno, have_fuse, wait_for, xattr
+from distorefs_it import CLI, assert_errno, drop_page_cache, have_fuse, wait_for, xattr
 
 pytestmark = pytest.mark.skipif(not have_fuse(), reason="needs /dev/fuse and fusermount3")
 
@@ -76,7 +76,9 @@ def test_a_dataset_staged_on_one_node_is_read_whole_on_the_others(nodes, tmp_pat
     rel = next(iter(files))
     assert_errno(errno.EROFS, open, bds / "items" / rel, "r+b")
     assert_errno(errno.EROFS, open, bds / "items" / "new.bin", "wb")
-    # b's own order is read ahead into b's memory
+    # b's own order is read ahead into b's memory (not the pages the reads above left in
+    # the kernel's cache: those would serve a reader that overtook the prefetcher)
+    drop_page_cache(bds / "items" / rel for rel in files)
     order = np.random.default_rng(3).permutation(len(files))[:600]
     with open(bds / "order", "wb") as f:
         np.save(f, order)
