@@ -144,6 +144,7 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
                         raise
                 _report(ready_fd, "ready")
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
+                await fs.release_taken()  # RELEASEs the front answered last (a commit at release)
                 nursery.cancel_scope.cancel()
         finally:
             fs.stop_notifications()

@@ -31,6 +31,10 @@ class Handle:
     keep_cache = False
     nonseekable = False
     flush_tracked = False  # says after each write whether its close has anything to do
+    # Its release may run after the RELEASE was answered: nothing a caller waits for happens
+    # there (close() returned at the FLUSH), so the library's front answers it and Python
+    # releases the handle before its next request (mount/operations.py release_taken).
+    release_deferred = False
     node: Node | None = None  # the node opened (mount/operations.py sets it if the handle did not)
     fh: int | None = None  # its number (mount/operations.py sets it)
 
@@ -213,6 +217,10 @@ class EntryWriter(StagingWriter):
     published (the writer fails as after a refused write)."""
 
     node: EntryNode
+    # What a release does (the commit of a file created or truncated and closed unwritten,
+    # the limiter's ticket, the node's list of writers) is done before Python's next request:
+    # every request that could see it (a lookup, a listing, an open) comes after.
+    release_deferred = True
 
     def __init__(self, node, initial: bytes, limit: int, readable: bool, owner, fresh: bool,
                  ticket: InsertTicket | None = None,

@@ -44,7 +44,7 @@ def _translate(fn):
     async def wrapper(self, *args):
         self.requests[name] += 1
         try:
-            await self._release_taken()  # closed since the last request
+            await self.release_taken()  # closed since the last request
             return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
@@ -211,7 +211,7 @@ class Filesystem(pyfuse3.Operations):
     def _open_handle(self, node: Node, handle: Handle, *, noflush: bool = False) -> pyfuse3.FileInfo:
         fh = next(self._fh)
         self._adopt(fh, node, handle)
-        if noflush:  # nothing to do at close: nothing at release but ours (the library answers it)
+        if noflush or handle.release_deferred:  # the library answers its RELEASE; we release it later
             interpose.release_free(fh)
         return pyfuse3.FileInfo(fh=interpose.noflush(fh) if noflush else fh, direct_io=handle.direct_io,
                                 keep_cache=handle.keep_cache, nonseekable=handle.nonseekable)
@@ -390,10 +390,10 @@ class Filesystem(pyfuse3.Operations):
         await handle.fsync()
 
     async def release(self, fh):
-        await self._release_taken()
+        await self.release_taken()
         await self._release(fh)
 
-    async def _release_taken(self) -> None:
+    async def release_taken(self) -> None:
         """Release the handles whose RELEASE the library's front answered since the last
         call (mount/interpose.py release_free), and tell the nodes it opened itself."""
         for ino in interpose.take_opened():
@@ -404,11 +404,11 @@ class Filesystem(pyfuse3.Operations):
             await self._release(fh)
 
     async def take_front_notes(self, every: float) -> None:
-        """`_release_taken` every `every` seconds too: reads the front answers alone (a
+        """`release_taken` every `every` seconds too: reads the front answers alone (a
         dataset's items, pushed ahead) send Python no request to take them with."""
         while True:
             await trio.sleep(every)
-            await self._release_taken()
+            await self.release_taken()
 
     async def _release(self, fh: int) -> None:
         self.requests["release"] += 1

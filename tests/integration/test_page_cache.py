@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from distorefs_it import CLI, get_stats, read_entry, set_config, write_entry, xattr
+from distorefs_it import CLI, entry_names, get_stats, read_entry, set_config, write_entry, xattr
 
 
 def mount_stats(fs) -> dict:
@@ -341,11 +341,12 @@ def test_a_priorities_write_reaches_python_once(fs, buf):
     assert float(xattr(buf / "entries" / "p2.npy", "priority")) == 6.5
 
 
-def test_an_insert_reaches_python_five_times(fs, buf):
+def test_an_insert_reaches_python_four_times(fs, buf):
     """An insert by Python's open(): the create drops entries/' attributes in the kernel and
     the next insert's path walk asks for them; the front answers that GETATTR from what
-    Python holds there, as it answers the IOCTL and the GETXATTR before write(). Python sees
-    LOOKUP, CREATE, WRITE, FLUSH (the commit) and RELEASE."""
+    Python holds there, as it answers the IOCTL and the GETXATTR before write(), and the
+    RELEASE (the writer is released before Python's next request). Python sees LOOKUP,
+    CREATE, WRITE and FLUSH (the commit)."""
     write_entry(buf, "i0.npy", npy(np.zeros(2, np.int32)))
     (buf / "entries").stat()
 
@@ -359,9 +360,27 @@ def test_an_insert_reaches_python_five_times(fs, buf):
         write_entry(buf, f"i{i}.npy", npy(np.full(2, i, np.int32)))
     time.sleep(0.2)  # the last RELEASE
     last = mount_stats(fs)
-    assert last["front_passed"] - first["front_passed"] - idle <= 20 * 5 + 4
+    assert last["front_passed"] - first["front_passed"] - idle <= 20 * 4 + 4
     assert last["requests"]["getattr"] - first["requests"]["getattr"] >= 20  # still counted
+    assert last["requests"]["release"] - first["requests"]["release"] >= 20  # released by Python
+    assert last["open_handles"] == first["open_handles"]
     assert np.array_equal(np.load(buf / "entries" / "i20.npy"), np.full(2, 20, np.int32))
+
+
+def test_a_file_created_unwritten_commits_at_its_release_whoever_answers_it(fresh_mount):
+    """The commit of an entry created and closed unwritten happens at its release, which
+    the front answers: Python releases the writer before its next request (the listing
+    sees the entry), and before it stops (an unmount just after the close keeps it)."""
+    m = fresh_mount()
+    b = m.buffer("b", {"raw": True})
+    (b / "entries" / "e0").touch()
+    assert entry_names(b) == ["e0"]
+    assert (b / "entries" / "e0").read_bytes() == b""
+    fd = os.open(b / "entries" / "e1", os.O_WRONLY | os.O_CREAT, 0o640)
+    os.close(fd)
+    m.remount()
+    assert entry_names(b) == ["e0", "e1"]
+    assert os.stat(b / "entries" / "e1").st_mode & 0o777 == 0o640
 
 
 def test_a_read_reaches_python_once(fs, buf):
