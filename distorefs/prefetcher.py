@@ -148,6 +148,19 @@ class Prefetcher(Generic[K]):
         """An open of a planned key read nothing from us: the kernel page cache had it."""
         self.counters["page_cache"] += 1
 
+    def push_held(self, key: K) -> bool:
+        """Push `key`'s held value now, if the push hook takes it (it refused at the load:
+        the kernel did not hold the key's inode yet). Its read is then a hit with no value
+        here, as for a value pushed at its load."""
+        value = self._held.get(key)
+        if value is None or self.push is None or not self.push(key, value):
+            return False
+        del self._held[key]
+        self._release(key, value)
+        self._pushed.add(key)
+        self.counters["pushed"] += 1
+        return True
+
     def _consumed(self, key: K, value: bytes) -> None:
         position = self._release(key, value)
         # Values the reader went past (it skipped them, or read them elsewhere) leave too.
@@ -345,6 +358,9 @@ class PrefetchStreams(Generic[K]):
 
     def served_by_page_cache(self) -> None:
         self._own["page_cache"] += 1
+
+    def push_held(self, key: K) -> bool:
+        return any(p.push_held(key) for p in self.streams.values())
 
     @property
     def counters(self) -> dict:

@@ -9,7 +9,6 @@ holds. Items of an unsealed dataset can be rewritten, so their readers use direc
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import stat
@@ -346,6 +345,13 @@ class ItemNode(Node):
     def opened_by_front(self) -> None:
         if self.ds.sealed and self.item_id is not None:
             self.ds.prefetcher.take_nowait(self.item_id)  # the hit a pushed value is, counted once
+
+    def listed(self) -> None:
+        # A value loaded before the kernel held the inode (the prefetcher runs ahead of the
+        # name warmer's listing) was held in memory: it goes into the page cache now, so
+        # that the item's open is the front's, not an OPEN through Python.
+        if self.ds.sealed and self.item_id is not None and not self.in_page_cache:
+            self.ds.prefetcher.push_held(self.item_id)
 
     async def adopt(self, flags: int) -> Handle:
         handle = await self.open(flags, None)
@@ -738,7 +744,13 @@ def push_into_page_cache(fs: "Filesystem", ds: Dataset):
         # Once the kernel holds the value, its next open is the front's: a sealed item's
         # open only takes its value from the prefetcher (ItemNode.opened_by_front), and
         # its reads are the kernel's (keep_cache; a READ after all makes the handle here).
-        node.in_page_cache = pusher.push(ino, value, then=functools.partial(
-            interpose.answer_opens, ino, os.O_RDONLY, keep_cache=True, noflush=True, once=True))
+        # Unless Python opened it while the push waited: that open took the value's hit.
+        opens = node.opens
+
+        def stored() -> None:  # (in the pusher's thread)
+            if node.opens == opens:
+                interpose.answer_opens(ino, os.O_RDONLY, keep_cache=True, noflush=True, once=True)
+
+        node.in_page_cache = pusher.push(ino, value, then=stored)
         return node.in_page_cache
     return push

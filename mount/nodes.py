@@ -65,6 +65,7 @@ class Node:
     ino: int = 0
     key: Hashable | None = None  # its key in the inode table (mount/inodes.py), None once unnamed
     open_handles = 0
+    opens = 0  # handles made here so far (mount/operations.py _adopt)
 
     def __init__(self, fs: "Filesystem") -> None:
         self.fs = fs
@@ -124,6 +125,9 @@ class Node:
     def opened_by_front(self) -> None:
         """The library's front answered an open of this node itself (a `once` mark of
         interpose.answer_opens): what the node does at an open, without the handle."""
+
+    def listed(self) -> None:
+        """A listing made the kernel hold this node's inode (READDIRPLUS), as a LOOKUP would."""
 
     async def adopt(self, flags: int) -> "Handle":
         """The handle of an open the front answered (interpose.adopt_opened), made at its

@@ -75,6 +75,7 @@ class Filesystem(pyfuse3.Operations):
         self.store = store
         self.inodes = InodeTable(on_drop=interpose.forget_attributes)
         self.handles: dict[int, Handle] = {}
+        self._listed: dict[int, list[Node]] = {}  # per open directory: the nodes its last reply listed
         self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
         self._fh = itertools.count(1)
         self.uid = os.getuid()
@@ -221,6 +222,7 @@ class Filesystem(pyfuse3.Operations):
         handle.node = handle.node or node
         self.handles[fh] = handle
         node.open_handles += 1
+        node.opens += 1
 
     async def _handle(self, fh: int) -> Handle:
         handle = self.handles.get(fh)
@@ -296,14 +298,26 @@ class Filesystem(pyfuse3.Operations):
     @_translate
     async def readdir(self, fh, start_id, token):
         node = self.inodes.get(fh)
+        self._listed_known(fh)
+        listed = self._listed.setdefault(fh, [])
         for name, child, next_id in node.children(start_id):
             attrs = child.attributes()
             if not pyfuse3.readdir_reply(token, name, attrs, next_id):
                 break
             self.inodes.looked_up(child.ino)
+            if type(child).listed is not Node.listed:
+                listed.append(child)
 
     async def releasedir(self, fh):
         self.requests["releasedir"] += 1
+        self._listed_known(fh)
+
+    def _listed_known(self, fh: int) -> None:
+        """Tell the nodes the last READDIRPLUS reply of directory `fh` listed that the kernel
+        holds their inodes: it made them as the lister read the reply, before the lister's
+        next request of the directory (or its close), which calls this."""
+        for child in self._listed.pop(fh, ()):
+            child.listed()
 
     @_translate
     async def fsyncdir(self, fh, datasync):

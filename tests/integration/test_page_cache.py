@@ -648,6 +648,46 @@ def test_items_pushed_ahead_are_opened_by_the_front(fs, tmp_path):
     assert passed_during(fs, read_in_order) >= len(index)  # opened again: Python's
 
 
+def test_items_loaded_before_the_kernel_knew_them_are_pushed_once_listed(fresh_mount, tmp_path):
+    """The prefetcher loads along a declared order while the daemon's own listing tells
+    the kernel the items' names (mount/namewarmer.py). A value loaded before the listing
+    reached its item could not be pushed (the kernel held no inode to put it in) and was
+    held in memory, so its open went through Python. Now the listing's reply pushes it:
+    once the order is loaded and listed, nothing is held, and the items are opened by the
+    front. The order is the listing's backwards, so its first loads come before the
+    listing reaches them."""
+    m = fresh_mount()
+    src = tmp_path / "src"
+    src.mkdir()
+    payloads = {f"n{i:05d}.bin": os.urandom(1000 + i % 97) for i in range(3000)}
+    for file, data in payloads.items():
+        (src / file).write_bytes(data)
+    ds = m.mnt / "datasets" / "late"
+    subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=300)
+    m.remount()  # the kernel knows none of the items
+    index = np.load(ds / "index.npy")
+    order = np.argsort(index["path"])[::-1].astype(np.int64)  # last listed, first loaded
+    with open(ds / "order", "wb") as f:
+        np.save(f, order)
+
+    def prefetch() -> dict:
+        return json.loads((ds / "stats.json").read_bytes())["prefetch"]
+    deadline = time.monotonic() + 30
+    while (p := prefetch())["pushed"] < len(order):
+        assert time.monotonic() < deadline, p  # held values are never pushed
+        time.sleep(0.05)
+    assert p["held"] == 0 and p["bytes_ahead"] == 0, p
+    time.sleep(0.2)  # the pusher's thread marks each inode once the kernel took its value
+
+    def read_in_order() -> None:
+        for i in order:
+            name = index["path"][i].decode()
+            with open(ds / "items" / name, "rb") as f:
+                assert f.read() == payloads[name]
+    assert passed_during(m, read_in_order) < len(order) // 4  # not an OPEN each
+    assert prefetch()["hits"] == len(order)
+
+
 def test_an_item_pushed_ahead_counts_once_when_its_pages_are_gone(fs, tmp_path):
     """A prefetched value pushed into the page cache is a hit at open; if the kernel has
     dropped those pages by the time the item is read, its READ must not count a miss too."""

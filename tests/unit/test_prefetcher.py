@@ -5,7 +5,7 @@ import threading
 
 import trio
 
-from distorefs.prefetcher import PrefetchBudget, Prefetcher
+from distorefs.prefetcher import PrefetchBudget, Prefetcher, PrefetchStreams
 
 
 def run(fn):
@@ -24,6 +24,16 @@ async def settle(p: Prefetcher) -> None:
             if s["in_flight"] == 0 and s["position"] == s["planned"]:
                 return
             await trio.sleep(0.01)
+
+
+def both_kinds(nursery):
+    """(streams?, budget, a Prefetcher, then a PrefetchStreams) over values of 100 bytes."""
+    def fetch(keys):
+        return [bytes([k % 256]) * 100 for k in keys]
+    for streams in (False, True):
+        budget = PrefetchBudget(1 << 20)
+        kind = PrefetchStreams if streams else Prefetcher
+        yield streams, budget, kind(budget, fetch, spawn=nursery.start_soon, batch_items=8)
 
 
 def test_hits_late_misses_budget_and_new_plans():
@@ -75,7 +85,6 @@ def test_hits_late_misses_budget_and_new_plans():
 def test_streams_each_read_ahead_and_replace_only_their_own_plan():
     """Two ranks declare their halves of an epoch: both are read ahead (a second declaration
     used to replace the first); a rank's next epoch replaces its own plan only."""
-    from distorefs.prefetcher import PrefetchStreams
 
     def fetch(keys):
         return [bytes([k % 256]) * 100 for k in keys]
@@ -108,21 +117,46 @@ def test_a_value_pushed_into_the_page_cache_counts_once_when_its_read_asks_for_i
     here. If the read asks for it anyway (its open came before the push, its READ after),
     that read is counted once: a hit, not also a miss (a DDP epoch of 400 files once counted
     401 opens)."""
-    from distorefs.prefetcher import PrefetchStreams
-
-    def fetch(keys):
-        return [bytes([k % 256]) * 100 for k in keys]
-
     async def fn(nursery):
-        for streams in (False, True):
-            budget = PrefetchBudget(1 << 20)
-            p = (PrefetchStreams(budget, fetch, spawn=nursery.start_soon, batch_items=8) if streams
-                 else Prefetcher(budget, fetch, spawn=nursery.start_soon, batch_items=8))
+        for streams, budget, p in both_kinds(nursery):
             p.push = lambda key, value: True  # the kernel took every value
             p.declare([1, 2, 3])
             await settle(p.streams[None] if streams else p)
             assert await p.take(2) is None  # pushed: the read is served elsewhere
             c = p.stats()
             assert (c["hits"], c["late"], c["misses"]) == (1, 0, 0), (streams, c)
+
+    run(fn)
+
+
+def test_a_value_held_because_its_push_was_refused_is_pushed_when_asked_again():
+    """A value the push hook refused at its load (the kernel did not hold the item's inode
+    yet) is held in memory; `push_held` pushes it once the hook takes it: it leaves the
+    budget, and its read is a hit with nothing held here. A refused push keeps it held."""
+    async def fn(nursery):
+        for streams, budget, p in both_kinds(nursery):
+            known: set[int] = set()
+            pushed: list[tuple[int, bytes]] = []
+
+            def push(key, value):
+                if key not in known:
+                    return False
+                pushed.append((key, value))
+                return True
+            p.push = push
+            p.declare([1, 2, 3])
+            await settle(p.streams[None] if streams else p)
+            assert p.stats()["held"] == 3 and budget.used == 300 and not pushed
+            assert not p.push_held(2)  # still refused: kept
+            assert p.stats()["held"] == 3
+            known.add(2)
+            assert p.push_held(2) and pushed == [(2, bytes([2]) * 100)]
+            assert not p.push_held(2)  # nothing held for it any more
+            s = p.stats()
+            assert (s["held"], s["pushed"], budget.used) == (2, 1, 200), (streams, s)
+            assert p.take_nowait(2) == (None, True)  # a hit, served by the page cache
+            assert await p.take(1) == bytes([1]) * 100
+            c = p.stats()
+            assert (c["hits"], c["late"], c["misses"]) == (2, 0, 0), (streams, c)
 
     run(fn)
