@@ -167,7 +167,10 @@ static unsigned released_count;
    table, open addressing, inode 0 marks a free slot), the handles it gave out that are not
    released yet (Python adopts one, adopt_opened, at its first request that reaches Python),
    and the inodes of ONCE marks opened here, for Python to take (take_opened). */
-#define MARKS_MAX 16384  /* a power of 2; filled to 3/4 at most */
+/* A power of 2; filled to 3/4 at most (196,608 marks, 4 MiB): a cold epoch's prefetcher
+   pushes values far ahead of the readers (a mark each), and with 16,384 slots the marks of
+   an epoch of 100,000 items ran out, its later opens going through Python. */
+#define MARKS_MAX 262144
 #define MARK_KEEP_CACHE 1
 #define MARK_NOFLUSH 2
 #define MARK_ONCE 4  /* one open, then the mark goes and the inode is noted for Python */
@@ -988,7 +991,7 @@ static PyMethodDef methods[] = {
      "(fh, errno): one of fh's pending commits is done (0) or failed; the last answers its parked FLUSHes."},
     {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes, OPENs, RELEASEs of handles Python never saw) the front answered itself."},
     {"front_tables", front_tables, METH_NOARGS, "How full the front's tables are (each holds at most 64 but "
-     "marks, 16384, release_free and released, 1024, and notices, 4096)."},
+     "marks, 262144, release_free and released, 1024, and notices, 4096)."},
     {"answer_opens", answer_opens, METH_VARARGS,
      "(ino, accmode, flags): the front answers opens of ino with that access mode itself, with a handle number "
      "of its own (flags: 1 keep_cache, 2 noflush, 4 once: its first open only, noted for take_opened); "

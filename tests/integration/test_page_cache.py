@@ -655,11 +655,12 @@ def test_items_loaded_before_the_kernel_knew_them_are_pushed_once_listed(fresh_m
     held in memory, so its open went through Python. Now the listing's reply pushes it:
     once the order is loaded and listed, nothing is held, and the items are opened by the
     front. The order is the listing's backwards, so its first loads come before the
-    listing reaches them."""
+    listing reaches them. And more items than the front's table of marks once held
+    (12,288: the opens past it went through Python)."""
     m = fresh_mount()
     src = tmp_path / "src"
     src.mkdir()
-    payloads = {f"n{i:05d}.bin": os.urandom(1000 + i % 97) for i in range(3000)}
+    payloads = {f"n{i:05d}.bin": os.urandom(100 + i % 97) for i in range(16_000)}
     for file, data in payloads.items():
         (src / file).write_bytes(data)
     ds = m.mnt / "datasets" / "late"
@@ -684,7 +685,7 @@ def test_items_loaded_before_the_kernel_knew_them_are_pushed_once_listed(fresh_m
             name = index["path"][i].decode()
             with open(ds / "items" / name, "rb") as f:
                 assert f.read() == payloads[name]
-    assert passed_during(m, read_in_order) < len(order) // 4  # not an OPEN each
+    assert passed_during(m, read_in_order) < len(order) // 20  # not an OPEN each
     assert prefetch()["hits"] == len(order)
 
 
