@@ -75,7 +75,7 @@ class Filesystem(pyfuse3.Operations):
         self.store = store
         self.inodes = InodeTable(on_drop=interpose.forget_attributes)
         self.handles: dict[int, Handle] = {}
-        self._listed: dict[int, list[Node]] = {}  # per open directory: the nodes its last reply listed
+        self._listed: dict[int, list[Node]] = {}  # per listed directory: the nodes its last reply listed, to tell
         self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
         self._fh = itertools.count(1)
         self.uid = os.getuid()
@@ -299,7 +299,7 @@ class Filesystem(pyfuse3.Operations):
     async def readdir(self, fh, start_id, token):
         node = self.inodes.get(fh)
         self._listed_known(fh)
-        listed = self._listed.setdefault(fh, [])
+        listed = []
         for name, child, next_id in node.children(start_id):
             attrs = child.attributes()
             if not pyfuse3.readdir_reply(token, name, attrs, next_id):
@@ -307,6 +307,8 @@ class Filesystem(pyfuse3.Operations):
             self.inodes.looked_up(child.ino)
             if type(child).listed is not Node.listed:
                 listed.append(child)
+        if listed:  # (only directories whose nodes want to know: a dataset's items)
+            self._listed[fh] = listed
 
     async def releasedir(self, fh):
         self.requests["releasedir"] += 1
