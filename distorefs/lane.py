@@ -1,7 +1,9 @@
-"""A thread of its own for work that runs one call at a time (the committer's transactions).
+"""Threads of their own for work handed over from the event loop: the committer's
+transactions (one lane of one thread: one call at a time, in order) and value reads (a lane
+of a few threads: that many calls at once).
 
-`await lane.run(fn)` runs `fn()` in the lane's thread and returns its result (or raises its
-error) in the caller's task. A hand-off is a queue put, one wake-up each way and a
+`await lane.run(fn)` runs `fn()` in one of the lane's threads and returns its result (or
+raises its error) in the caller's task. A hand-off is a queue put, one wake-up each way and a
 reschedule: trio.to_thread.run_sync also names the OS thread twice per call (ctypes),
 copies the context and takes a capacity limiter, which is twice the CPU of the round trip
 itself here (63 against 29 µs, `to_thread.run_sync` of nothing against this). The
@@ -29,32 +31,43 @@ IDLE_S = 10.0
 
 
 class Lane:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int = 1) -> None:
+        """`threads`: how many calls may run at once (1: one after another, in order)."""
+        if threads < 1:
+            raise ValueError(f"a lane needs at least one thread, not {threads}")
         self.name = name
+        self.threads = threads
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._alive = False  # a thread takes jobs (or is about to look once more)
+        self._alive = 0  # threads that take jobs (or are about to look once more)
+        self._idle = 0  # of them, waiting for a job
 
     async def run(self, fn: Callable[[], T]) -> T:
-        """`fn()` in the lane's thread, after the calls handed over before it."""
+        """`fn()` in a thread of the lane, once the calls handed over before it started."""
         job = (fn, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task())
         with self._lock:
             self._jobs.put(job)
-            if not self._alive:
-                self._alive = True
+            # a thread more only when the waiting jobs outnumber the idle threads
+            if self._alive < self.threads and self._jobs.qsize() > self._idle:
+                self._alive += 1
                 threading.Thread(target=self._serve, name=self.name, daemon=True).start()
         return await trio.lowlevel.wait_task_rescheduled(_uncancellable)
 
     def _serve(self) -> None:
         while True:
+            with self._lock:
+                self._idle += 1
             try:
                 fn, token, task = self._jobs.get(timeout=IDLE_S)
             except queue.Empty:
                 with self._lock:  # a job put after the timeout is taken, not left behind
+                    self._idle -= 1
                     if self._jobs.empty():
-                        self._alive = False
+                        self._alive -= 1
                         return
                 continue
+            with self._lock:
+                self._idle -= 1
             result: Any = outcome.capture(fn)
             del fn
             try:

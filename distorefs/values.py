@@ -38,6 +38,7 @@ from .backends.segments import SegmentDir, SegmentValues
 from .cache import ValueCache
 from .config import StoreConfig
 from .errors import CorruptValue, DistorefsError, InvalidArgument, NotFound, from_backend
+from .lane import Lane
 from .placement import TIER_CLUSTER, TIER_LMDB, TIER_NAMES, TIER_NVME, choose_tier
 
 log = logging.getLogger(__name__)
@@ -437,11 +438,13 @@ class _Req:
 class _Reads:
     """Value reads asked for on the event loop, done in worker threads in batches.
 
-    A thread hand-off (trio.to_thread) costs more than reading a small value from the page
-    cache, so the reads of every caller waiting at one moment go to one worker thread call.
-    No background task: the first caller that finds a free slot (at most `workers` batches
-    at once) takes everything pending and reads it; the others wait for their results or a
-    free slot. Decompression and CRC release the GIL, so two batches use two cores.
+    A thread hand-off costs more than reading a small value from the page cache, so the
+    reads of every caller waiting at one moment go to one worker thread call, in a lane of
+    `workers` threads of its own (distorefs/lane.py: half the loop's CPU of a
+    trio.to_thread hand-off). No background task: the first caller that finds a free slot
+    (at most `workers` batches at once) takes everything pending and reads it; the others
+    wait for their results or a free slot. Decompression and CRC release the GIL, so two
+    batches use two cores.
     """
 
     MAX_BATCH_BYTES = 64 << 20
@@ -449,6 +452,7 @@ class _Reads:
     def __init__(self, layer: ValueLayer, workers: int = 2) -> None:
         self.layer = layer
         self.workers = workers
+        self.lane = Lane("distorefs-read", threads=workers)
         self.active = 0
         self.pending: list[_Req] = []
         self.changed = trio.Event()
@@ -479,7 +483,7 @@ class _Reads:
         self.active += 1
         results = None
         try:
-            results = await trio.to_thread.run_sync(self._read_blocking, batch)
+            results = await self.lane.run(lambda: self._read_blocking(batch))
         finally:
             self.active -= 1
             if results is None:  # cancelled before the thread ran: the others read them

@@ -58,3 +58,34 @@ def test_a_cancelled_caller_still_gets_the_work_done():
             answer = await lane.run(lambda: time.sleep(0.1) or done.append(1) or "done")
         assert done == [1] and answer == "done"
     trio.run(main)
+
+
+def test_a_lane_of_several_threads_runs_that_many_calls_at_once_and_no_more():
+    async def main():
+        lane = Lane("test-lane-wide", threads=3)
+        lock = threading.Lock()
+        running, most, threads = [0], [0], set()
+
+        def work() -> int:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+                threads.add(threading.get_ident())
+            time.sleep(0.02)
+            with lock:
+                running[0] -= 1
+            return 1
+
+        results = []
+
+        async def call() -> None:
+            results.append(await lane.run(work))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(12):
+                nursery.start_soon(call)
+        assert results == [1] * 12
+        assert most[0] == 3 and len(threads) == 3
+        with pytest.raises(ValueError):
+            Lane("none", threads=0)
+    trio.run(main)
