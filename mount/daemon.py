@@ -17,7 +17,7 @@ import trio
 from distorefs.clusterlog import ClusterSpec
 from distorefs.store import Store
 
-from . import interpose
+from . import cycles, interpose
 from .metrics_http import serve_metrics
 from .operations import Filesystem
 
@@ -97,6 +97,7 @@ def serve(store_path: str, mountpoint: str, *, nvme_dirs: list | None = None, al
         _report(ready_fd, f"error: {exc}")
         raise
     fs = Filesystem(store)
+    fs.collector = cycles.tune()  # what exists now lives as long as the daemon
     interpose.log_state()
     options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
     options |= {f"fsname={store.path}", "subtype=distorefs"}

@@ -27,6 +27,7 @@ from distorefs.ring import Ring
 from distorefs.catalog import EntryMeta
 from distorefs.store import Store
 
+from .cycles import CollectorPauses
 from .handles import EntryWriter, Handle
 from .inodes import InodeTable
 from .namewarmer import NameWarmer
@@ -77,6 +78,7 @@ class Filesystem(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self._listed: dict[int, list[Node]] = {}  # per listed directory: the nodes its last reply listed, to tell
         self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
+        self.collector: CollectorPauses | None = None  # the cycle collector's pauses (the daemon sets it)
         self._fh = itertools.count(1)
         self.uid = os.getuid()
         self.gid = os.getgid()
@@ -137,7 +139,8 @@ class Filesystem(pyfuse3.Operations):
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),
                       "foreign_xattrs_answered": foreign, "front": front, "front_passed": passed,
                       "front_tables": interpose.front_tables(),
-                      "names_listed": self.names.listed if self.names else 0}
+                      "names_listed": self.names.listed if self.names else 0,
+                      "gc": self.collector.stats() if self.collector is not None else None}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes
             s["memory"]["held_bytes"] += self.pusher.queued_bytes
