@@ -486,7 +486,7 @@ class _Reads:
             results = await self.lane.run(lambda: self._read_blocking(batch))
         finally:
             self.active -= 1
-            if results is None:  # cancelled before the thread ran: the others read them
+            if results is None:  # the lane's call raised, no result came back: the others read them
                 self.pending[:0] = batch
             else:
                 for req, result in zip(batch, results):
