@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections import deque
+from typing import Callable
 
 import numpy as np
 import trio
@@ -57,6 +59,8 @@ class Buffer(RingNamespace):
 
     def __init__(self, services: Services, ns_id: int, name: str, config: BufferConfig, owner: Owner,
                  ctime_ns: int) -> None:
+        # built batches set aside for an open to come (reserve_ahead); held by their takers
+        self._reserved: weakref.WeakSet[Reservation] = weakref.WeakSet()
         self.sampler = Sampler(config)
         self.sequences = SequenceIndex(config, self.sampler)
         super().__init__(services, ns_id, name, config, owner, ctime_ns, observer=self,
@@ -92,6 +96,8 @@ class Buffer(RingNamespace):
     # ----- ring observer -------------------------------------------------------------
 
     def entry_added(self, meta: EntryMeta, priority: float | None, times_sampled: int) -> None:
+        if self._reserved:
+            self._void_reserved(meta.slot)
         value = self.sampler.max_priority if priority is None else priority
         self.sampler.add(meta.slot, value, times_sampled)
         remover = self.ring.remover
@@ -104,12 +110,16 @@ class Buffer(RingNamespace):
         self._wake()
 
     def entry_replaced(self, old: EntryMeta, new: EntryMeta) -> None:
+        if self._reserved:
+            self._void_reserved(new.slot)
         self.places.set(new.slot, new.places)  # same slot: priority and times sampled carry over
         self.rows.clear(new.slot)
         if old.key != new.key:  # renamed: maybe another episode and step
             self.sequences.rename(new.slot, new.key)
 
     def entry_removed(self, meta: EntryMeta) -> None:
+        if self._reserved:
+            self._void_reserved(meta.slot)
         self.sampler.remove(meta.slot)
         self.sequences.remove(meta.slot)
         self.places.clear(meta.slot)
@@ -242,6 +252,7 @@ class Buffer(RingNamespace):
     def _set_layout(self, config: BufferConfig) -> None:
         layout = None if config.raw or config.schema is None else Layout.from_json(config.schema)
         if layout != self.layout:
+            self._void_reserved(None)
             self.layout = layout
             self.places = SlotPlaces(len(layout.fields) if layout else 0)
             self.places.grow(len(self.ring.slot_meta))
@@ -251,6 +262,7 @@ class Buffer(RingNamespace):
 
     def dropped(self) -> None:
         """The buffer was removed: what it holds of the memory budget goes back."""
+        self._void_reserved(None)
         self.rows.close()
 
     def spent_at_load(self) -> list[EntryMeta]:
@@ -472,6 +484,62 @@ class Buffer(RingNamespace):
         """The handle holding `batch` is closed: remove the entries it spent."""
         self.remove_spent(batch.spent)
 
+    def reserve_ahead(self, n: int, on_void: Callable[[], None]) -> "Reservation | None":
+        """Set aside the next batch of n built ahead for a batch/N.npz open to come, one
+        that will not go through `sample_npz`: the mount puts its file into a learner's
+        page cache while the learner trains, and the library's front answers the next open
+        without Python. Nothing is counted until `take_ahead` (a batch set aside and never
+        taken was not drawn). Only where a draw needs no wait (no rate limiter,
+        min_size_to_sample met). `on_void()` runs (on the event loop) when the batch stops
+        being what an open would be given: an entry of it removed or replaced, the layout
+        or the configuration changed; the taker then uses it only if it was opened before."""
+        if (self.read_only or self.limiter.enabled or self.sequences.on or n not in self._npz_sizes
+                or self.sampler.drawable_count() < self.config.min_size_to_sample):
+            return None
+        queue = self._presampled.get(n)
+        if not queue:
+            return None
+        hint, ahead = queue[0]
+        if ahead is None or not ahead.current(self):
+            return None
+        queue.popleft()
+        reservation = Reservation(n, hint, ahead, on_void)
+        self._reserved.add(reservation)
+        self._schedule_presample(n)
+        return reservation
+
+    def take_ahead(self, reservation: "Reservation") -> Batch:
+        """The reserved batch, handed out: counted as a draw now (its entries still held)."""
+        self._reserved.discard(reservation)
+        ahead = reservation.ahead
+        batch = ahead.batch
+        slot_meta = self.ring.slot_meta
+        held = [s for s, m in zip(ahead.slots.tolist(), batch.metas) if slot_meta[s] is m]
+        self.sampler.count_draws(ahead.slots if len(held) == len(batch.metas) else np.array(held, dtype=np.int64))
+        counters = self.counters
+        counters["presampled_used"] += 1
+        counters["built_ahead_used"] += 1
+        counters["batches"] += 1
+        counters["sampled_entries"] += len(batch.metas)
+        self._record_sampled([m for m in batch.metas if slot_meta[m.slot] is m])
+        self.ring.note_read(len(batch.metas))  # (its queue was refilled when it was set aside)
+        return batch
+
+    def put_back(self, reservation: "Reservation") -> None:
+        """A reserved batch that will not be handed out after all: first in its queue
+        again, if it still is what an open would be given."""
+        self._reserved.discard(reservation)
+        if not reservation.void and reservation.ahead.current(self):
+            self._presampled.setdefault(reservation.n, deque()).appendleft((reservation.hint, reservation.ahead))
+
+    def _void_reserved(self, slot: int | None) -> None:
+        """The reserved batches holding `slot` (all of them: None) are void."""
+        for reservation in list(self._reserved):
+            if slot is None or slot in reservation.slots:
+                self._reserved.discard(reservation)
+                reservation.void = True
+                reservation.on_void()
+
     def remove_spent(self, metas: list[EntryMeta]) -> None:
         """Remove entries sampled max_times_sampled times (in the background)."""
         if self.read_only:
@@ -618,6 +686,7 @@ class Buffer(RingNamespace):
         self.sequences.reconfigure(config, self.ring.oldest)
         self._set_layout(config)
         self._presampled.clear()
+        self._void_reserved(None)
         if not self.read_only:
             self.limiter.configure(_ratio(config))  # wakes its waiters: the new settings apply to them
         self._wake()
@@ -775,6 +844,25 @@ class BuiltAhead:
             return False
         slot_meta = buf.ring.slot_meta
         return all(slot_meta[s] is m for s, m in zip(self.slots.tolist(), self.batch.metas))
+
+
+class Reservation:
+    """A batch built ahead and set aside for one open (Buffer.reserve_ahead)."""
+
+    __slots__ = ("n", "hint", "ahead", "on_void", "slots", "void", "__weakref__")
+
+    def __init__(self, n: int, hint, ahead: BuiltAhead, on_void: Callable[[], None]) -> None:
+        self.n = n
+        self.hint = hint
+        self.ahead = ahead
+        self.on_void = on_void
+        self.slots = frozenset(ahead.slots.tolist())
+        self.void = False
+
+    @property
+    def file(self) -> BatchFile:
+        assert self.ahead.batch.file is not None  # (built ahead)
+        return self.ahead.batch.file
 
 
 class SetPriorities(Change):

@@ -51,7 +51,12 @@
  *   and the next open of a sealed dataset item whose value is in the page cache already
  *   (a `once` mark, keep_cache and noflush in the reply; the inode is noted for Python,
  *   take_opened). Python makes the handle at the handle's first request that reaches it
- *   (adopt_opened); the RELEASE of one it never saw ends here.
+ *   (adopt_opened); the RELEASE of one it never saw ends here. And a learner's next
+ *   batch/N.npz, put into its inode's page cache while it trained: a `once` mark for the
+ *   learner's thread alone (the request's pid), `adopted`: the handle is Python's from the
+ *   open on (take_opened gives its number, its RELEASE goes to take_released), and the
+ *   front writes notes_efd after answering its OPEN and its RELEASE, so Python counts the
+ *   draw and sets the next batch aside while the learner reads and trains.
  *
  * - A FLUSH that waits for commits (flush_pending, flush_committed): a `priorities` write
  *   returns once queued, and its close's FLUSH is parked here until the committer's thread
@@ -105,6 +110,7 @@ typedef void (*session_destroy_fn)(struct fuse_session *);
 #define OPCODE_GETXATTR 22
 #define OPCODE_IOCTL 39
 #define IN_NODEID_OFFSET 16
+#define IN_PID_OFFSET 32  /* the asking thread's id */
 #define FLUSH_IN_FH_OFFSET 0  /* struct fuse_flush_in: fh first */
 #define FLUSH_IN_SIZE 24
 #define OPCODE_RELEASE 18
@@ -137,7 +143,9 @@ static int answer_foreign_xattrs = 1;
    are set before the thread starts and read-only after. */
 static int front_wanted = 1;
 static struct fuse_session *front_se;  /* the session fuse_session_new made with session_ops */
-static int front_efd = -1;             /* one count per queued request (EFD_SEMAPHORE) */
+static int front_efd = -1;
+/* Written when the front answers a RELEASE Python wants to hear of at once (notes_fd). */
+static int notes_efd = -1;             /* one count per queued request (EFD_SEMAPHORE) */
 static int front_started;
 static pthread_t front_thread;
 static pthread_mutex_t front_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -174,13 +182,18 @@ static unsigned released_count;
 #define MARK_KEEP_CACHE 1
 #define MARK_NOFLUSH 2
 #define MARK_ONCE 4  /* one open, then the mark goes and the inode is noted for Python */
+#define MARK_ADOPTED 8  /* the handle is Python's from the open on (take_opened gives its number):
+                           its RELEASE goes to take_released */
 #define NOTICES_MAX 4096
-static struct mark { uint64_t ino; int accmode; int flags; } marks[MARKS_MAX];
+/* pid: only opens by that thread (0: anyone's) */
+static struct mark { uint64_t ino; int accmode; int flags; uint32_t pid; } marks[MARKS_MAX];
 static unsigned marks_count;
-static struct { uint64_t fh; uint64_t ino; uint32_t flags; int adopted; } opened[HELD_MAX];
+/* wake: an `adopted` mark's handle, whose RELEASE writes notes_efd (Python takes it at once,
+   as it does the open) */
+static struct { uint64_t fh; uint64_t ino; uint32_t flags; int adopted; int wake; } opened[HELD_MAX];
 static unsigned opened_count;
 static uint64_t opened_next;
-static uint64_t notices[NOTICES_MAX];
+static struct notice { uint64_t ino; uint64_t fh; } notices[NOTICES_MAX];
 static unsigned notices_count;
 static unsigned long long front_opens, front_releases;  /* releases: of handles Python never saw */
 static file_op_fn handler_getattr, handler_flush, handler_release, handler_open;  /* pyfuse3's */
@@ -261,7 +274,7 @@ static struct mark *mark_find(uint64_t ino)  /* with held_lock held */
     }
 }
 
-static int mark_set(uint64_t ino, int accmode, int flags)  /* with held_lock held; 0: no room */
+static int mark_set(uint64_t ino, int accmode, int flags, uint32_t pid)  /* with held_lock held; 0: no room */
 {
     unsigned i = mark_home(ino);
     while (marks[i].ino != 0 && marks[i].ino != ino)
@@ -271,7 +284,7 @@ static int mark_set(uint64_t ino, int accmode, int flags)  /* with held_lock hel
             return 0;
         marks_count++;
     }
-    marks[i] = (struct mark){ino, accmode, flags};
+    marks[i] = (struct mark){ino, accmode, flags, pid};
     return 1;
 }
 
@@ -465,14 +478,28 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
    or one whose release is Python's bookkeeping only (its number goes to `released`, for
    take_released; with no room there, pyfuse3's handler releases it). Out of the front's
    sets either way: this is the handle's last request. With held_lock held. */
+/* Set on the front's thread when the request it answers is one Python hears of at once:
+   notes_efd is written after the reply, so that waking Python does not delay it. */
+static __thread int notes_due;
+
+static void notes_wake(void)
+{
+    uint64_t one = 1;
+    int fd = __atomic_load_n(&notes_efd, __ATOMIC_ACQUIRE);
+    if (fd >= 0 && write(fd, &one, sizeof(one)) < 0) {
+        /* full (never, at 2^64 - 1) or closed: Python takes it at its next request */
+    }
+}
+
 static int release_here(uint64_t fh)
 {
-    int j = -1;
+    int j = -1, wake = 0;
     for (unsigned k = 0; k < opened_count && j < 0; k++)
         if (opened[k].fh == fh)
             j = (int)k;
     if (j >= 0) {
         int adopted = opened[j].adopted;
+        wake = opened[j].wake;
         opened[j] = opened[--opened_count];
         if (!adopted) {  /* nothing of it anywhere but here */
             struct flushing *f = flushing_find(fh);
@@ -490,6 +517,8 @@ static int release_here(uint64_t fh)
     if (released_count == RELEASE_MAX)
         return 0;
     released[released_count++] = fh;
+    if (wake)
+        notes_due = 1;
     return 1;
 }
 
@@ -519,25 +548,30 @@ static int answered_in_c(const char *mem, size_t size)
     }
     if (opcode == OPCODE_OPEN && session_ops.open == open_answered && size >= IN_HEADER_SIZE + OPEN_IN_SIZE) {
         uint64_t ino;
-        uint32_t flags;
+        uint32_t flags, pid;
         int found = 0;
         memcpy(&ino, mem + IN_NODEID_OFFSET, sizeof(ino));
+        memcpy(&pid, mem + IN_PID_OFFSET, sizeof(pid));
         memcpy(&flags, mem + IN_HEADER_SIZE, sizeof(flags));
         pthread_mutex_lock(&held_lock);
         struct mark *m = marks_count ? mark_find(ino) : NULL;
         /* no room for the handle (or for the notice): pyfuse3's handler opens it */
         /* A read-only open with O_TRUNC needs write permission and a truncation: Python's. */
         if (m != NULL && m->accmode == (int)(flags & O_ACCMODE) && opened_count < HELD_MAX &&
+            (m->pid == 0 || m->pid == pid) &&
             !(m->accmode == O_RDONLY && (flags & O_TRUNC)) &&
             (!(m->flags & MARK_ONCE) || notices_count < NOTICES_MAX)) {
             uint64_t fh = FRONT_FH | ++opened_next;
             int mark = m->flags;
-            opened[opened_count++] = (typeof(opened[0])){fh, ino, flags, 0};
+            opened[opened_count++] = (typeof(opened[0])){fh, ino, flags, (mark & MARK_ADOPTED) != 0,
+                                                         (mark & MARK_ADOPTED) != 0};
             if (!(mark & MARK_NOFLUSH))
                 flushing_add(fh, 0);  /* nothing to do at its close yet (no room: Python's flush) */
             if (mark & MARK_ONCE) {
-                notices[notices_count++] = ino;
+                notices[notices_count++] = (struct notice){ino, fh};
                 mark_drop(ino);
+                if (mark & MARK_ADOPTED)
+                    notes_due = 1;  /* Python counts the draw while the learner reads it */
             }
             front_answer.opcode = OPCODE_OPEN;
             front_answer.fh = fh;
@@ -598,6 +632,10 @@ static void *front_run(void *unused)
         if (answered_in_c(buf.mem, buf.size)) {
             libfuse_process_buf(front_se, &buf);
             front_answer.opcode = 0;  /* used (or the request refused before its handler) */
+            if (notes_due) {
+                notes_due = 0;
+                notes_wake();
+            }
             continue;  /* the same buffer for the next request */
         }
         pthread_mutex_lock(&front_lock);
@@ -773,6 +811,13 @@ static PyObject *front_state(PyObject *self, PyObject *unused)
     return Py_BuildValue("(OK)", front_started ? Py_True : Py_False, passed);
 }
 
+static PyObject *notes_fd(PyObject *self, PyObject *unused)
+{
+    if (notes_efd < 0)  /* made once, at the first call (with the GIL: one caller at a time) */
+        __atomic_store_n(&notes_efd, eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), __ATOMIC_RELEASE);
+    return PyLong_FromLong(notes_efd);
+}
+
 static PyObject *hold_attributes(PyObject *self, PyObject *args)
 {
     unsigned long long ino;
@@ -799,10 +844,11 @@ static PyObject *answer_opens(PyObject *self, PyObject *args)
 {
     unsigned long long ino;
     int accmode, flags, done;
-    if (!PyArg_ParseTuple(args, "Kii", &ino, &accmode, &flags))
+    unsigned int pid = 0;
+    if (!PyArg_ParseTuple(args, "Kii|I", &ino, &accmode, &flags, &pid))
         return NULL;
     pthread_mutex_lock(&held_lock);
-    done = mark_set(ino, accmode, flags);
+    done = mark_set(ino, accmode, flags, pid);
     pthread_mutex_unlock(&held_lock);
     return PyBool_FromLong(done);
 }
@@ -825,7 +871,23 @@ static PyObject *take_numbers(const uint64_t *numbers, unsigned *count)
 
 static PyObject *take_opened(PyObject *self, PyObject *unused)
 {
-    return take_numbers(notices, &notices_count);
+    if (__atomic_load_n(&notices_count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
+        return PyTuple_New(0);
+    pthread_mutex_lock(&held_lock);
+    PyObject *out = PyTuple_New(notices_count);
+    for (unsigned i = 0; out != NULL && i < notices_count; i++) {
+        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)notices[i].ino,
+                                       (unsigned long long)notices[i].fh);
+        if (pair == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, pair);
+    }
+    if (out != NULL)
+        notices_count = 0;
+    pthread_mutex_unlock(&held_lock);
+    return out;
 }
 
 static PyObject *adopt_opened(PyObject *self, PyObject *arg)
@@ -980,6 +1042,8 @@ static PyMethodDef methods[] = {
     {"ioctl_replies", ioctls, METH_NOARGS, "IOCTL requests answered ENOSYS since the library was loaded."},
     {"front", front_state, METH_NOARGS,
      "(whether the front thread reads the session's requests, requests it handed to pyfuse3)."},
+    {"notes_fd", notes_fd, METH_NOARGS,
+     "An eventfd the front writes when it answers the RELEASE of an `adopted` mark's handle (-1: none)."},
     {"use_front", set_front, METH_O, "Whether the next session made is read by the front (default: yes)."},
     {"hold_attributes", hold_attributes, METH_VARARGS,
      "(ino, on): the front answers GETATTR of ino with Python's last attribute reply for it (False: no room)."},
@@ -993,10 +1057,12 @@ static PyMethodDef methods[] = {
     {"front_tables", front_tables, METH_NOARGS, "How full the front's tables are (each holds at most 64 but "
      "marks, 262144, release_free and released, 1024, and notices, 4096)."},
     {"answer_opens", answer_opens, METH_VARARGS,
-     "(ino, accmode, flags): the front answers opens of ino with that access mode itself, with a handle number "
-     "of its own (flags: 1 keep_cache, 2 noflush, 4 once: its first open only, noted for take_opened); "
-     "False: no room; until hold_attributes(ino, False)."},
-    {"take_opened", take_opened, METH_NOARGS, "The inodes of `once` marks the front opened since the last call."},
+     "(ino, accmode, flags[, pid]): the front answers opens of ino with that access mode itself (by thread "
+     "pid alone if given), with a handle number of its own (flags: 1 keep_cache, 2 noflush, 4 once: its first "
+     "open only, noted for take_opened; 8 adopted: the handle is Python's from the open, its RELEASE handed "
+     "to take_released); False: no room; until hold_attributes(ino, False)."},
+    {"take_opened", take_opened, METH_NOARGS,
+     "(inode, handle number) of each `once` mark the front opened since the last call."},
     {"adopt_opened", adopt_opened, METH_O,
      "fh: (ino, open flags) of a handle the front opened, now Python's (its RELEASE goes to take_released); "
      "None if it opened no such handle."},

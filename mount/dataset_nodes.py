@@ -345,6 +345,7 @@ class ItemNode(Node):
     def opened_by_front(self) -> None:
         if self.ds.sealed and self.item_id is not None:
             self.ds.prefetcher.take_nowait(self.item_id)  # the hit a pushed value is, counted once
+        return None
 
     def listed(self) -> None:
         # A value loaded before the kernel held the inode (the prefetcher runs ahead of the

@@ -113,7 +113,7 @@ def flush_free(fh: int, free: bool) -> None:
 
 
 def answer_opens(ino: int, accmode: int, *, keep_cache: bool = False, noflush: bool = False,
-                 once: bool = False) -> None:
+                 once: bool = False, adopted: bool = False, pid: int = 0) -> bool:
     """The front answers opens of `ino` with access mode `accmode` (os.O_WRONLY, say) itself,
     with a handle number of its own, until `forget_attributes(ino)`. For a file whose open
     is nothing but making its handle, with the kernel checking permissions
@@ -121,13 +121,26 @@ def answer_opens(ino: int, accmode: int, *, keep_cache: bool = False, noflush: b
     (`adopt_opened`). Its FLUSH is answered by the front until a write gives it work
     (`flush_free`), its RELEASE too (handed to `take_released` once adopted).
     `keep_cache` and `noflush` go into the open's reply; `once`: only the next open, whose
-    inode is then noted for `take_opened`."""
-    if _library is not None:
-        _library.answer_opens(ino, accmode, (1 if keep_cache else 0) | (2 if noflush else 0) | (4 if once else 0))
+    inode and handle number are then noted for `take_opened`; `adopted` (with `once`): the
+    handle is Python's from that open on (made at `take_opened`), its RELEASE handed to
+    `take_released`; `pid`: only opens by that thread. False: not answered (no library, no
+    room)."""
+    if _library is None:
+        return False
+    flags = (1 if keep_cache else 0) | (2 if noflush else 0) | (4 if once else 0) | (8 if adopted else 0)
+    return bool(_library.answer_opens(ino, accmode, flags, pid))
 
 
-def take_opened() -> tuple[int, ...]:
-    """The inodes the front opened for `once` marks since the last call."""
+def notes_fd() -> int:
+    """An eventfd that becomes readable when the front answered the OPEN or the RELEASE of
+    an `adopted` mark's handle: Python takes them at once (take_opened, take_released), not
+    at its next request. -1: none (no library)."""
+    return int(_library.notes_fd()) if _library is not None else -1
+
+
+def take_opened() -> tuple[tuple[int, int], ...]:
+    """(inode, handle number) of each open the front answered for a `once` mark since the
+    last call."""
     return _library.take_opened() if _library is not None else ()
 
 

@@ -19,7 +19,7 @@ import pyfuse3
 
 from distorefs import __version__
 from distorefs.batch import BatchFile, Blob
-from distorefs.buffer import Buffer
+from distorefs.buffer import Buffer, Reservation
 from distorefs.catalog import EntryMeta
 from distorefs.config import priority_text
 from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, NotFound, NotPermitted,
@@ -122,9 +122,12 @@ class Node:
     def xattrs(self) -> dict[bytes, bytes]:
         return {}
 
-    def opened_by_front(self) -> None:
+    def opened_by_front(self) -> "Handle | None":
         """The library's front answered an open of this node itself (a `once` mark of
-        interpose.answer_opens): what the node does at an open, without the handle."""
+        interpose.answer_opens): what the node does at an open. The handle, for an
+        `adopted` mark (its requests and release are Python's); None otherwise (made at its
+        first request that reaches Python, if one does: `adopt`)."""
+        return None
 
     def listed(self) -> None:
         """A listing made the kernel hold this node's inode (READDIRPLUS), as a LOOKUP would."""
@@ -508,7 +511,13 @@ class DrawFile(Node):
     through a name the kernel kept, say - gets the size of that process's open batch. An
     open drops the inode's attributes so the SEEK_END that follows asks for the new batch's
     size, unless the kernel holds that size already: a buffer's batches of N entries of one
-    layout are all one size, and a learner's np.load then costs no GETATTR."""
+    layout are all one size, and a learner's np.load then costs no GETATTR.
+
+    When a batch/N.npz closes, the next batch built ahead of that size is set aside for
+    this inode (Buffer.reserve_ahead) and put into its page cache, and the library's front
+    answers the next open by this inode's thread itself (interpose.answer_opens, `once`):
+    a learner's loop then sends Python no request for its batches. Python counts the draw
+    and makes the handle when it takes the front's notes (`opened_by_front`)."""
 
     def __init__(self, fs: "Filesystem", buf: Buffer, n: int, npz: bool, pid: int = 0) -> None:
         super().__init__(fs)
@@ -518,6 +527,7 @@ class DrawFile(Node):
         self.pid = pid
         self.size = 0  # of the batch opened last
         self.kernel_size: int | None = None  # the size in this inode's last attributes reply
+        self.ahead: Reservation | None = None  # the batch in the page cache for the front's next open
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
@@ -533,6 +543,14 @@ class DrawFile(Node):
         if ctx.pid != self.pid or self.open_handles:
             # reached through a name the kernel kept (DrawDir): the retry looks it up again
             raise Stale(f"{self.n}: the inode of another process or of an open batch")
+        reservation, self.ahead = self.ahead, None
+        if reservation is not None:
+            interpose.forget_attributes(self.ino)  # the front answers no open of it now: this one is ours
+            if not reservation.void:  # what the page cache holds already
+                batch = self.buf.take_ahead(reservation)
+                handle = SampleReader(self.buf, batch, reservation.file)
+                handle.keep_cache = True
+                return handle
         nonblocking = bool(flags & os.O_NONBLOCK)
         abandoned = abandoned_by(ctx.pid)  # the wait for min_size_to_sample ends if the caller does
         if self.npz:
@@ -551,6 +569,41 @@ class DrawFile(Node):
             handle.keep_cache = pusher.store_at_open(self.ino, content.read(0, content.size, SampleReader.scratch))
         if content.size != self.kernel_size:
             drop_attributes(self.ino)  # while this OPEN is pending: the next stat or seek asks for the new batch's size
+        return handle
+
+    def released(self, handle: Handle) -> None:
+        if self.npz and not self.open_handles and isinstance(handle, SampleReader):
+            self._set_next_aside()
+
+    def _set_next_aside(self) -> None:
+        """The next batch built ahead goes into this inode's page cache now, while its
+        learner trains, and the front is told to answer this thread's next open. Made on
+        the event loop, no handle open: no READ of the inode can be in flight."""
+        pusher = self.fs.pusher
+        if self.ahead is not None or pusher is None or self.kernel_size is None or not interpose.front()[0]:
+            return
+        reservation = self.buf.reserve_ahead(self.n, functools.partial(interpose.forget_attributes, self.ino))
+        if reservation is None:
+            return
+        content = reservation.file
+        # Of the size the kernel holds (a store past it would change the size, and other
+        # sizes drop the pages), and no room in the front's tables: through Python, as before.
+        if (content.size != self.kernel_size or content.size > len(SampleReader.scratch)
+                or not pusher.store_at_open(self.ino, content.read(0, content.size, SampleReader.scratch))
+                or not interpose.answer_opens(self.ino, os.O_RDONLY, keep_cache=True, noflush=True, once=True,
+                                              adopted=True, pid=self.pid)):
+            self.buf.put_back(reservation)
+            return
+        self.ahead = reservation
+
+    def opened_by_front(self) -> Handle | None:
+        reservation, self.ahead = self.ahead, None
+        if reservation is None:
+            return None  # (no mark is left without its batch: forget_attributes drops both)
+        # Void since is fine: the open came first (a void drops the mark under the front's lock).
+        batch = self.buf.take_ahead(reservation)
+        handle = SampleReader(self.buf, batch, reservation.file)
+        handle.keep_cache = True
         return handle
 
 

@@ -415,18 +415,37 @@ class Filesystem(pyfuse3.Operations):
     async def release_taken(self) -> None:
         """Release the handles whose RELEASE the library's front answered since the last
         call (mount/interpose.py release_free), and tell the nodes it opened itself."""
-        for ino in interpose.take_opened():
+        self._take_opened()
+        for fh in interpose.take_released():
+            if fh not in self.handles:
+                self._take_opened()  # opened (and closed) after the look above
+            await self._release(fh)
+
+    def _take_opened(self) -> None:
+        for ino, fh in interpose.take_opened():
             node = self.inodes.get_or_none(ino)
             if node is not None:
-                node.opened_by_front()
-        for fh in interpose.take_released():
-            await self._release(fh)
+                handle = node.opened_by_front()
+                if handle is not None:  # an `adopted` mark: the handle is ours from its open on
+                    self._adopt(fh, node, handle)
 
     async def take_front_notes(self, every: float) -> None:
         """`release_taken` every `every` seconds too: reads the front answers alone (a
-        dataset's items, pushed ahead) send Python no request to take them with."""
+        dataset's items, pushed ahead) send Python no request to take them with. And at
+        once when the front says so (interpose.notes_fd): a learner's batch the front opened
+        (its draw is counted) or closed (the next one goes into the page cache while the
+        learner trains)."""
+        fd = interpose.notes_fd()
         while True:
-            await trio.sleep(every)
+            if fd < 0:
+                await trio.sleep(every)
+            else:
+                with trio.move_on_after(every):
+                    await trio.lowlevel.wait_readable(fd)
+                try:
+                    os.read(fd, 8)
+                except BlockingIOError:
+                    pass
             await self.release_taken()
 
     async def _release(self, fh: int) -> None:
@@ -446,8 +465,8 @@ class Filesystem(pyfuse3.Operations):
         if isinstance(node, EntryNode) and isinstance(handle, EntryWriter):
             node.writer_closed(handle)
         if node is not None:
-            node.released(handle)
             node.open_handles -= 1
+            node.released(handle)
             self.inodes.released(node)
 
     # ----- extended attributes -------------------------------------------------------

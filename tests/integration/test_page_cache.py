@@ -564,6 +564,73 @@ for _ in range(150):
         assert [p.wait(timeout=120) for p in others] == [0, 0]
 
 
+def _learner_load(buf, n: int) -> list[str]:
+    """np.load of batch/N.npz, as a learner's loop does; each row checked against its key."""
+    with np.load(buf / "batch" / f"{n}.npz") as z:
+        for key, row in zip(z["keys"], z["data"]):
+            assert (row == int(key[1:4])).all(), (key, row)
+        return z["keys"].tolist()
+
+
+def test_a_learners_next_batch_is_opened_by_the_front(fs, buf):
+    """While a learner trains on a batch it closed, the next batch built ahead goes into its
+    inode's page cache and the library's front answers its next open: a batch then sends
+    Python no request at all. Every batch is a new draw with the right contents, and a
+    batch is counted as drawn at its open, not when it was set aside."""
+    for i in range(40):
+        np.save(buf / "entries" / f"k{i:03d}.npy", np.full(3, i, dtype=np.int32))
+    _learner_load(buf, 8)  # through Python: its size is the one the kernel holds from now on
+    time.sleep(0.2)
+    before = get_stats(buf)["batches"]
+    drawn: list[list[str]] = []
+
+    def loop() -> None:
+        for _ in range(20):
+            drawn.append(_learner_load(buf, 8))
+            time.sleep(0.01)  # the training step
+
+    assert passed_during(fs, loop) <= 2  # (a note taken late sends an open through Python)
+    assert len({tuple(d) for d in drawn}) == 20  # new draws, not one batch read again
+    assert get_stats(buf)["batches"] - before == 20  # the one set aside now is not counted
+
+
+def test_an_entry_removed_after_its_batch_was_set_aside_is_not_handed_out(fs, buf):
+    """A batch set aside for a learner's next open (in the page cache, the front told to
+    answer it) that holds an entry removed since is not handed out: the removal takes the
+    front's mark away, and the open draws again."""
+    for i in range(3):
+        np.save(buf / "entries" / f"k{i:03d}.npy", np.full(3, i, dtype=np.int32))
+    _learner_load(buf, 32)
+    time.sleep(0.2)
+    assert set(_learner_load(buf, 32)) == {"k000.npy", "k001.npy", "k002.npy"}  # (by the front)
+    time.sleep(0.2)  # the next one set aside: 32 draws of 3 entries, so it holds k001
+    os.remove(buf / "entries" / "k001.npy")
+    assert set(_learner_load(buf, 32)) == {"k000.npy", "k002.npy"}
+
+
+def test_the_batch_set_aside_for_a_learner_is_not_opened_by_another_process(fs, buf, tmp_path):
+    """The front answers a set-aside batch's open for the learner's thread alone: another
+    process reaching the learner's inode through the name the kernel keeps goes through
+    Python (ESTALE, then an inode of its own), not to the learner's batch."""
+    for i in range(40):
+        np.save(buf / "entries" / f"k{i:03d}.npy", np.full(3, i, dtype=np.int32))
+    _learner_load(buf, 8)
+    time.sleep(0.2)
+    _learner_load(buf, 8)
+    time.sleep(0.2)
+    script = tmp_path / "other.py"
+    script.write_text(f"""
+import numpy as np
+with np.load({str(buf / "batch" / "8.npz")!r}) as z:
+    assert z["data"].shape == (8, 3)
+""")
+    # answered by the front, it would send Python nothing (the name is the kernel's already)
+    assert passed_during(fs, lambda: subprocess.run([sys.executable, str(script)], check=True)) >= 2
+    before = get_stats(buf)["batches"]
+    assert len(_learner_load(buf, 8)) == 8
+    assert get_stats(buf)["batches"] - before == 1
+
+
 def test_items_read_out_of_any_order_are_loaded_at_their_open(fs, tmp_path):
     """No order declared: an item's value is loaded at its open and put into the page cache
     before OPEN is answered (no READ); an open of an item whose pages the kernel holds

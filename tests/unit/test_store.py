@@ -266,6 +266,44 @@ def test_batch_npz_stacks_fields(tmp_path):
     run(tmp_path / "s", body)
 
 
+def test_a_batch_set_aside_is_counted_when_taken_and_void_when_an_entry_of_it_goes(tmp_path):
+    """Buffer.reserve_ahead: the next batch built ahead, set aside for an open to come (the
+    mount's learner inode). Nothing is counted until it is taken; removing an entry it holds
+    makes it void (its taker is told); with a rate limiter nothing is set aside."""
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        for i in range(3):
+            out = io.BytesIO()
+            np.savez(out, obs=np.full(2, i, np.float32))
+            await buf.insert(b"e%d" % i, out.getvalue(), OWNER)
+        await buf.sample_npz(32)  # a batch/32.npz was opened: its batches are built ahead from now on
+        await trio.sleep(0.05)
+        voided: list[int] = []
+        reservation = buf.reserve_ahead(32, lambda: voided.append(1))
+        assert reservation is not None and reservation.file.size > 0
+        counted = buf.counters["batches"], int(buf.sampler.times.sum())
+        await trio.sleep(0.05)  # its queue refills meanwhile
+        assert (buf.counters["batches"], int(buf.sampler.times.sum())) == counted
+        batch = buf.take_ahead(reservation)
+        assert buf.counters["batches"] == counted[0] + 1
+        assert int(buf.sampler.times.sum()) == counted[1] + 32
+        z = np.load(io.BytesIO(bytes(reservation.file.read(0, reservation.file.size, bytearray(1 << 20)))))
+        assert [int(v) for v in z["obs"][:, 0]] == [int(m.key[1:]) for m in batch.metas]
+
+        second = buf.reserve_ahead(32, lambda: voided.append(2))
+        assert second is not None and not second.void
+        assert {m.key for m in second.ahead.batch.metas} == {b"e0", b"e1", b"e2"}  # 32 draws of 3
+        await buf.ring.delete(b"e1")
+        assert second.void and voided == [2]
+        assert b"e1" not in {m.key for m in (await buf.sample_npz(32))[0].metas}
+
+        await store.configure_buffer("rb", b'{"samples_per_insert": 4, "error_buffer": 1000, "min_size_to_sample": 1}')
+        await buf.sample_npz(32)
+        await trio.sleep(0.05)
+        assert buf.reserve_ahead(32, lambda: None) is None  # a draw may have to wait: through sample_npz
+    run(tmp_path / "s", body)
+
+
 def test_dead_segments_are_collected(tmp_path):
     async def body(store):
         buf = await store.create_buffer("rb", DIR)
