@@ -143,9 +143,9 @@ static int answer_foreign_xattrs = 1;
    are set before the thread starts and read-only after. */
 static int front_wanted = 1;
 static struct fuse_session *front_se;  /* the session fuse_session_new made with session_ops */
-static int front_efd = -1;
-/* Written when the front answers a RELEASE Python wants to hear of at once (notes_fd). */
-static int notes_efd = -1;             /* one count per queued request (EFD_SEMAPHORE) */
+static int front_efd = -1;             /* one count per queued request (EFD_SEMAPHORE) */
+/* Written when the front answered a request Python wants to hear of at once (notes_fd). */
+static int notes_efd = -1;
 static int front_started;
 static pthread_t front_thread;
 static pthread_mutex_t front_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -474,10 +474,6 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
 
 /* ----- the front ------------------------------------------------------------------------ */
 
-/* Whether the front answers the RELEASE of handle fh: one it opened that Python never saw,
-   or one whose release is Python's bookkeeping only (its number goes to `released`, for
-   take_released; with no room there, pyfuse3's handler releases it). Out of the front's
-   sets either way: this is the handle's last request. With held_lock held. */
 /* Set on the front's thread when the request it answers is one Python hears of at once:
    notes_efd is written after the reply, so that waking Python does not delay it. */
 static __thread int notes_due;
@@ -491,6 +487,10 @@ static void notes_wake(void)
     }
 }
 
+/* Whether the front answers the RELEASE of handle fh: one it opened that Python never saw,
+   or one whose release is Python's bookkeeping only (its number goes to `released`, for
+   take_released; with no room there, pyfuse3's handler releases it). Out of the front's
+   sets either way: this is the handle's last request. With held_lock held. */
 static int release_here(uint64_t fh)
 {
     int j = -1, wake = 0;
