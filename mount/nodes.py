@@ -547,10 +547,7 @@ class DrawFile(Node):
         if reservation is not None:
             interpose.forget_attributes(self.ino)  # the front answers no open of it now: this one is ours
             if not reservation.void:  # what the page cache holds already
-                batch = self.buf.take_ahead(reservation)
-                handle = SampleReader(self.buf, batch, reservation.file)
-                handle.keep_cache = True
-                return handle
+                return self._hand_out(reservation)
         nonblocking = bool(flags & os.O_NONBLOCK)
         abandoned = abandoned_by(ctx.pid)  # the wait for min_size_to_sample ends if the caller does
         if self.npz:
@@ -586,8 +583,8 @@ class DrawFile(Node):
         if reservation is None:
             return
         content = reservation.file
-        # Of the size the kernel holds (a store past it would change the size, and other
-        # sizes drop the pages), and no room in the front's tables: through Python, as before.
+        # Another size than the kernel holds (a store past it would change the size, other
+        # sizes drop the pages), or no room in the front's tables: the open is Python's.
         if (content.size != self.kernel_size or content.size > len(SampleReader.scratch)
                 or not pusher.store_at_open(self.ino, content.read(0, content.size, SampleReader.scratch))
                 or not interpose.answer_opens(self.ino, os.O_RDONLY, keep_cache=True, noflush=True, once=True,
@@ -601,8 +598,11 @@ class DrawFile(Node):
         if reservation is None:
             return None  # (no mark is left without its batch: forget_attributes drops both)
         # Void since is fine: the open came first (a void drops the mark under the front's lock).
-        batch = self.buf.take_ahead(reservation)
-        handle = SampleReader(self.buf, batch, reservation.file)
+        return self._hand_out(reservation)
+
+    def _hand_out(self, reservation: Reservation) -> "SampleReader":
+        """The handle of the batch set aside, counted as drawn now; its file is in the page cache."""
+        handle = SampleReader(self.buf, self.buf.take_ahead(reservation), reservation.file)
         handle.keep_cache = True
         return handle
 
