@@ -421,11 +421,55 @@ def _dqn(system: str, root: Path, p: dict, ctx, **extra: Any) -> dict:
         steps_s = out["steps"] / out["seconds"] if out["seconds"] else 0.0
         res = {"learner_steps_per_s": round(steps_s, 1), "steps": out["steps"], "seconds": round(out["seconds"], 2),
                "actor_steps": counter.value, "learner_ms_per_step": out.get("step_ms")}
+        if system == "distorefs" and mount is not None and not out["error"]:
+            res["round_trips"] = _round_trips(mount.mnt, Path(cfg["buffer"]))
         if errs:
             res["errors"] = errs[:3]
         return res
     finally:
         _end_phase(workers, mount, server)
+
+
+STEPS_COUNTED = 100
+PRIORITIES_OPEN_REQUESTS = 4  # OPEN, GETXATTR (O_TRUNC), GETATTR (Python's fstat), IOCTL (isatty): the front's
+
+
+def _round_trips(mnt: Path, buf: Path) -> dict:
+    """What a learner's step costs in requests to the daemon, the actors stopped: the
+    requests the kernel sends for one step that the learner waits for (its RELEASEs come
+    after close() returns), counted by the mount over STEPS_COUNTED steps of the learner's
+    file calls; and how long one takes when the daemon answers it in C without Python: the
+    learner's `open(priorities, "w")`, four requests the library's front answers, timed.
+    Batches of BATCH - 1: the learner process just looked BATCH up, and a name another
+    process asked for is looked up at every open for a while (mount/nodes.py DrawDir)."""
+    def requests() -> dict:
+        return json.loads((mnt / ".distorefs" / "stats.json").read_bytes())["mount"]["requests"]
+
+    opens: list[float] = []
+
+    def steps() -> None:
+        for _ in range(STEPS_COUNTED):
+            with np.load(buf / "batch" / f"{BATCH - 1}.npz") as z:
+                keys = z["keys"]
+            t = time.perf_counter()
+            f = open(buf / "priorities", "w")
+            opens.append(time.perf_counter() - t)
+            with f:
+                f.write("".join(f"{k} 1\n" for k in keys))
+
+    def during(fn) -> dict:
+        before = requests()
+        fn()
+        after = requests()
+        return {k: after[k] - before.get(k, 0) for k in after}
+
+    counted, idle = during(steps), during(lambda: None)  # less what reading the counts costs
+    per_step = {k: (n - idle.get(k, 0)) / STEPS_COUNTED for k, n in counted.items() if k not in ("release", "forget")}
+    per_step = {k: round(v, 2) for k, v in sorted(per_step.items()) if v >= 0.05}
+    trip_us = float(np.median(opens)) * 1e6 / PRIORITIES_OPEN_REQUESTS
+    total = sum(per_step.values())
+    return {"requests_per_step": per_step, "waited_requests_per_step": round(total, 2),
+            "round_trip_us": round(trip_us, 1), "round_trips_ms_per_step": round(total * trip_us / 1000, 2)}
 
 
 def _dqn_on_tmpfs(batch: Path, p: dict, ctx, errors: list[str]) -> dict:
@@ -833,6 +877,12 @@ def _systems_table(res: dict) -> str:
         split = (dqn.get(system) or {}).get("learner_ms_per_step")
         if split:
             lines.append(f"  {system} learner, ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+    trips = (dqn.get("distorefs") or {}).get("round_trips")
+    if trips:
+        lines.append(f"  distorefs learner, requests it waits for per step: {trips['waited_requests_per_step']} "
+                     f"({', '.join(f'{k} {v}' for k, v in trips['requests_per_step'].items())}); one the daemon "
+                     f"answers in C, timed in the learner's open(priorities), actors stopped: "
+                     f"{trips['round_trip_us']} us, so {trips['round_trips_ms_per_step']} ms a step in round trips")
     t = (dqn.get("tmpfs") or {}).get("learner_steps_per_s")
     if t:
         lines.append(f"  files on tmpfs (np.load of a saved batch/64.npz, priorities to a file; no store, no "
