@@ -422,7 +422,10 @@ def _dqn(system: str, root: Path, p: dict, ctx, **extra: Any) -> dict:
         res = {"learner_steps_per_s": round(steps_s, 1), "steps": out["steps"], "seconds": round(out["seconds"], 2),
                "actor_steps": counter.value, "learner_ms_per_step": out.get("step_ms")}
         if system == "distorefs" and mount is not None and not out["error"]:
-            res["round_trips"] = _round_trips(mount.mnt, Path(cfg["buffer"]))
+            try:  # an aside: its failure must not cost the run its figures
+                res["round_trips"] = _round_trips(mount.mnt, Path(cfg["buffer"]))
+            except Exception as exc:
+                errs.append(f"counting the learner's requests: {type(exc).__name__}: {exc}")
         if errs:
             res["errors"] = errs[:3]
         return res
