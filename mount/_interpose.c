@@ -1043,7 +1043,8 @@ static PyMethodDef methods[] = {
     {"front", front_state, METH_NOARGS,
      "(whether the front thread reads the session's requests, requests it handed to pyfuse3)."},
     {"notes_fd", notes_fd, METH_NOARGS,
-     "An eventfd the front writes when it answers the RELEASE of an `adopted` mark's handle (-1: none)."},
+     "An eventfd the front writes when it answers the OPEN or the RELEASE of an `adopted` mark's handle "
+     "(-1: none)."},
     {"use_front", set_front, METH_O, "Whether the next session made is read by the front (default: yes)."},
     {"hold_attributes", hold_attributes, METH_VARARGS,
      "(ino, on): the front answers GETATTR of ino with Python's last attribute reply for it (False: no room)."},
