@@ -1270,7 +1270,7 @@ class Checkpoints:
             return
         for index in sorted(f.mem):
             buf = f.mem[index]
-            if not buf.queued:
+            if not buf.queued and buf.busy is None:  # (a busy one is being persisted as it is: no write waits)
                 self._queue_chunk(f, index, buf)
         self._tickets += 1
         f.ticket = self._tickets
@@ -1310,7 +1310,7 @@ class Checkpoints:
 
     async def _persist_one(self, f: CFile, index: int) -> None:
         buf = f.mem.get(index)
-        if buf is None or not buf.queued or not f.attached:
+        if buf is None or not buf.queued or buf.busy is not None or not f.attached:
             return
         buf.queued = False
         buf.busy = done = trio.Event()

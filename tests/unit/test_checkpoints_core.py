@@ -491,3 +491,31 @@ def test_a_file_replaced_since_its_lookup_opens_within_the_grace_then_goes(tmp_p
         assert await read_all(ck, ck.resolve("run/s/a.npy")) == b"new1" * 1000
 
     run(tmp_path / "s", body)
+
+
+def test_a_chunk_being_persisted_is_not_queued_again_by_the_close(tmp_path):
+    # Two persists of one buffer at once: the first gives it back to the pool when done,
+    # and new writes into it reach the second one's record (a checksum mismatch on read).
+    data = payload(2 << 20, 40)
+
+    async def body(store):
+        ck, r, s = await new_step(store, b'{"chunk_bytes": 1048576, "writeback_bytes": 16777216, "seal_after": 0}')
+        f = await ck.create(s.id, b"model", FILE)
+        await ck.write(f, 0, data[:1 << 20])  # a full chunk: queued, persisted at once
+        for _ in range(1000):
+            if f.mem[0].busy is not None:
+                break
+            await trio.sleep(0)
+        assert f.mem[0].busy is not None
+        ck.flushed(f)  # the close while the chunk is being persisted
+        ck.released(f, write=True)
+        g = await ck.create(s.id, b"optim", FILE)
+        await ck.write(g, 0, data[1 << 20:])  # into a buffer the first chunk may give back
+        ck.flushed(g)
+        ck.released(g, write=True)
+        await ck.sync_dir(s)
+        assert ck.counters["chunks_persisted"] == 2
+        assert await read_all(ck, f) == data[:1 << 20]
+        assert await read_all(ck, g) == data[1 << 20:]
+
+    run(tmp_path / "s", body)
