@@ -494,8 +494,9 @@ def test_a_file_replaced_since_its_lookup_opens_within_the_grace_then_goes(tmp_p
 
 
 def test_a_chunk_being_persisted_is_not_queued_again_by_the_close(tmp_path):
-    # Two persists of one buffer at once: the first gives it back to the pool when done,
-    # and new writes into it reach the second one's record (a checksum mismatch on read).
+    # Two persists of one chunk at once: held as one buffer, the chunk's buffer goes back to
+    # the pool when the first is done, and new writes into it reach the second one's record
+    # (a checksum mismatch on read). Counted here: one persist per chunk.
     data = payload(2 << 20, 40)
 
     async def body(store):
