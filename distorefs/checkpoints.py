@@ -1310,7 +1310,7 @@ class Checkpoints:
 
     async def _persist_one(self, f: CFile, index: int) -> None:
         buf = f.mem.get(index)
-        if buf is None or not buf.queued or buf.busy is not None or not f.attached:
+        if buf is None or not buf.queued or not f.attached:
             return
         buf.queued = False
         buf.busy = done = trio.Event()
