@@ -344,7 +344,11 @@ class ItemNode(Node):
 
     def opened_by_front(self) -> None:
         if self.ds.sealed and self.item_id is not None:
-            self.ds.prefetcher.take_nowait(self.item_id)  # the hit a pushed value is, counted once
+            _, hit = self.ds.prefetcher.take_nowait(self.item_id)  # the hit a pushed value is, counted once
+            if not hit:
+                # Pushed for a plan a newer order replaced (or pushed again after a miss read
+                # it): the kernel's pages serve this open all the same, and it counts once.
+                self.ds.prefetcher.served_by_page_cache()
         return None
 
     def listed(self) -> None:
