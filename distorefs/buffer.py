@@ -34,7 +34,8 @@ import numpy as np
 import trio
 
 from .batch import Batch, BatchFile, SequenceBatch, batch_file
-from .catalog import DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, pack_f64, pack_u32
+from . import priojournal
+from .catalog import DB_SAMPLED, EntryMeta, entry_key, pack_u32
 from .committer import Change, Overlay
 from .config import MAX_PRIORITY, BufferConfig, RingConfig, check_priority, priority_text
 from .errors import DistorefsError, InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
@@ -90,8 +91,10 @@ class Buffer(RingNamespace):
         self._changed = trio.Event()
         self._waiting = 0  # tasks waiting for min_size_to_sample
         self._priorities_queued = 0  # SetPriorities queued and not yet applied (or failed)
+        self._snapshot_queued = False  # a SnapshotPriorities queued and not yet applied (or failed)
         self.counters = {"batches": 0, "sampled_entries": 0, "presampled_used": 0, "built_ahead_used": 0,
-                         "priority_updates": 0, "priority_unknown_keys": 0, "exhausted": 0}
+                         "priority_updates": 0, "priority_unknown_keys": 0, "exhausted": 0,
+                         "priority_snapshots": 0}
 
     # ----- ring observer -------------------------------------------------------------
 
@@ -259,6 +262,19 @@ class Buffer(RingNamespace):
             for meta in self.ring.oldest():
                 self.places.set(meta.slot, meta.places)
             self.rows.configure(layout, self.places)
+
+    def journal_written(self) -> None:
+        """A record of the priority journal was applied: once the journal holds as many
+        updates as the buffer has entries (SNAPSHOT_UPDATES at least), a snapshot folds it,
+        so a load reads no more than about twice the buffer's priorities."""
+        ring = self.ring
+        if not self._snapshot_queued and ring.journal_updates >= max(SNAPSHOT_UPDATES, len(ring)):
+            self._snapshot_queued = True
+            self.committer.submit_nowait(SnapshotPriorities(self))
+
+    def drop_txn(self, txn) -> None:
+        """The buffer is dropped (it holds no entries): its priority journal goes too."""
+        priojournal.drop(txn, self.ns_id)
 
     def dropped(self) -> None:
         """The buffer was removed: what it holds of the memory budget goes back."""
@@ -726,6 +742,7 @@ BUILD_INLINE = 1024  # a batch of more entries is described in a worker thread
 SHARED_DRAW_ATTEMPTS = 10  # draws of a batch/N.npz on a shared store before ENOENT
 SAMPLED_FLUSH_S = 0.5  # times-sampled counts are written this long after a draw...
 SAMPLED_FLUSH_ENTRIES = 8192  # ... or once this many entries wait to be written
+SNAPSHOT_UPDATES = 65536  # priority updates journaled before a snapshot, at the least (1 MiB)
 log = logging.getLogger(__name__)
 
 
@@ -866,10 +883,13 @@ class Reservation:
 
 
 class SetPriorities(Change):
+    """Priorities set: one record of the buffer's priority journal (distorefs/priojournal.py)."""
+
     def __init__(self, buffer: Buffer, metas: list[EntryMeta], values: list[float]) -> None:
         self.buffer = buffer
         self.metas = metas
         self.values = values
+        self.number = -1
 
     def plan(self, overlay: Overlay) -> None:
         ring = self.buffer.ring
@@ -877,11 +897,15 @@ class SetPriorities(Change):
         keep = [(m, v) for m, v in zip(self.metas, self.values)
                 if m.seq not in removed and ring.by_seq.get(m.seq) is not None]
         self.rows = [(m.seq, m.slot, v) for m, v in keep]
+        if self.rows:  # numbered in the order planned, which is the order committed and applied
+            self.number = ring.journal_next
+            ring.journal_next += 1
 
     def txn(self, txn) -> None:
-        ns = self.buffer.ns_id
-        for seq, _, value in self.rows:
-            txn.put(entry_key(ns, seq), pack_f64(value), db=DB_PRIO)
+        if self.rows:
+            priojournal.put_record(txn, self.buffer.ns_id, self.number,
+                                   np.fromiter((r[0] for r in self.rows), dtype=np.uint64, count=len(self.rows)),
+                                   np.fromiter((r[2] for r in self.rows), dtype=np.float64, count=len(self.rows)))
 
     def failed(self) -> None:
         self.buffer._priorities_queued -= 1
@@ -889,6 +913,10 @@ class SetPriorities(Change):
     def apply(self) -> None:
         self.buffer._priorities_queued -= 1
         ring = self.buffer.ring
+        if self.rows:
+            ring.journal_applied = max(ring.journal_applied, self.number + 1)
+            ring.journal_updates += len(self.rows)
+            self.buffer.journal_written()
         rows = [(slot, v) for seq, slot, v in self.rows
                 if (m := ring.slot_meta[slot]) is not None and m.seq == seq]
         if rows:
@@ -898,3 +926,33 @@ class SetPriorities(Change):
         self.buffer.counters["priority_updates"] += len(rows)
         # entries evicted between the write and its commit: skipped like unknown keys
         self.buffer.counters["priority_unknown_keys"] += len(self.metas) - len(rows)
+
+
+class SnapshotPriorities(Change):
+    """The buffer's priorities as memory holds them, written as its journal's snapshot; the
+    records already applied (whose updates memory holds) go (distorefs/priojournal.py)."""
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.buffer = buffer
+        self.conflict_key = ("priority snapshot", buffer.ns_id)
+
+    def plan(self, overlay: Overlay) -> None:
+        ring = self.buffer.ring
+        # Records below `upto` are applied; those planned in this group before this change
+        # are not (their numbers are higher), and stay in the journal.
+        self.upto = ring.journal_applied
+        self.covered = ring.journal_updates
+        slots = np.flatnonzero(ring.slot_seq[:len(ring.slot_meta)] >= 0)
+        self.seqs = ring.slot_seq[slots].astype(np.uint64)
+        self.priorities = self.buffer.sampler.priority[slots].copy()
+
+    def txn(self, txn) -> None:
+        priojournal.put_snapshot(txn, self.buffer.ns_id, self.upto, self.seqs, self.priorities)
+
+    def failed(self) -> None:
+        self.buffer._snapshot_queued = False
+
+    def apply(self) -> None:
+        self.buffer._snapshot_queued = False
+        self.buffer.ring.journal_updates -= self.covered
+        self.buffer.counters["priority_snapshots"] += 1

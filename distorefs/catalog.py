@@ -5,7 +5,8 @@ Databases (all in one LMDB environment, see `distorefs.backends.lmdbenv`):
   ns        b"KIND/NAME" -> namespace record (JSON: id, kind, config)
   entries   ns_id u32 BE + seq u64 BE -> entry record (EntryMeta.pack; format 2 adds the
             places of a buffer entry's arrays: where each field's bytes start, and their CRC-32)
-  prio      ns_id + seq -> raw priority, f64
+  prio      ns_id + seq -> raw priority, f64, as inserted (later updates: priolog and
+            priosnap, see distorefs/priojournal.py)
   sampled   ns_id + seq -> times sampled, u32
   values    value bytes of the LMDB tier (owned by LmdbValues)
 Big-endian keys make a cursor walk one namespace in sequence (FIFO) order.
@@ -25,7 +26,8 @@ DB_PRIO = b"prio"
 DB_SAMPLED = b"sampled"
 
 # 2: entry records carry their arrays' places (format-1 stores are migrated when opened).
-FORMAT_VERSION = 2
+# 3: priority updates are journaled (distorefs/priojournal.py: priolog, priosnap).
+FORMAT_VERSION = 3
 
 _KEY = struct.Struct(">IQ")
 _NS = struct.Struct(">I")

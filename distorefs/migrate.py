@@ -1,5 +1,8 @@
 """Upgrades of a store's format, run once when a store of an older format is opened.
 
+Format 2 -> 3: buffers' priority updates go to a journal (distorefs/priojournal.py); an
+older distorefs would not read it, so it must not open the store.
+
 Format 1 -> 2: entry records gain the places of their arrays (distorefs/layout.py). Each
 buffer's values are read and parsed once: the first entry fixes the buffer's schema when
 it has none; a buffer whose entries do not all share one layout is set to raw mode
@@ -42,12 +45,15 @@ def migrate(env: LmdbEnv, values: ValueLayer) -> None:
         return
     if fmt > FORMAT_VERSION:
         raise InvalidConfig(f"the store has format {fmt}; this distorefs knows formats up to {FORMAT_VERSION}")
-    log.warning("store format %d: upgrading to %d (entry records gain their arrays' places)", fmt, FORMAT_VERSION)
-    namespaces = env.read(lambda txn: [(bytes(k).decode(), json.loads(bytes(v))) for k, v in txn.cursor(DB_NS)])
-    for key, record in namespaces:
-        kind, _, name = key.partition("/")
-        if kind in ("buffers", "banks"):
-            _migrate_ring(env, values, kind, name, record)
+    log.warning("store format %d: upgrading to %d", fmt, FORMAT_VERSION)
+    if fmt < 2:  # entry records gain their arrays' places
+        namespaces = env.read(lambda txn: [(bytes(k).decode(), json.loads(bytes(v))) for k, v in txn.cursor(DB_NS)])
+        for key, record in namespaces:
+            kind, _, name = key.partition("/")
+            if kind in ("buffers", "banks"):
+                _migrate_ring(env, values, kind, name, record)
+    # 2 -> 3: nothing to rewrite (the priority journal's databases start empty); the number
+    # keeps a distorefs that knows no journal from opening the store and missing its updates.
     env.write(lambda txn: txn.put(b"format", pack_u32(FORMAT_VERSION), db=DB_META))
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import trio
 from sortedcontainers import SortedDict
 
-from . import codec
+from . import codec, priojournal
 from .clusterlog import Insert
 from .catalog import DB_ENTRIES, DB_PRIO, DB_SAMPLED, EntryMeta, entry_key, ns_prefix, pack_f64
 from .committer import Change, Overlay, Replan
@@ -121,6 +121,11 @@ class Ring:
         # Entries with a smaller seq were demoted to NVMe (placement.py); a rewrite of one
         # goes to NVMe too.
         self.demote_front = 0
+        # The priority journal (distorefs/priojournal.py): the next record's number, and the
+        # updates its records hold since the last snapshot (the buffer writes and folds it).
+        self.journal_next = 0
+        self.journal_applied = 0  # records below it are applied (and any other is numbered above)
+        self.journal_updates = 0
         self._room_lock = trio.Lock()
         self._room_epoch = 0  # bumped by every eviction that made room
         # Set by namespaces that read ahead (buffers: pre-sampled batches); keys (seq, gen).
@@ -684,6 +689,10 @@ class Ring:
         """Rebuild the in-memory ring from the catalog (at store open, in a worker thread)."""
         prefix = ns_prefix(self.ns_id)
         prio = _scan(txn, DB_PRIO, prefix, lambda v: float(memoryview(v).cast("d")[0]))
+        journal = priojournal.read(txn, self.ns_id)  # newer than the rows: the last pair of a seq holds
+        prio.update(zip(journal.seqs.tolist(), journal.priorities.tolist()))
+        self.journal_next = self.journal_applied = journal.next_record
+        self.journal_updates = journal.updates
         sampled = _scan(txn, DB_SAMPLED, prefix, lambda v: int(memoryview(v).cast("I")[0]))
         cursor = txn.cursor(DB_ENTRIES)
         metas = []

@@ -52,6 +52,7 @@ from .names import check_namespace_name
 from .namespace import ConfigureNamespace, SetNamespaceOwner, ns_key
 from .owner import Owner
 from .prefetcher import PrefetchBudget, hit_rate
+from .priojournal import DB_PRIOLOG, DB_PRIOSNAP
 from .recovery import Recovery, recover
 from .ring import RemoveEntry, Ring, RingNamespace
 from .services import Services
@@ -66,7 +67,8 @@ EntryListener = Callable[[Ring, EntryMeta, "EntryMeta | None"], None]
 Namespace = Buffer | Bank | Dataset
 KINDS: dict[str, type[Namespace]] = {"buffers": Buffer, "banks": Bank, "datasets": Dataset}
 CATCH_UP_S = 120.0  # a node joining a shared store applies its log this long before serving
-CATALOG_DBS = (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_WNODES, DB_DSNODES, DB_CKPT)
+CATALOG_DBS = (DB_META, DB_NS, DB_ENTRIES, DB_PRIO, DB_SAMPLED, DB_PRIOLOG, DB_PRIOSNAP, DB_WNODES, DB_DSNODES,
+               DB_CKPT)
 
 
 class Store:
@@ -117,6 +119,12 @@ class Store:
     def _open(self, nvme_dirs: list | None, overrides: dict | None) -> None:
         try:
             self.env = LmdbEnv(self.path / "meta", readonly=self.read_only)
+            self.env.db(DB_META)
+            if self.read_only:  # (before the other dbs: one a newer format added is not there yet)
+                fmt = stored_format(self.env)
+                if fmt is not None and fmt != FORMAT_VERSION:
+                    raise ReadOnly(f"the store has format {fmt}: a read-write mount upgrades it to {FORMAT_VERSION} "
+                                   f"before it can be served")
             for name in CATALOG_DBS:
                 self.env.db(name)  # opening a db writes: do it once, before any transaction
         except BackendError as exc:  # a data file LMDB could not map safely: DamagedStore
@@ -145,12 +153,7 @@ class Store:
             self.values = ValueLayer(self.env, self.config, dirs, create_dirs=not self.read_only)
         except BackendError as exc:
             raise from_backend(exc) from None
-        if self.read_only:
-            fmt = stored_format(self.env)
-            if fmt is not None and fmt != FORMAT_VERSION:
-                raise ReadOnly(f"the store has format {fmt}: a read-write mount upgrades it to {FORMAT_VERSION} "
-                               f"before it can be served")
-        else:
+        if not self.read_only:
             migrate(self.env, self.values)  # a store of an older format, once
         self.prefetch_budget = PrefetchBudget(0)
         # per sealed dataset, the client's location tables, shared by its sessions (a
@@ -682,7 +685,7 @@ class DropNamespace(Change):
 
     def txn(self, txn) -> None:
         txn.delete(ns_key(self.ns.kind, self.ns.name), db=DB_NS)
-        if isinstance(self.ns, Dataset):
+        if isinstance(self.ns, (Dataset, Buffer)):
             self.ns.drop_txn(txn)
 
     def apply(self) -> None:

@@ -49,6 +49,7 @@ and register it with `@verify_pass("name", before="values")`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -58,7 +59,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from . import codec
+import numpy as np
+
+from . import codec, priojournal
 from .backends.crc import crc32
 from .backends.errors import BackendError
 from .backends.lmdbenv import LmdbEnv
@@ -70,6 +73,7 @@ from .config import NAMESPACE_CONFIGS, StoreConfig
 from .errors import CorruptValue, DamagedStore, DistorefsError, InvalidName, NotFound, from_backend
 from .lockfile import take_lock
 from .names import check_name
+from .priojournal import DB_PRIOLOG, DB_PRIOSNAP
 from .placement import TIER_CLUSTER, TIER_LMDB, TIER_NAMES, TIER_NVME
 from .values import StoredValue, ValueLayer
 
@@ -456,6 +460,14 @@ def check_catalog(check: Check) -> str:
     return f"format {unpack_u32(fmt) if fmt and len(fmt) == 4 else '?'}, {len(check.db_names)} databases"
 
 
+def _deleting(db: bytes, keys: list[bytes]) -> Callable:
+    """A repair: delete `keys` from `db`."""
+    def fix(txn) -> None:
+        for k in keys:
+            txn.delete(k, db=db)
+    return fix
+
+
 def _claims(*names: bytes):
     def mark(fn):
         fn.claims = names
@@ -594,11 +606,7 @@ def check_ring_indexes(check: Check) -> str:
                 if not (math.isfinite(p) and p >= 0):
                     bad.append(key)
 
-        def drop(keys, db=db):
-            def fix(txn):
-                for k in keys:
-                    txn.delete(k, db=db)
-            return fix
+        drop = functools.partial(_deleting, db)
         if dangling:
             check.error(f"{len(dangling)} {label} rows have no buffer entry (e.g. "
                         f"ns {split_entry_key(dangling[0])[0]} seq {split_entry_key(dangling[0])[1]})"
@@ -608,6 +616,43 @@ def check_ring_indexes(check: Check) -> str:
             what = "a negative, infinite or NaN priority" if name == DB_PRIO else "a malformed count"
             check.error(f"{len(bad)} {label} rows hold {what}", drop(bad),
                         f"deleted {len(bad)} rows (the entries get the default at the next mount)")
+        out.append(f"{n} {label} rows")
+    return ", ".join(out) or "none"
+
+
+@verify_pass("priority-journal")
+@_claims(DB_PRIOLOG, DB_PRIOSNAP)
+def check_priority_journal(check: Check) -> str:
+    """Journal records and snapshot rows belong to a buffer, hold whole (seq, priority)
+    pairs, and every priority is finite and >= 0 (distorefs/priojournal.py)."""
+    out = []
+    for name, label in ((DB_PRIOLOG, "priority journal"), (DB_PRIOSNAP, "priority snapshot")):
+        db = check.db(name)
+        if db is None:
+            continue
+        dangling, bad = [], []
+        n = 0
+        for key, value in check.scan(db):
+            n += 1
+            if len(key) < 4 or check.ns_by_id.get(priojournal.namespace_of(key), ("",))[0] != "buffers":
+                dangling.append(key)
+                continue
+            try:
+                pairs = priojournal.unpack(value)
+            except ValueError:
+                bad.append(key)
+                continue
+            p = pairs["priority"]
+            if not (np.isfinite(p).all() and (p >= 0).all()):
+                bad.append(key)
+
+        drop = functools.partial(_deleting, db)
+        if dangling:
+            check.error(f"{len(dangling)} {label} rows belong to no buffer", drop(dangling),
+                        f"deleted {len(dangling)} rows")
+        if bad:
+            check.error(f"{len(bad)} {label} rows are malformed or hold a negative, infinite or NaN priority",
+                        drop(bad), f"deleted {len(bad)} rows (their entries keep an older priority)")
         out.append(f"{n} {label} rows")
     return ", ".join(out) or "none"
 

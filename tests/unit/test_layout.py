@@ -14,7 +14,7 @@ import pytest
 
 from distorefs.backends.lmdbenv import LmdbEnv
 from distorefs.batch import Batch, Blob, BatchFile, Member, Stacked, _array_member, batch_file, zip_parts
-from distorefs.catalog import DB_ENTRIES, DB_META, DB_NS, EntryMeta, pack_u32
+from distorefs.catalog import DB_ENTRIES, DB_META, DB_NS, FORMAT_VERSION, EntryMeta, pack_u32
 from distorefs.codec import checksums
 from distorefs.config import BufferConfig
 from distorefs.errors import InvalidConfig
@@ -256,4 +256,4 @@ def test_a_format_1_store_is_migrated(tmp_path):
         assert store.buffer("mixed").config.raw  # entries of two layouts: raw mode
         return store.env.read(lambda txn: bytes(txn.get(b"format", db=DB_META)))
 
-    assert run(tmp_path / "s", read) == pack_u32(2)
+    assert run(tmp_path / "s", read) == pack_u32(FORMAT_VERSION)
