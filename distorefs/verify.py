@@ -49,7 +49,6 @@ and register it with `@verify_pass("name", before="values")`.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -606,15 +605,14 @@ def check_ring_indexes(check: Check) -> str:
                 if not (math.isfinite(p) and p >= 0):
                     bad.append(key)
 
-        drop = functools.partial(_deleting, db)
         if dangling:
             check.error(f"{len(dangling)} {label} rows have no buffer entry (e.g. "
                         f"ns {split_entry_key(dangling[0])[0]} seq {split_entry_key(dangling[0])[1]})"
                         if len(dangling[0]) == 12 else f"{len(dangling)} {label} rows have no buffer entry",
-                        drop(dangling), f"deleted {len(dangling)} rows")
+                        _deleting(db, dangling), f"deleted {len(dangling)} rows")
         if bad:
             what = "a negative, infinite or NaN priority" if name == DB_PRIO else "a malformed count"
-            check.error(f"{len(bad)} {label} rows hold {what}", drop(bad),
+            check.error(f"{len(bad)} {label} rows hold {what}", _deleting(db, bad),
                         f"deleted {len(bad)} rows (the entries get the default at the next mount)")
         out.append(f"{n} {label} rows")
     return ", ".join(out) or "none"
@@ -646,13 +644,12 @@ def check_priority_journal(check: Check) -> str:
             if not (np.isfinite(p).all() and (p >= 0).all()):
                 bad.append(key)
 
-        drop = functools.partial(_deleting, db)
         if dangling:
-            check.error(f"{len(dangling)} {label} rows belong to no buffer", drop(dangling),
+            check.error(f"{len(dangling)} {label} rows belong to no buffer", _deleting(db, dangling),
                         f"deleted {len(dangling)} rows")
         if bad:
             check.error(f"{len(bad)} {label} rows are malformed or hold a negative, infinite or NaN priority",
-                        drop(bad), f"deleted {len(bad)} rows (their entries keep an older priority)")
+                        _deleting(db, bad), f"deleted {len(bad)} rows (their entries keep an older priority)")
         out.append(f"{n} {label} rows")
     return ", ".join(out) or "none"
 
@@ -866,11 +863,8 @@ def check_datasets(check: Check) -> str:
         if c.sealed and info[STAGING][0]:
             check.error(f"datasets/{datasets[ds_id]}: sealed, but {info[STAGING][0]} unsealed items remain")
     for ds_id, keys in sorted(dangling.items()):
-        def fix(txn, keys=keys):
-            for k in keys:
-                txn.delete(k, db=db)
         check.error(f"{len(keys)} dataset records belong to dataset id {ds_id}, which does not exist",
-                    fix, f"deleted {len(keys)} records (their values are freed below)")
+                    _deleting(db, keys), f"deleted {len(keys)} records (their values are freed below)")
     check.report.counts["dataset_items"] = items
     return f"{len(datasets)} datasets, {items} items"
 
@@ -917,10 +911,7 @@ def check_checkpoints(check: Check) -> str:
                 continue  # the row goes below; its value is then unreferenced and freed
         check.ref(f"{path(file_id)} chunk {index}", chunk)
     if dangling:
-        def fix(txn):
-            for k in dangling:
-                txn.delete(k, db=db)
-        check.error(f"{len(dangling)} checkpoint chunks belong to no file", fix,
+        check.error(f"{len(dangling)} checkpoint chunks belong to no file", _deleting(db, dangling),
                     f"deleted {len(dangling)} rows (their values are freed below)")
     live = {(c.tier, c.loc) for _, _, _, c in chunks}
     for rp in restore:  # values a restore point keeps for a crash (the live file may name them too)
