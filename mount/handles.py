@@ -161,6 +161,10 @@ class StagingWriter(Handle):
         self.dirty = False  # something to commit
         self.wrote = False  # ... and it came from write() or truncate()
         self.failed: Exception | None = None  # a refused write: close() reports it, nothing commits
+        # A refused commit: every later close() of the open file reports it too, until
+        # something new is written (np.save closes a duplicate descriptor first, and numpy
+        # ignores what that close says: the caller's own close must say it).
+        self.refused: Exception | None = None
 
     async def read(self, off: int, size: int) -> bytes:
         if not self.readable:
@@ -176,6 +180,7 @@ class StagingWriter(Handle):
             self.data.extend(bytes(off - len(self.data)))
         self.data[off:end] = buf
         self.dirty = self.wrote = True
+        self.refused = None
         return len(buf)
 
     def truncate(self, size: int) -> None:
@@ -187,12 +192,15 @@ class StagingWriter(Handle):
         else:
             self.data.extend(bytes(size - len(self.data)))
         self.dirty = self.wrote = True
+        self.refused = None
 
     async def flush(self) -> None:
         if self.failed is not None:
             raise self.failed  # a partial entry is never published
         if self.dirty and self.wrote:
             await self._commit()
+        elif self.refused is not None:
+            raise self.refused
 
     async def release(self) -> None:
         if self.dirty and self.failed is None:
@@ -201,7 +209,11 @@ class StagingWriter(Handle):
     async def _commit(self) -> None:
         # Cleared first: a failed commit was reported to close() and is not retried later.
         self.dirty = self.wrote = False
-        await self.apply(bytes(self.data))
+        try:
+            await self.apply(bytes(self.data))
+        except Exception as exc:
+            self.refused = exc
+            raise
 
     async def apply(self, data: bytes) -> None:
         raise NotImplementedError

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -68,6 +69,35 @@ def test_the_first_entry_fixes_the_layout_and_others_are_refused(fs, buf):
     z = batch_by_path(buf, 4)
     assert set(z) >= {"obs", "action", "reward", "done", "keys"} and z["obs"].shape == (4, 8)
 
+
+
+def test_np_save_of_a_refused_entry_raises(buf):
+    """np.save writes the array through a duplicate of the descriptor and closes that first
+    (numpy's tofile), ignoring what its close says; the refusal must reach the close the
+    caller sees too, or the entry is lost without a word."""
+    np.save(buf / "entries" / "a.npy", np.zeros((2, 3), np.uint8))
+    with pytest.raises(OSError) as exc:
+        np.save(buf / "entries" / "b.npy", np.zeros(5, np.float32))
+    assert exc.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as exc:
+        with open(buf / "entries" / "c.npy", "wb") as f:
+            np.save(f, np.zeros(5, np.float32))
+    assert exc.value.errno == errno.EINVAL
+    assert entry_names(buf) == ["a.npy"]
+    # a descriptor written again after the refusal commits what it holds then
+    fd = os.open(buf / "entries" / "d.npy", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, npy(np.zeros(5, np.float32)))
+        dup = os.dup(fd)
+        assert_errno(errno.EINVAL, os.close, dup)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(fd, 0)
+        os.write(fd, npy(np.ones((2, 3), np.uint8)))
+    finally:
+        os.close(fd)
+    assert sorted(entry_names(buf)) == ["a.npy", "d.npy"]
+    with open(buf / "entries" / "d.npy", "rb") as f:
+        assert np.load(f).tolist() == np.ones((2, 3), np.uint8).tolist()
 
 def test_a_declared_schema(buf):
     set_config(buf, {"schema": {"format": "npy", "dtype": "uint8", "shape": [2, 3]}})
