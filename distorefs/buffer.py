@@ -883,49 +883,55 @@ class Reservation:
 
 
 class SetPriorities(Change):
-    """Priorities set: one record of the buffer's priority journal (distorefs/priojournal.py)."""
+    """Priorities set: one record of the buffer's priority journal (distorefs/priojournal.py).
+
+    The entries are held as arrays (seq, slot, priority): whether each is still there is one
+    comparison with the ring's slot table, at plan and again at apply, not a lookup apiece."""
 
     def __init__(self, buffer: Buffer, metas: list[EntryMeta], values: list[float]) -> None:
         self.buffer = buffer
-        self.metas = metas
-        self.values = values
+        self.count = n = len(metas)
+        self.named = (np.fromiter((m.seq for m in metas), dtype=np.int64, count=n),
+                      np.fromiter((m.slot for m in metas), dtype=np.int64, count=n),
+                      np.asarray(values, dtype=np.float64).reshape(-1))
+        self.seqs, self.slots, self.values = self.named  # those planned (plan may run again)
         self.number = -1
 
     def plan(self, overlay: Overlay) -> None:
         ring = self.buffer.ring
+        seqs, slots, values = self.named
+        # still in its slot: neither removed nor replaced by another entry since it was named
+        keep = ring.slot_seq[slots] == seqs
         removed = overlay.ring(ring.ns_id).removed
-        keep = [(m, v) for m, v in zip(self.metas, self.values)
-                if m.seq not in removed and ring.by_seq.get(m.seq) is not None]
-        self.rows = [(m.seq, m.slot, v) for m, v in keep]
-        if self.rows:  # numbered in the order planned, which is the order committed and applied
+        if removed:  # evicted earlier in this group: still in its slot until the group applies
+            keep &= np.fromiter((seq not in removed for seq in seqs.tolist()), dtype=bool, count=self.count)
+        self.seqs, self.slots, self.values = seqs[keep], slots[keep], values[keep]
+        if len(self.seqs):  # numbered in the order planned, which is the order committed and applied
             self.number = ring.journal_next
             ring.journal_next += 1
 
     def txn(self, txn) -> None:
-        if self.rows:
-            priojournal.put_record(txn, self.buffer.ns_id, self.number,
-                                   np.fromiter((r[0] for r in self.rows), dtype=np.uint64, count=len(self.rows)),
-                                   np.fromiter((r[2] for r in self.rows), dtype=np.float64, count=len(self.rows)))
+        if len(self.seqs):
+            priojournal.put_record(txn, self.buffer.ns_id, self.number, self.seqs.astype(np.uint64), self.values)
 
     def failed(self) -> None:
         self.buffer._priorities_queued -= 1
 
     def apply(self) -> None:
-        self.buffer._priorities_queued -= 1
-        ring = self.buffer.ring
-        if self.rows:
+        buffer = self.buffer
+        buffer._priorities_queued -= 1
+        ring = buffer.ring
+        if len(self.seqs):
             ring.journal_applied = max(ring.journal_applied, self.number + 1)
-            ring.journal_updates += len(self.rows)
-            self.buffer.journal_written()
-        rows = [(slot, v) for seq, slot, v in self.rows
-                if (m := ring.slot_meta[slot]) is not None and m.seq == seq]
-        if rows:
-            slots = np.array([r[0] for r in rows], dtype=np.int64)
-            values = np.array([r[1] for r in rows], dtype=np.float64)
-            self.buffer.priorities_set(slots, values)
-        self.buffer.counters["priority_updates"] += len(rows)
+            ring.journal_updates += len(self.seqs)
+            buffer.journal_written()
+        here = ring.slot_seq[self.slots] == self.seqs
+        slots, values = self.slots[here], self.values[here]
+        if len(slots):
+            buffer.priorities_set(slots, values)
+        buffer.counters["priority_updates"] += len(slots)
         # entries evicted between the write and its commit: skipped like unknown keys
-        self.buffer.counters["priority_unknown_keys"] += len(self.metas) - len(rows)
+        buffer.counters["priority_unknown_keys"] += self.count - len(slots)
 
 
 class SnapshotPriorities(Change):
