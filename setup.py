@@ -1,5 +1,6 @@
-"""The one compiled part: mount/_interpose.c (see mount/interpose.py). Optional: without a C
-compiler or libfuse's headers the package installs and closes send FLUSH as before."""
+"""The compiled parts, both optional: mount/_interpose.c (see mount/interpose.py; without a C
+compiler or libfuse's headers the package installs and closes send FLUSH as before) and
+distorefs/_sumtree.c (see distorefs/sumtree.py; without it the sum tree runs on numpy alone)."""
 
 import subprocess
 
@@ -24,5 +25,10 @@ setup(ext_modules=[Extension(
     extra_compile_args=[f for f in cflags if not f.startswith("-I")],
     library_dirs=[f[2:] for f in libs if f.startswith("-L")],
     libraries=[f[2:] for f in libs if f.startswith("-l")] + ["dl"],
+    optional=True,
+), Extension(
+    "distorefs._sumtree",
+    sources=["distorefs/_sumtree.c"],
+    extra_compile_args=["-O2"],
     optional=True,
 )])

@@ -1,4 +1,6 @@
-"""Unit tests for distorefs.sumtree.SumTree against numpy brute force."""
+"""Unit tests for distorefs.sumtree.SumTree against numpy brute force, each run twice: with
+the C loops of distorefs/_sumtree.c and on numpy alone (what a machine without a compiler
+runs)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,47 @@ import re
 import numpy as np
 import pytest
 
+import distorefs.sumtree as sumtree_module
 from distorefs.sumtree import SumTree
 
 # (capacity, branching): a top-only tree, then trees whose find() descends
 # through one and two row levels below the top level (<= TOP_MAX nodes).
 SHAPES = [(37, 16), (20_000, 16), (40_000, 8), (100_000, 16)]
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def code(request, monkeypatch):
+    """Which code the trees made in a test run: the C loops, or numpy alone."""
+    if request.param == "numpy":
+        monkeypatch.setattr(sumtree_module, "_native", None)
+    elif sumtree_module._native is None:
+        pytest.fail("distorefs/_sumtree.c is not built (make deps builds it)")
+    return request.param
+
+
+def test_the_c_loops_and_numpy_build_the_same_tree_and_find_the_same_slots():
+    from distorefs import _sumtree  # type: ignore[attr-defined]
+    rng = np.random.default_rng(11)
+    for capacity, branching in SHAPES + [(1_000_000, 16)]:
+        trees = [SumTree(capacity, branching=branching) for _ in range(2)]
+        trees[0]._native, trees[1]._native = _sumtree, None
+        values = rng.random(capacity) * (rng.random(capacity) >= 0.3)
+        for tree in trees:
+            tree.update(np.arange(capacity), values)
+        for _ in range(300):  # small updates: the C path of the first tree
+            m = int(rng.integers(1, 40))
+            slots, new = rng.integers(0, capacity, m), rng.random(m) * (rng.random(m) >= 0.2)
+            for tree in trees:
+                tree.update(slots, new)
+        native, plain = trees
+        for k in range(len(plain._sums)):
+            np.testing.assert_allclose(native._sums[k], plain._sums[k], rtol=1e-12)
+            if k:
+                np.testing.assert_array_equal(native._mins[k], plain._mins[k])
+        assert native.min_positive() == plain.min_positive()
+        total = plain.total()
+        prefix = np.concatenate([rng.random(5_000) * total, [0.0, -1.0, total, 2 * total]])
+        np.testing.assert_array_equal(native.find(prefix), plain.find(prefix))
 
 
 def _depth(tree: SumTree) -> int:
