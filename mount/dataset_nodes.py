@@ -310,16 +310,19 @@ class ItemNode(Node):
         # record of a file of thousands of chunks costs more to unpack than its stat is worth)
         if rec is not None and rec.tag == ds.tag and (ds.sealed or self._rec_generation == ds.generation):
             return rec
+        generation = ds.generation
         if self.tag != ds.tag and self.item_id is not None:
-            # Sealing renumbered the files: find this one again by its name.
-            found = ds.child(self.parent_id, self.name)
+            # Sealing renumbered the files: find this one again by its name (and its record,
+            # in the same read: every file the kernel held from before the seal asks once).
+            found = ds.lookup(self.parent_id, self.name)
             if found is None or found[0] != FILE:
                 raise NotFound("item is gone")
             self.item_id, self.tag = found[1], ds.tag
-        if self.item_id is None:
+            rec = cast(Item, found[2])
+        elif self.item_id is None:
             raise NotFound("not written yet")
-        generation = ds.generation
-        rec = ds.item(self.item_id)
+        else:
+            rec = ds.item(self.item_id)
         self._rec, self._rec_generation = rec, generation
         self.last = rec
         return rec
