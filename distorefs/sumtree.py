@@ -1,10 +1,12 @@
 """Proportional-sampling sum tree over a fixed number of slots.
 
-This module owns `SumTree`: a vectorised (numpy only) structure mapping slot
+This module owns `SumTree`: a vectorised (numpy) structure mapping slot
 indexes to non-negative priorities, supporting batched priority updates, the
 running total, the smallest positive priority, prefix-sum search and
 stratified proportional sampling. It knows nothing about what a slot holds
-and is not thread-safe: callers serialise access.
+and is not thread-safe: callers serialise access. Two loops run in C when
+distorefs/_sumtree.c is built (it is optional): the ancestors of a small
+update, and the descent of find(); they give the same tree and the same slots.
 
 Layout: a wide B-ary tree stored as one flat float64 array per level. Level 0
 holds the leaves; node i of level k+1 is the sum of nodes i*B .. i*B+B-1 of
