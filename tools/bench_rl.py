@@ -22,6 +22,8 @@ a) The DQN loop: 2 actor processes step a small environment, insert each transit
      their transitions as .npz files into a tmpfs directory, the learner np.loads one
      batch/64.npz saved from the distorefs run and writes its priorities to a tmpfs file:
      what any file system would leave of the in-process rate, measured in the same run.
+   Beside the rates: the daemon's CPU (all its threads) over the learner's timed steps, in
+   cores and per learner step, a figure the machine's spread moves less than steps/s.
    Target (issue 12): distorefs >= 0.5x in-process.
 
 b) Reverb's own ground, 113 KB uint8 entries in a prioritized buffer: `sample 256`
@@ -60,7 +62,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .bench_buffers import DistorefsMount, print_report, remove_workdir, save_figure, start_run
+from .bench_buffers import DistorefsMount, _proc_cpu, print_report, remove_workdir, save_figure, start_run
 
 OBS = 8
 ACTIONS = 4
@@ -240,6 +242,8 @@ def _learner(system: str, cfg: dict, result) -> None:
         source = _Source(system, cfg)
         source.wait_for(cfg["warmup"])
         np.save(cfg["weights"], net.weights())
+        daemon = cfg.get("daemon_pid")  # distorefs: its CPU over the timed steps (all its threads)
+        daemon_cpu0 = _proc_cpu(daemon)
         t0 = time.perf_counter()
         deadline = t0 + cfg["seconds"]
         steps = 0
@@ -267,6 +271,10 @@ def _learner(system: str, cfg: dict, result) -> None:
             t = t4
         out.update(steps=steps, seconds=time.perf_counter() - t0, inserted=source.inserted(),
                    step_ms={k: round(v / max(steps, 1) * 1e3, 3) for k, v in spent.items()})
+        daemon_cpu1 = _proc_cpu(daemon)
+        if daemon_cpu0 is not None and daemon_cpu1 is not None and steps:
+            used = daemon_cpu1 - daemon_cpu0
+            out.update(daemon_cores=round(used / out["seconds"], 3), daemon_cpu_ms_per_step=round(used / steps * 1e3, 3))
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
     result.put(out)
@@ -391,7 +399,7 @@ def _dqn(system: str, root: Path, p: dict, ctx, **extra: Any) -> dict:
             (mount.mnt / "weights" / "dqn").mkdir(parents=True)
             (mount.mnt / "checkpoints" / "dqn").mkdir(parents=True)
             cfg.update(buffer=str(buf), weights=str(mount.mnt / "weights" / "dqn" / "q.npy"),
-                       checkpoints=str(mount.mnt / "checkpoints" / "dqn"))
+                       checkpoints=str(mount.mnt / "checkpoints" / "dqn"), daemon_pid=mount.pid)
         elif system == "tmpfs":
             (root / "entries").mkdir(parents=True)
             cfg.update(entries=str(root / "entries"), weights=str(root / "q.npy"), checkpoints=str(root / "ckpt"),
@@ -421,6 +429,8 @@ def _dqn(system: str, root: Path, p: dict, ctx, **extra: Any) -> dict:
         steps_s = out["steps"] / out["seconds"] if out["seconds"] else 0.0
         res = {"learner_steps_per_s": round(steps_s, 1), "steps": out["steps"], "seconds": round(out["seconds"], 2),
                "actor_steps": counter.value, "learner_ms_per_step": out.get("step_ms")}
+        if "daemon_cores" in out:  # (a spread of steps/s hides what the daemon's CPU shows)
+            res.update(daemon_cores=out["daemon_cores"], daemon_cpu_ms_per_step=out["daemon_cpu_ms_per_step"])
         if system == "distorefs" and mount is not None and not out["error"]:
             try:  # an aside: its failure must not cost the run its figures
                 res["round_trips"] = _round_trips(mount.mnt, Path(cfg["buffer"]))
@@ -880,6 +890,10 @@ def _systems_table(res: dict) -> str:
         split = (dqn.get(system) or {}).get("learner_ms_per_step")
         if split:
             lines.append(f"  {system} learner, ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+    daemon = dqn.get("distorefs") or {}
+    if "daemon_cores" in daemon:
+        lines.append(f"  distorefs daemon while the learner ran: {daemon['daemon_cores']:.2f} cores, "
+                     f"{daemon['daemon_cpu_ms_per_step']:.2f} ms of CPU per learner step (the actors' inserts included)")
     trips = (dqn.get("distorefs") or {}).get("round_trips")
     if trips:
         lines.append(f"  distorefs learner, requests it waits for per step: {trips['waited_requests_per_step']} "
