@@ -68,6 +68,13 @@ static int take_levels(views *v, PyObject *list, int first, double **out, Py_ssi
     return 0;
 }
 
+/* Level k (k >= 1) holds a node for every row of b nodes of level k - 1, and no more
+ * rows than that: so a parent's children, and a node's children in find(), are in range. */
+static int sum_lens_ok(const Py_ssize_t *lens, int k, Py_ssize_t b)
+{
+    return lens[k - 1] % b == 0 && lens[k - 1] / b <= lens[k] && lens[k] * b <= lens[k - 1] + b * b;
+}
+
 /* The sums and minima of every ancestor of `slots`, recomputed from their children level by
  * level; a parent shared by several slots is recomputed once per slot (the same values), as
  * the numpy code does. */
@@ -126,7 +133,7 @@ static PyObject *update(PyObject *self, PyObject *args)
         goto fail;
     }
     for (int k = 1; k < levels; k++) {  /* every parent of the level below is in this one */
-        if (sum_lens[k - 1] % b || sum_lens[k - 1] / b > sum_lens[k] || min_lens[k] != sum_lens[k]) {
+        if (sum_lens_ok(sum_lens, k, b) == 0 || min_lens[k] != sum_lens[k]) {
             PyErr_SetString(PyExc_ValueError, "_sumtree: levels of the wrong sizes");
             goto fail;
         }
@@ -174,6 +181,12 @@ static PyObject *find(PyObject *self, PyObject *args)
     if (nout != nq || levels < 1 || b < 1) {
         PyErr_SetString(PyExc_ValueError, "_sumtree: bad find arguments");
         goto fail;
+    }
+    for (int k = 1; k < levels; k++) {  /* every node's children are in the level below */
+        if (sum_lens_ok(lens, k, b) == 0) {
+            PyErr_SetString(PyExc_ValueError, "_sumtree: levels of the wrong sizes");
+            goto fail;
+        }
     }
     const double *top = sums[levels - 1];
     Py_ssize_t ntop = lens[levels - 1];
