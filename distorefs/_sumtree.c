@@ -8,8 +8,10 @@
  * The arrays are SumTree's own (float64 levels, C-contiguous), reached through the buffer
  * protocol: no numpy headers are needed. Layout (see sumtree.py): level k+1 node i is the
  * sum of level k nodes i*B .. i*B+B-1; mins[k] (k >= 1) is the smallest positive leaf below
- * a node (inf: none). sumtree.py checks every argument before calling in; this file
- * trusts them. Optional: without it (no compiler) sumtree.py runs its numpy code.
+ * a node (inf: none). What could make a loop leave its arrays is checked here (their
+ * types, the levels' sizes, each slot of an update; a bad slot or value makes update()
+ * return False for sumtree.py's numpy code to name it). Optional: without it (no
+ * compiler) sumtree.py runs its numpy code.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
