@@ -62,6 +62,15 @@
  *   returns once queued, and its close's FLUSH is parked here until the committer's thread
  *   says the transaction committed; answered then, with the first error.
  *
+ * - FUSE_PARALLEL_DIROPS (fuse_session_mount, the session's INIT handler): libfuse before 3.17
+ *   never passes it to the kernel (it wants it by default, but its INIT reply leaves the flag
+ *   out; libfuse #861), so the kernel took a directory's mutex around every LOOKUP and
+ *   READDIR in it: a reader's LOOKUP of an item waited for a whole READDIRPLUS of the name
+ *   warmer (57 % of a cold epoch's reader time, in the kernel's fuse_lock_inode), and
+ *   readers of one `entries/` looked names up one at a time. The session's replies go
+ *   through libfuse's custom io (fuse_session_custom_io, the same read and writev), whose
+ *   writev adds the flag to the INIT reply when libfuse wanted it and the kernel offered it.
+ *
  * Built against the same libfuse headers as pyfuse3 (pkg-config fuse3), so the bitfield
  * is where pyfuse3's libfuse expects it.
  */
@@ -98,6 +107,9 @@ typedef int (*session_fd_fn)(struct fuse_session *);
 typedef int (*receive_buf_fn)(struct fuse_session *, struct fuse_buf *);
 typedef void (*process_buf_fn)(struct fuse_session *, const struct fuse_buf *);
 typedef void (*session_destroy_fn)(struct fuse_session *);
+typedef int (*session_mount_fn)(struct fuse_session *, const char *);
+typedef int (*custom_io_fn)(struct fuse_session *, const struct fuse_custom_io *, int);
+typedef void (*init_fn)(void *, struct fuse_conn_info *);
 
 /* The kernel's request layout (linux/fuse.h, which clashes with libfuse's headers):
    struct fuse_in_header is 40 bytes with the opcode at offset 4; a GETXATTR's name follows
@@ -118,6 +130,9 @@ typedef void (*session_destroy_fn)(struct fuse_session *);
 #define OPEN_IN_SIZE 8  /* struct fuse_open_in: flags, open_flags */
 #define FRONT_FH (UINT64_C(1) << 62)  /* handle numbers the front gives out (Python's count from 1) */
 #define RELEASE_IN_SIZE 24  /* struct fuse_release_in: fh first */
+#define OUT_HEADER_SIZE 16  /* struct fuse_out_header: len, error, unique */
+#define INIT_OUT_FLAGS_OFFSET 12  /* struct fuse_init_out: major, minor, max_readahead, flags */
+#define KERNEL_PARALLEL_DIROPS (UINT32_C(1) << 18)  /* FUSE_PARALLEL_DIROPS of linux/fuse.h */
 #define RELEASE_MAX 1024    /* handles whose RELEASE the front may answer, and answered ones not yet taken */
 #define HELD_MAX 64  /* inodes with held attributes, and handles with nothing at flush, at most */
 
@@ -130,6 +145,13 @@ static session_fd_fn libfuse_session_fd;
 static receive_buf_fn libfuse_receive_buf;
 static process_buf_fn libfuse_process_buf;
 static session_destroy_fn libfuse_session_destroy;
+static session_mount_fn libfuse_session_mount;
+static custom_io_fn libfuse_custom_io;
+static init_fn handler_init;  /* pyfuse3's */
+/* The flags the INIT reply of front_se gains (set by its INIT handler, taken by the writev that
+   sends the reply), and whether the kernel was given parallel directory operations. */
+static uint32_t init_adds;
+static int parallel_dirops;
 static reply_attr_fn libfuse_reply_attr;
 static reply_entry_fn libfuse_reply_entry;
 static getxattr_fn handler_getxattr;  /* pyfuse3's */
@@ -224,6 +246,8 @@ __attribute__((constructor)) static void find_libfuse(void)
         libfuse_session_destroy = session_destroy;
         libfuse_reply_attr = (reply_attr_fn)dlsym(lib, "fuse_reply_attr");
         libfuse_reply_entry = (reply_entry_fn)dlsym(lib, "fuse_reply_entry");
+        libfuse_session_mount = (session_mount_fn)dlsym(lib, "fuse_session_mount");
+        libfuse_custom_io = (custom_io_fn)dlsym(lib, "fuse_session_custom_io");
     }
 }
 
@@ -439,6 +463,65 @@ static void ioctl_unsupported(fuse_req_t req, fuse_ino_t ino, unsigned int cmd, 
     fuse_reply_err(req, ENOSYS);
 }
 
+/* pyfuse3's INIT handler, then: the flag libfuse wants but leaves out of its reply. Runs in
+   libfuse's do_init just before that reply is written (io_writev). */
+static void init_wanting_parallel_dirops(void *userdata, struct fuse_conn_info *conn)
+{
+    handler_init(userdata, conn);
+    if ((conn->want & FUSE_CAP_PARALLEL_DIROPS) && (conn->capable & FUSE_CAP_PARALLEL_DIROPS))
+        __atomic_store_n(&init_adds, KERNEL_PARALLEL_DIROPS, __ATOMIC_RELEASE);
+}
+
+static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
+{
+    (void)userdata;
+    return read(fd, buf, len);
+}
+
+/* Every reply of the session; the INIT reply (the first, sent while init_adds is set) gains
+   init_adds in a copy of its argument. */
+static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
+{
+    (void)userdata;
+    uint32_t adds = __atomic_load_n(&init_adds, __ATOMIC_ACQUIRE) ? __atomic_exchange_n(&init_adds, 0, __ATOMIC_ACQ_REL) : 0;
+    if (adds && count == 2 && iov[0].iov_len == OUT_HEADER_SIZE &&
+        iov[1].iov_len >= INIT_OUT_FLAGS_OFFSET + sizeof(uint32_t) && iov[1].iov_len <= 256) {
+        int32_t error;
+        memcpy(&error, (char *)iov[0].iov_base + 4, sizeof(error));
+        if (error == 0) {
+            unsigned char arg[256];
+            uint32_t flags;
+            memcpy(arg, iov[1].iov_base, iov[1].iov_len);
+            memcpy(&flags, arg + INIT_OUT_FLAGS_OFFSET, sizeof(flags));
+            flags |= adds;
+            memcpy(arg + INIT_OUT_FLAGS_OFFSET, &flags, sizeof(flags));
+            struct iovec patched[2] = {iov[0], {arg, iov[1].iov_len}};
+            ssize_t res = writev(fd, patched, 2);
+            if (res >= 0 && (adds & KERNEL_PARALLEL_DIROPS))
+                __atomic_store_n(&parallel_dirops, 1, __ATOMIC_RELAXED);
+            return res;
+        }
+    }
+    return writev(fd, iov, count);
+}
+
+static const struct fuse_custom_io front_io = {.read = io_read, .writev = io_writev};
+
+/* Mounted: the session's replies go through io_writev from now on (the kernel's INIT is the
+   first request it reads). Without libfuse's custom io the session stays as it was. */
+int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
+{
+    if (libfuse_session_mount == NULL)  /* not reached: the import below fails first */
+        return -1;
+    int res = libfuse_session_mount(se, mountpoint);
+    if (res == 0 && se == front_se && handler_init != NULL && libfuse_custom_io != NULL) {
+        int fd = libfuse_session_fd(se);
+        if (fd >= 0)
+            libfuse_custom_io(se, &front_io, fd);
+    }
+    return res;
+}
+
 struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_lowlevel_ops *op, size_t op_size,
                                       void *userdata)
 {
@@ -464,6 +547,10 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
         if (op->open != NULL) {
             handler_open = op->open;
             session_ops.open = open_answered;
+        }
+        if (op->init != NULL) {
+            handler_init = op->init;
+            session_ops.init = init_wanting_parallel_dirops;
         }
     }
     struct fuse_session *se = libfuse_session_new(args, &session_ops, op_size, userdata);
@@ -785,7 +872,8 @@ static PyObject *interposed(PyObject *self, PyObject *unused)
                            dlsym(RTLD_DEFAULT, "fuse_session_receive_buf") == (void *)fuse_session_receive_buf &&
                            dlsym(RTLD_DEFAULT, "fuse_session_destroy") == (void *)fuse_session_destroy &&
                            dlsym(RTLD_DEFAULT, "fuse_reply_attr") == (void *)fuse_reply_attr &&
-                           dlsym(RTLD_DEFAULT, "fuse_reply_entry") == (void *)fuse_reply_entry);
+                           dlsym(RTLD_DEFAULT, "fuse_reply_entry") == (void *)fuse_reply_entry &&
+                           dlsym(RTLD_DEFAULT, "fuse_session_mount") == (void *)fuse_session_mount);
 }
 
 static PyObject *replies(PyObject *self, PyObject *unused)
@@ -809,6 +897,11 @@ static PyObject *front_state(PyObject *self, PyObject *unused)
     unsigned long long passed = front_passed;
     pthread_mutex_unlock(&front_lock);
     return Py_BuildValue("(OK)", front_started ? Py_True : Py_False, passed);
+}
+
+static PyObject *dirops(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(__atomic_load_n(&parallel_dirops, __ATOMIC_RELAXED));
 }
 
 static PyObject *notes_fd(PyObject *self, PyObject *unused)
@@ -1042,6 +1135,9 @@ static PyMethodDef methods[] = {
     {"ioctl_replies", ioctls, METH_NOARGS, "IOCTL requests answered ENOSYS since the library was loaded."},
     {"front", front_state, METH_NOARGS,
      "(whether the front thread reads the session's requests, requests it handed to pyfuse3)."},
+    {"parallel_dirops", dirops, METH_NOARGS,
+     "Whether the kernel was given FUSE_PARALLEL_DIROPS in the INIT reply (lookups and readdirs of one "
+     "directory side by side)."},
     {"notes_fd", notes_fd, METH_NOARGS,
      "An eventfd the front writes when it answers the OPEN or the RELEASE of an `adopted` mark's handle "
      "(-1: none)."},

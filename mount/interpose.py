@@ -187,6 +187,13 @@ def front_answers() -> tuple[int, int, int, int]:
     return int(getattrs), int(flushes), int(opens), int(releases)
 
 
+def parallel_dirops() -> bool:
+    """Whether the kernel was told it may send LOOKUPs and READDIRs of one directory side by
+    side (FUSE_PARALLEL_DIROPS, which libfuse 3.14 leaves out of its INIT reply: the library
+    adds it). Without it the kernel holds a directory's mutex around each."""
+    return _library is not None and bool(_library.parallel_dirops())
+
+
 def front_tables() -> dict[str, int]:
     """How many numbers each of the front's tables holds now (stats.json mount.front_tables)."""
     return dict(_library.front_tables()) if _library is not None else {}

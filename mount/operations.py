@@ -138,7 +138,7 @@ class Filesystem(pyfuse3.Operations):
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),
                       "foreign_xattrs_answered": foreign, "front": front, "front_passed": passed,
-                      "front_tables": interpose.front_tables(),
+                      "front_tables": interpose.front_tables(), "parallel_dirops": interpose.parallel_dirops(),
                       "names_listed": self.names.listed if self.names else 0,
                       "gc": self.collector.stats() if self.collector is not None else None}
         if self.pusher is not None:

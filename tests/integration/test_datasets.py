@@ -152,6 +152,47 @@ def test_readdir_streams_and_lookups(staged):
     assert len(found.stdout.splitlines()) == len(files)
 
 
+def test_lookups_and_listings_of_one_directory_run_side_by_side(fs, staged):
+    """The kernel may send LOOKUPs and READDIRs of one directory at once (the library adds
+    FUSE_PARALLEL_DIROPS to libfuse 3.14's INIT reply; without it a cold epoch's readers
+    waited for the name warmer's listings). Four threads stat every item by name while two
+    list the directories over and over: every stat finds its item's size, every listing
+    every name."""
+    import threading
+    mount = json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
+    assert mount["parallel_dirops"] is True
+    _, files, ds = staged
+    rels = sorted(files)
+    tops = sorted({rel.split("/")[0] for rel in files})
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def stat_all(k: int) -> None:
+        for rel in rels[k::4]:
+            size = os.stat(ds / "items" / rel).st_size
+            if size != len(files[rel]):
+                errors.append(f"{rel}: {size} bytes, not {len(files[rel])}")
+
+    def list_all() -> None:
+        while not stop.is_set():
+            if sorted(os.listdir(ds / "items")) != tops:
+                errors.append("a listing of items/ lost a name")
+            for top in tops[:2]:
+                if not os.listdir(ds / "items" / top):
+                    errors.append(f"items/{top} listed empty")
+
+    listers = [threading.Thread(target=list_all) for _ in range(2)]
+    statters = [threading.Thread(target=stat_all, args=(k,)) for k in range(4)]
+    for t in listers + statters:
+        t.start()
+    for t in statters:
+        t.join(timeout=120)
+    stop.set()
+    for t in listers:
+        t.join(timeout=60)
+    assert not errors, errors[:5]
+
+
 def test_interrupted_stage_resumes(fs, tmp_path):
     src = tmp_path / "src"
     files = make_tree(src, 2500, seed=2)
