@@ -302,6 +302,9 @@ class ItemNode(Node):
         # open, or read whole): an open needs not load it again. The kernel may have evicted
         # those pages since; then READs come, as without this.
         self.in_page_cache = False
+        # A sealed value queued for the page cache and not stored yet: an open that comes
+        # first serves it from here, not from the disk (the prefetcher let it go as pushed).
+        self.pushing: bytes | None = None
 
     def item(self) -> Item:
         ds = self.ds
@@ -382,7 +385,7 @@ class ItemNode(Node):
             self.writers.append(w)
             return w
         item = self.item()
-        reader = ItemReader(self.ds, item)
+        reader = ItemReader(self.ds, item, self.pushing)
         pusher = self.fs.pusher
         if reader.data is None and self.ds.whole_in_memory(item):
             if not self.ds.sealed:
@@ -479,7 +482,7 @@ class ItemReader(Handle):
 
     node: ItemNode | None
 
-    def __init__(self, ds: Dataset, item: Item) -> None:
+    def __init__(self, ds: Dataset, item: Item, pushing: bytes | None = None) -> None:
         self.ds = ds
         self.item = item
         self.keep_cache = ds.sealed
@@ -493,6 +496,8 @@ class ItemReader(Handle):
         if ds.sealed:
             self.data, self.counted = ds.prefetcher.take_nowait(item.id)
             self.accounted = self.accounted or self.counted
+            if self.data is None and pushing is not None:
+                self.data = pushing  # (its hit was counted when it was pushed)
         if self.data is not None:
             ds._count_read(len(self.data))
 
@@ -759,6 +764,13 @@ def push_into_page_cache(fs: "Filesystem", ds: Dataset):
             if node.opens == opens:
                 interpose.answer_opens(ino, os.O_RDONLY, keep_cache=True, noflush=True, once=True)
 
-        node.in_page_cache = pusher.push(ino, value, then=stored)
+        def ended() -> None:  # (in the pusher's thread, stored or not)
+            if node.pushing is value:
+                node.pushing = None
+
+        node.pushing = value  # (before the push: its end may come before push() returns)
+        node.in_page_cache = pusher.push(ino, value, then=stored, done=ended)
+        if not node.in_page_cache:
+            node.pushing = None
         return node.in_page_cache
     return push

@@ -104,19 +104,22 @@ class PageCachePusher(_Sender):
         self.stored_at_open = 0
         self._lock = threading.Lock()
 
-    def push(self, ino: int, data: bytes, then: Callable[[], None] | None = None) -> bool:
+    def push(self, ino: int, data: bytes, then: Callable[[], None] | None = None,
+             done: Callable[[], None] | None = None) -> bool:
         """Queue `data` for the page cache of `ino`; `then()` runs in the pusher's thread
-        once the kernel took it."""
+        once the kernel took it, `done()` after the attempt whatever happened."""
         with self._lock:
             if self.queued_bytes + len(data) > self.max_bytes:
                 return False
             self.queued_bytes += len(data)
-        self._put(pyfuse3.notify_store, ino, 0, data, done=functools.partial(self._pushed, len(data)), then=then)
+        self._put(pyfuse3.notify_store, ino, 0, data, done=functools.partial(self._pushed, len(data), done), then=then)
         return True
 
-    def _pushed(self, n: int) -> None:
+    def _pushed(self, n: int, done: Callable[[], None] | None) -> None:
         with self._lock:
             self.queued_bytes -= n
+        if done is not None:
+            done()
 
     def store_at_open(self, ino: int, data: bytes | memoryview) -> bool:
         """Put a value the daemon holds into the page cache of an inode being opened, now,

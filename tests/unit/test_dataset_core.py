@@ -167,6 +167,39 @@ def test_reads_of_one_open_side_by_side_count_it_once(tmp_path):
     run(tmp_path / "store", body)
 
 
+def test_an_open_while_its_value_waits_for_the_page_cache_reads_it_from_memory(tmp_path):
+    """A prefetched value handed to the page cache pusher leaves the prefetcher (pushed). An
+    open that comes before the push is done (a reader right behind the prefetcher) gets the
+    value the push holds; before, its READ read the disk again, behind the loaders' reads
+    (15 ms each in a cold epoch)."""
+    from distorefs.mount.dataset_nodes import ItemReader
+    src = tmp_path / "src"
+    files = make_tree(src, n=8)
+
+    async def body(store):
+        ds = await store.create("datasets", "imgs", OWNER)
+        await ds.stage(requests(src, files), FOWNER)
+        await ds.seal()
+        _, item_id = ds.resolve(b"d1/sub1/f001.bin")
+        item = ds.item(item_id)
+        queued: list[bytes] = []
+        ds.prefetcher.push = lambda key, value: queued.append(value) or True  # queued, not stored yet
+        await ds.declare_order(b"d1/sub1/f001.bin\n")
+        with trio.fail_after(10):
+            while not queued:
+                await trio.sleep(0.01)
+        disk = store.values.counters["disk_reads"]
+        reader = ItemReader(ds, item, queued[0])
+        assert bytes(await reader.read(0, 1 << 20)) == files["d1/sub1/f001.bin"]
+        assert store.values.counters["disk_reads"] == disk
+        assert ds.prefetcher.counters["misses"] == 0
+        alone = ItemReader(ds, item)  # nothing held or queued any more: the disk
+        assert bytes(await alone.read(0, 1 << 20)) == files["d1/sub1/f001.bin"]
+        assert store.values.counters["disk_reads"] > disk
+
+    run(tmp_path / "store", body)
+
+
 def test_an_items_index_fields_read_without_building_it():
     """What a seal reads of every item (size, checksum, metadata) is what the item holds."""
     chunks = [StoredValue(1 << 20, 700_000, 0xDEAD, 1, 0, b"loc-one"), StoredValue(5, 5, 7, 0, 1, b"")]
