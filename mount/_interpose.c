@@ -946,19 +946,34 @@ static PyObject *answer_opens(PyObject *self, PyObject *args)
     return PyBool_FromLong(done);
 }
 
-/* The numbers the front noted for Python (released handles, opened inodes), as a tuple;
-   the list is emptied. */
+/* The tables are read under held_lock and their Python objects made after it: an allocation
+   may run the cycle collector, whose callbacks are Python code that may let go of the GIL,
+   and a Python thread that then took the GIL and waited for held_lock (answer_opens) would
+   never give it back (tests/unit/test_interpose_locks.py). */
+
+/* The numbers the front noted for Python (released handles), as a tuple; the list is emptied. */
 static PyObject *take_numbers(const uint64_t *numbers, unsigned *count)
 {
     if (__atomic_load_n(count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
         return PyTuple_New(0);
+    uint64_t *copy = malloc(RELEASE_MAX * sizeof(*copy));
+    if (copy == NULL)
+        return PyErr_NoMemory();
     pthread_mutex_lock(&held_lock);
-    PyObject *out = PyTuple_New(*count);
-    for (unsigned i = 0; out != NULL && i < *count; i++)
-        PyTuple_SET_ITEM(out, i, PyLong_FromUnsignedLongLong(numbers[i]));
-    if (out != NULL)
-        *count = 0;
+    unsigned n = *count;
+    memcpy(copy, numbers, n * sizeof(*copy));
+    *count = 0;
     pthread_mutex_unlock(&held_lock);
+    PyObject *out = PyTuple_New(n);
+    for (unsigned i = 0; out != NULL && i < n; i++) {
+        PyObject *number = PyLong_FromUnsignedLongLong(copy[i]);
+        if (number == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, number);
+    }
+    free(copy);
     return out;
 }
 
@@ -966,20 +981,24 @@ static PyObject *take_opened(PyObject *self, PyObject *unused)
 {
     if (__atomic_load_n(&notices_count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
         return PyTuple_New(0);
+    struct notice *copy = malloc(NOTICES_MAX * sizeof(*copy));
+    if (copy == NULL)
+        return PyErr_NoMemory();
     pthread_mutex_lock(&held_lock);
-    PyObject *out = PyTuple_New(notices_count);
-    for (unsigned i = 0; out != NULL && i < notices_count; i++) {
-        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)notices[i].ino,
-                                       (unsigned long long)notices[i].fh);
+    unsigned n = notices_count;
+    memcpy(copy, notices, n * sizeof(*copy));
+    notices_count = 0;
+    pthread_mutex_unlock(&held_lock);
+    PyObject *out = PyTuple_New(n);
+    for (unsigned i = 0; out != NULL && i < n; i++) {
+        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)copy[i].ino, (unsigned long long)copy[i].fh);
         if (pair == NULL) {
             Py_CLEAR(out);
             break;
         }
         PyTuple_SET_ITEM(out, i, pair);
     }
-    if (out != NULL)
-        notices_count = 0;
-    pthread_mutex_unlock(&held_lock);
+    free(copy);
     return out;
 }
 
@@ -1085,12 +1104,12 @@ static PyObject *front_answers(PyObject *self, PyObject *unused)
 static PyObject *front_tables(PyObject *self, PyObject *unused)
 {
     pthread_mutex_lock(&held_lock);
-    PyObject *out = Py_BuildValue("{sIsIsIsIsIsIsI}", "held", held_count, "opens_answered", marks_count,
-                                  "opened", opened_count, "flushing", flushing_count,
-                                  "release_free", release_free_count, "released", released_count,
-                                  "opened_noted", notices_count);
+    unsigned counts[7] = {held_count, marks_count, opened_count, flushing_count, release_free_count,
+                          released_count, notices_count};
     pthread_mutex_unlock(&held_lock);
-    return out;
+    return Py_BuildValue("{sIsIsIsIsIsIsI}", "held", counts[0], "opens_answered", counts[1], "opened", counts[2],
+                         "flushing", counts[3], "release_free", counts[4], "released", counts[5],
+                         "opened_noted", counts[6]);
 }
 
 static PyObject *set_release_free(PyObject *self, PyObject *arg)
