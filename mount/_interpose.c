@@ -952,7 +952,7 @@ static PyObject *answer_opens(PyObject *self, PyObject *args)
    never give it back (tests/unit/test_interpose_locks.py). */
 
 /* The numbers the front noted for Python (released handles), as a tuple; the list is emptied. */
-static PyObject *take_numbers(const uint64_t *numbers, unsigned *count)
+static PyObject *take_numbers(uint64_t *numbers, unsigned *count)
 {
     if (__atomic_load_n(count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
         return PyTuple_New(0);
@@ -972,6 +972,12 @@ static PyObject *take_numbers(const uint64_t *numbers, unsigned *count)
             break;
         }
         PyTuple_SET_ITEM(out, i, number);
+    }
+    if (out == NULL) {  /* no memory: the numbers go back, for the next call */
+        pthread_mutex_lock(&held_lock);
+        for (unsigned i = 0; i < n && *count < RELEASE_MAX; i++)
+            numbers[(*count)++] = copy[i];
+        pthread_mutex_unlock(&held_lock);
     }
     free(copy);
     return out;
@@ -997,6 +1003,12 @@ static PyObject *take_opened(PyObject *self, PyObject *unused)
             break;
         }
         PyTuple_SET_ITEM(out, i, pair);
+    }
+    if (out == NULL) {  /* no memory: the notices go back, for the next call */
+        pthread_mutex_lock(&held_lock);
+        for (unsigned i = 0; i < n && notices_count < NOTICES_MAX; i++)
+            notices[notices_count++] = copy[i];
+        pthread_mutex_unlock(&held_lock);
     }
     free(copy);
     return out;
