@@ -168,18 +168,24 @@ def test_lookups_and_listings_of_one_directory_run_side_by_side(fs, staged):
     stop = threading.Event()
 
     def stat_all(k: int) -> None:
-        for rel in rels[k::4]:
-            size = os.stat(ds / "items" / rel).st_size
-            if size != len(files[rel]):
-                errors.append(f"{rel}: {size} bytes, not {len(files[rel])}")
+        try:
+            for rel in rels[k::4]:
+                size = os.stat(ds / "items" / rel).st_size
+                if size != len(files[rel]):
+                    errors.append(f"{rel}: {size} bytes, not {len(files[rel])}")
+        except OSError as exc:
+            errors.append(f"stat: {exc}")
 
     def list_all() -> None:
-        while not stop.is_set():
-            if sorted(os.listdir(ds / "items")) != tops:
-                errors.append("a listing of items/ lost a name")
-            for top in tops[:2]:
-                if not os.listdir(ds / "items" / top):
-                    errors.append(f"items/{top} listed empty")
+        try:
+            while not stop.is_set():
+                if sorted(os.listdir(ds / "items")) != tops:
+                    errors.append("a listing of items/ lost a name")
+                for top in tops[:2]:  # (directories: they sort before the files)
+                    if not os.listdir(ds / "items" / top):
+                        errors.append(f"items/{top} listed empty")
+        except OSError as exc:
+            errors.append(f"listing: {exc}")
 
     listers = [threading.Thread(target=list_all) for _ in range(2)]
     statters = [threading.Thread(target=stat_all, args=(k,)) for k in range(4)]
