@@ -951,18 +951,18 @@ static PyObject *answer_opens(PyObject *self, PyObject *args)
    and a Python thread that then took the GIL and waited for held_lock (answer_opens) would
    never give it back (tests/unit/test_interpose_locks.py). */
 
-/* The numbers the front noted for Python (released handles), as a tuple; the list is emptied. */
-static PyObject *take_numbers(uint64_t *numbers, unsigned *count)
+/* The handles whose RELEASE the front answered, as a tuple; the list is emptied. */
+static PyObject *take_released(PyObject *self, PyObject *unused)
 {
-    if (__atomic_load_n(count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
+    if (__atomic_load_n(&released_count, __ATOMIC_RELAXED) == 0)  /* the usual answer, unlocked */
         return PyTuple_New(0);
     uint64_t *copy = malloc(RELEASE_MAX * sizeof(*copy));
     if (copy == NULL)
         return PyErr_NoMemory();
     pthread_mutex_lock(&held_lock);
-    unsigned n = *count;
-    memcpy(copy, numbers, n * sizeof(*copy));
-    *count = 0;
+    unsigned n = released_count;
+    memcpy(copy, released, n * sizeof(*copy));
+    released_count = 0;
     pthread_mutex_unlock(&held_lock);
     PyObject *out = PyTuple_New(n);
     for (unsigned i = 0; out != NULL && i < n; i++) {
@@ -975,8 +975,8 @@ static PyObject *take_numbers(uint64_t *numbers, unsigned *count)
     }
     if (out == NULL) {  /* no memory: the numbers go back, for the next call */
         pthread_mutex_lock(&held_lock);
-        for (unsigned i = 0; i < n && *count < RELEASE_MAX; i++)
-            numbers[(*count)++] = copy[i];
+        for (unsigned i = 0; i < n && released_count < RELEASE_MAX; i++)
+            released[released_count++] = copy[i];
         pthread_mutex_unlock(&held_lock);
     }
     free(copy);
@@ -1137,11 +1137,6 @@ static PyObject *set_release_free(PyObject *self, PyObject *arg)
     }
     pthread_mutex_unlock(&held_lock);
     return PyBool_FromLong(done);
-}
-
-static PyObject *take_released(PyObject *self, PyObject *unused)
-{
-    return take_numbers(released, &released_count);
 }
 
 static PyObject *set_front(PyObject *self, PyObject *on)
