@@ -136,6 +136,15 @@ def test_writes_renames_removes_before_seal(tmp_path):
     run(tmp_path / "store", fn)
 
 
+async def _sealed_item(store, src, files):
+    """Dataset imgs staged from `files` and sealed; its item d1/sub1/f001.bin."""
+    ds = await store.create("datasets", "imgs", OWNER)
+    await ds.stage(requests(src, files), FOWNER)
+    await ds.seal()
+    _, item_id = ds.resolve(b"d1/sub1/f001.bin")
+    return ds, ds.item(item_id)
+
+
 def test_reads_of_one_open_side_by_side_count_it_once(tmp_path):
     """The kernel may send two READs of one open at once: the first loads the item, the
     other waits for it, and the open is one prefetch miss, not two (a CI flake: 401 opens
@@ -145,11 +154,8 @@ def test_reads_of_one_open_side_by_side_count_it_once(tmp_path):
     files = make_tree(src, n=8)
 
     async def body(store):
-        ds = await store.create("datasets", "imgs", OWNER)
-        await ds.stage(requests(src, files), FOWNER)
-        await ds.seal()
-        _, item_id = ds.resolve(b"d1/sub1/f001.bin")
-        reader = ItemReader(ds, ds.item(item_id))  # nothing declared: not prefetched
+        ds, item = await _sealed_item(store, src, files)
+        reader = ItemReader(ds, item)  # nothing declared: not prefetched
         before = dict(ds.prefetcher.counters)
         got = []
 
@@ -177,11 +183,7 @@ def test_an_open_while_its_value_waits_for_the_page_cache_reads_it_from_memory(t
     files = make_tree(src, n=8)
 
     async def body(store):
-        ds = await store.create("datasets", "imgs", OWNER)
-        await ds.stage(requests(src, files), FOWNER)
-        await ds.seal()
-        _, item_id = ds.resolve(b"d1/sub1/f001.bin")
-        item = ds.item(item_id)
+        ds, item = await _sealed_item(store, src, files)
         queued: list[bytes] = []
         ds.prefetcher.push = lambda key, value: queued.append(value) or True  # queued, not stored yet
         await ds.declare_order(b"d1/sub1/f001.bin\n")
