@@ -189,6 +189,11 @@ class BatchFile:
     def __bytes__(self) -> bytes:
         return bytes(self.read(0, self.size))
 
+    def gather_all(self, out: list) -> None:
+        """The whole file as pieces (buffers into its parts, no copy), in order, onto `out`."""
+        for part in self.parts:
+            part.gather(0, part.size, out)
+
 
 # ----- the npz container ------------------------------------------------------------------------
 

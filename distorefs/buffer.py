@@ -524,6 +524,59 @@ class Buffer(RingNamespace):
         self._schedule_presample(n)
         return reservation
 
+    async def reserve_large(self, n: int) -> "Reservation | None":
+        """`reserve_ahead` for a batch too large to be built while it waits in the queue
+        (BuiltAhead.MAX_BYTES): the next batch of n drawn ahead is taken from the queue, its
+        values read and its file described now, for the mount to write into a memfd the
+        kernel will read the next open from (FUSE passthrough) while the learner reads the
+        batch before.
+        Nothing is counted until `take_ahead`; a reservation dropped was never drawn. None
+        where a draw ahead is not handed out as drawn (see reserve_ahead; also a limit on
+        times sampled, a shared store). With nothing drawn ahead left (several learners
+        took it), it draws now, as the presampler would."""
+        layout, config = self.layout, self.config
+        if (self.read_only or self.limiter.enabled or self.sequences.on or n not in self._npz_sizes
+                or layout is None or config.max_times_sampled or self.ring.shared is not None
+                or config.sampler not in ("uniform", "prioritized")  # (fifo and lifo hand out in order)
+                or self.sampler.drawable_count() < config.min_size_to_sample):
+            return None
+        queue = self._presampled.get(n)
+        ring = self.ring
+        if queue and queue[0][1] is not None:  # (a small one, built already: reserve_ahead's)
+            return None
+        if queue:
+            hint = queue.popleft()[0]
+        else:  # several learners took what was drawn ahead: drawn now, as the presampler does
+            slots = self.sampler.draw(n, self._order)
+            hint = (slots, ring.slot_seq[slots])
+        self._schedule_presample(n)
+        slots, seqs = hint
+        if not len(slots) or not (ring.slot_seq[slots] == seqs).all():
+            return None  # an entry of it removed or replaced since: the open draws instead
+        metas = [ring.slot_meta[s] for s in slots.tolist()]
+        if sum(m.size for m in metas) > self.limits.max_batch_bytes:
+            return None
+        try:
+            values = await ring.read_many(metas, follow_rewrites=False)
+        except NotFound:
+            return None
+        if self.layout is not layout or self.config is not config or not (ring.slot_seq[slots] == seqs).all():
+            return None
+        self.rows.fill(metas, values)
+        probs, weights = self.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
+        batch = Batch(metas, probs, weights, [], self.places.take(slots), None)  # type: ignore[arg-type]
+        batch.file = await trio.to_thread.run_sync(batch_file, batch, values, layout)
+        ahead = BuiltAhead(batch, slots, config, layout)
+        if not ahead.current(self):
+            return None
+        reservation = Reservation(n, hint, ahead, _nothing)
+        self._reserved.add(reservation)
+        return reservation
+
+    def drop_reserved(self, reservation: "Reservation") -> None:
+        """A reservation that will not be handed out: it was never drawn (nothing counted)."""
+        self._reserved.discard(reservation)
+
     def take_ahead(self, reservation: "Reservation") -> Batch:
         """The reserved batch, handed out: counted as a draw now (its entries still held)."""
         self._reserved.discard(reservation)
@@ -962,3 +1015,7 @@ class SnapshotPriorities(Change):
         self.buffer._snapshot_queued = False
         self.buffer.ring.journal_updates -= self.covered
         self.buffer.counters["priority_snapshots"] += 1
+
+
+def _nothing() -> None:
+    """(a reservation whose taker checks `void` itself at its open)"""

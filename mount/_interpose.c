@@ -71,6 +71,16 @@
  *   through libfuse's custom io (fuse_session_custom_io, the same read and writev), whose
  *   writev adds the flag to the INIT reply when libfuse wanted it and the kernel offered it.
  *
+ * - FUSE passthrough (Linux 6.9; beyond libfuse 3.14, so done here): when the kernel offers
+ *   it, the INIT reply asks for it (FUSE_PASSTHROUGH in flags2, max_stack_depth 1), and an
+ *   open whose handle number carries PASSTHROUGH_FH (`passthrough(fh, id)`) is answered
+ *   FOPEN_PASSTHROUGH with the id of a backing file registered on the session's fd
+ *   (`backing_open`: FUSE_DEV_IOC_BACKING_OPEN, which needs CAP_SYS_ADMIN). The kernel
+ *   then reads that file for the handle itself, in the reader's thread, without a READ
+ *   request: a large batch file, written into a memfd, reads at tmpfs speed, and its pages
+ *   are not the FUSE inode's (which an open without keep_cache drops and read-ahead
+ *   allocates again for every batch).
+ *
  * Built against the same libfuse headers as pyfuse3 (pkg-config fuse3), so the bitfield
  * is where pyfuse3's libfuse expects it.
  */
@@ -89,10 +99,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <time.h>
 #include <unistd.h>
 
 #define NOFLUSH_FH (UINT64_C(1) << 63)
+#define PASSTHROUGH_FH (UINT64_C(1) << 61)  /* (FRONT_FH is bit 62) */
 
 #define XATTR_PREFIX "user.distorefs."  /* mount/nodes.py XATTR_PREFIX (test_page_cache reads both kinds) */
 
@@ -133,6 +145,23 @@ typedef void (*init_fn)(void *, struct fuse_conn_info *);
 #define OUT_HEADER_SIZE 16  /* struct fuse_out_header: len, error, unique */
 #define INIT_OUT_FLAGS_OFFSET 12  /* struct fuse_init_out: major, minor, max_readahead, flags */
 #define KERNEL_PARALLEL_DIROPS (UINT32_C(1) << 18)  /* FUSE_PARALLEL_DIROPS of linux/fuse.h */
+#define OPCODE_INIT 26
+#define KERNEL_WRITEBACK_CACHE (UINT32_C(1) << 16)
+#define KERNEL_INIT_EXT (UINT32_C(1) << 30)
+#define KERNEL_PASSTHROUGH2 (UINT32_C(1) << 5)  /* FUSE_PASSTHROUGH (bit 37), in flags2 */
+#define INIT_IN_FLAGS_OFFSET 12  /* struct fuse_init_in: major, minor, max_readahead, flags, flags2 */
+#define INIT_IN_FLAGS2_OFFSET 16
+#define INIT_OUT_FLAGS2_OFFSET 32  /* struct fuse_init_out (7.40): ..., flags2, max_stack_depth */
+#define INIT_OUT_STACK_DEPTH_OFFSET 36
+#define FOPEN_DIRECT_IO_BIT 1
+#define FOPEN_KEEP_CACHE_BIT 2
+#define FOPEN_NONSEEKABLE_BIT 4
+#define FOPEN_NOFLUSH_BIT 32
+#define FOPEN_PASSTHROUGH_BIT 128
+struct backing_map { int32_t fd; uint32_t flags; uint64_t padding; };  /* struct fuse_backing_map */
+#define DEV_IOC_BACKING_OPEN _IOW(229, 1, struct backing_map)
+#define DEV_IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
+#define PASSTHROUGH_MAX 64  /* passthrough opens Python answered whose reply is not sent yet */
 #define RELEASE_MAX 1024    /* handles whose RELEASE the front may answer, and answered ones not yet taken */
 #define HELD_MAX 64  /* inodes with held attributes, and handles with nothing at flush, at most */
 
@@ -152,6 +181,14 @@ static init_fn handler_init;  /* pyfuse3's */
    sends the reply), and whether the kernel was given parallel directory operations. */
 static uint32_t init_adds;
 static int parallel_dirops;
+static uint32_t kernel_init_flags2;  /* what the kernel's INIT offered (io_read) */
+static int passthrough_wanted = 1;   /* set_passthrough(False): the next session does not ask */
+static int passthrough_on;            /* the INIT reply asked for it */
+static int session_dev_fd = -1;       /* the session's /dev/fuse descriptor, for the backing ioctls */
+static pthread_mutex_t passthrough_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { uint64_t fh; int32_t id; } passthrough_ids[PASSTHROUGH_MAX];
+static unsigned passthrough_count;
+static unsigned long long passthrough_replies;
 static reply_attr_fn libfuse_reply_attr;
 static reply_entry_fn libfuse_reply_entry;
 static getxattr_fn handler_getxattr;  /* pyfuse3's */
@@ -468,14 +505,30 @@ static void ioctl_unsupported(fuse_req_t req, fuse_ino_t ino, unsigned int cmd, 
 static void init_wanting_parallel_dirops(void *userdata, struct fuse_conn_info *conn)
 {
     handler_init(userdata, conn);
+    uint32_t adds = 0;
     if ((conn->want & FUSE_CAP_PARALLEL_DIROPS) && (conn->capable & FUSE_CAP_PARALLEL_DIROPS))
-        __atomic_store_n(&init_adds, KERNEL_PARALLEL_DIROPS, __ATOMIC_RELEASE);
+        adds |= KERNEL_PARALLEL_DIROPS;
+    if (passthrough_wanted && (kernel_init_flags2 & KERNEL_PASSTHROUGH2) && !(conn->want & FUSE_CAP_WRITEBACK_CACHE))
+        adds |= KERNEL_INIT_EXT;  /* (stands for: and passthrough, in flags2) */
+    if (adds)
+        __atomic_store_n(&init_adds, adds, __ATOMIC_RELEASE);
 }
 
 static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
 {
     (void)userdata;
-    return read(fd, buf, len);
+    ssize_t n = read(fd, buf, len);
+    uint32_t opcode, flags;
+    if (n >= IN_HEADER_SIZE + INIT_IN_FLAGS2_OFFSET + 4) {  /* the kernel's INIT: what it offers */
+        memcpy(&opcode, (char *)buf + IN_OPCODE_OFFSET, sizeof(opcode));
+        if (opcode == OPCODE_INIT) {
+            memcpy(&flags, (char *)buf + IN_HEADER_SIZE + INIT_IN_FLAGS_OFFSET, sizeof(flags));
+            if (flags & KERNEL_INIT_EXT)
+                memcpy(&kernel_init_flags2, (char *)buf + IN_HEADER_SIZE + INIT_IN_FLAGS2_OFFSET,
+                       sizeof(kernel_init_flags2));
+        }
+    }
+    return n;
 }
 
 /* Every reply of the session; the INIT reply (the first, sent while init_adds is set) gains
@@ -493,12 +546,26 @@ static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
             uint32_t flags;
             memcpy(arg, iov[1].iov_base, iov[1].iov_len);
             memcpy(&flags, arg + INIT_OUT_FLAGS_OFFSET, sizeof(flags));
-            flags |= adds;
+            int passthrough = (adds & KERNEL_INIT_EXT) && iov[1].iov_len >= INIT_OUT_STACK_DEPTH_OFFSET + 4 &&
+                              !(flags & KERNEL_WRITEBACK_CACHE);
+            flags |= adds & ~KERNEL_INIT_EXT;
+            if (passthrough) {
+                uint32_t flags2, depth = 1;  /* backing files on a filesystem that stacks on none */
+                memcpy(&flags2, arg + INIT_OUT_FLAGS2_OFFSET, sizeof(flags2));
+                flags |= KERNEL_INIT_EXT;
+                flags2 |= KERNEL_PASSTHROUGH2;
+                memcpy(arg + INIT_OUT_FLAGS2_OFFSET, &flags2, sizeof(flags2));
+                memcpy(arg + INIT_OUT_STACK_DEPTH_OFFSET, &depth, sizeof(depth));
+            }
             memcpy(arg + INIT_OUT_FLAGS_OFFSET, &flags, sizeof(flags));
             struct iovec patched[2] = {iov[0], {arg, iov[1].iov_len}};
             ssize_t res = writev(fd, patched, 2);
             if (res >= 0 && (adds & KERNEL_PARALLEL_DIROPS))
                 __atomic_store_n(&parallel_dirops, 1, __ATOMIC_RELAXED);
+            if (res >= 0 && passthrough) {
+                __atomic_store_n(&session_dev_fd, fd, __ATOMIC_RELEASE);
+                __atomic_store_n(&passthrough_on, 1, __ATOMIC_RELEASE);
+            }
             return res;
         }
     }
@@ -852,6 +919,29 @@ int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi)
 {
     if (libfuse_reply_open == NULL)  /* not reached: the import below fails first */
         return fuse_reply_err(req, EIO);
+    if (fi->fh & PASSTHROUGH_FH) {  /* (with its backing id in passthrough_ids) */
+        uint64_t fh = fi->fh & ~(PASSTHROUGH_FH | NOFLUSH_FH);
+        int32_t id = 0;
+        pthread_mutex_lock(&passthrough_lock);
+        for (unsigned i = 0; i < passthrough_count; i++)
+            if (passthrough_ids[i].fh == fh) {
+                id = passthrough_ids[i].id;
+                passthrough_ids[i] = passthrough_ids[--passthrough_count];
+                break;
+            }
+        pthread_mutex_unlock(&passthrough_lock);
+        if (id > 0) {
+            struct { uint64_t fh; uint32_t open_flags; int32_t backing_id; } out = {
+                fh, FOPEN_PASSTHROUGH_BIT | (fi->direct_io ? FOPEN_DIRECT_IO_BIT : 0) |
+                    (fi->keep_cache ? FOPEN_KEEP_CACHE_BIT : 0) | (fi->nonseekable ? FOPEN_NONSEEKABLE_BIT : 0) |
+                    ((fi->fh & NOFLUSH_FH) || fi->noflush ? FOPEN_NOFLUSH_BIT : 0), id};
+            __atomic_add_fetch(&passthrough_replies, 1, __ATOMIC_RELAXED);
+            return fuse_reply_buf(req, (const char *)&out, sizeof(out));
+        }
+        struct fuse_file_info copy = *fi;  /* (not registered: a plain open) */
+        copy.fh = fh | (fi->fh & NOFLUSH_FH);
+        return fuse_reply_open(req, &copy);
+    }
     if (fi->fh & NOFLUSH_FH) {
         struct fuse_file_info copy = *fi;
         copy.fh &= ~NOFLUSH_FH;
@@ -1103,6 +1193,69 @@ static PyObject *flush_committed(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *passthrough_state(PyObject *self, PyObject *unused)
+{
+    return Py_BuildValue("(iK)", __atomic_load_n(&passthrough_on, __ATOMIC_ACQUIRE),
+                         __atomic_load_n(&passthrough_replies, __ATOMIC_RELAXED));
+}
+
+static PyObject *backing_open(PyObject *self, PyObject *arg)
+{
+    int fd = (int)PyLong_AsLong(arg), dev = __atomic_load_n(&session_dev_fd, __ATOMIC_ACQUIRE), id;
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (dev < 0 || !__atomic_load_n(&passthrough_on, __ATOMIC_ACQUIRE)) {
+        errno = EOPNOTSUPP;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    struct backing_map map = {fd, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    id = ioctl(dev, DEV_IOC_BACKING_OPEN, &map);
+    Py_END_ALLOW_THREADS
+    if (id < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(id);
+}
+
+static PyObject *backing_close(PyObject *self, PyObject *arg)
+{
+    long value = PyLong_AsLong(arg);
+    int dev = __atomic_load_n(&session_dev_fd, __ATOMIC_ACQUIRE), res = 0;
+    if (value == -1 && PyErr_Occurred())
+        return NULL;
+    uint32_t id = (uint32_t)value;
+    if (dev >= 0) {
+        Py_BEGIN_ALLOW_THREADS
+        res = ioctl(dev, DEV_IOC_BACKING_CLOSE, &id);
+        Py_END_ALLOW_THREADS
+    }
+    if (res < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyObject *passthrough_fh(PyObject *self, PyObject *args)
+{
+    unsigned long long fh;
+    int id, done = 0;
+    if (!PyArg_ParseTuple(args, "Ki", &fh, &id))
+        return NULL;
+    pthread_mutex_lock(&passthrough_lock);
+    if (passthrough_count < PASSTHROUGH_MAX && id > 0) {
+        passthrough_ids[passthrough_count++].fh = fh & ~(PASSTHROUGH_FH | NOFLUSH_FH);
+        passthrough_ids[passthrough_count - 1].id = id;
+        done = 1;
+    }
+    pthread_mutex_unlock(&passthrough_lock);
+    return PyLong_FromUnsignedLongLong(done ? fh | PASSTHROUGH_FH : fh);
+}
+
+static PyObject *set_passthrough(PyObject *self, PyObject *on)
+{
+    passthrough_wanted = PyObject_IsTrue(on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *front_answers(PyObject *self, PyObject *unused)
 {
     pthread_mutex_lock(&held_lock);
@@ -1192,6 +1345,16 @@ static PyMethodDef methods[] = {
     {"release_free", set_release_free, METH_O,
      "fh: the front answers handle fh's RELEASE itself and keeps its number for take_released (False: no room)."},
     {"take_released", take_released, METH_NOARGS, "The handles whose RELEASE the front answered since the last call."},
+    {"passthrough", passthrough_state, METH_NOARGS,
+     "(whether the INIT reply asked the kernel for FUSE passthrough, opens answered FOPEN_PASSTHROUGH so far)."},
+    {"backing_open", backing_open, METH_O,
+     "fd: register an open file as a backing file on the session (FUSE_DEV_IOC_BACKING_OPEN); its id."},
+    {"backing_close", backing_close, METH_O, "id: unregister a backing file (its opens keep it)."},
+    {"passthrough_fh", passthrough_fh, METH_VARARGS,
+     "(fh, id): the handle number to return from open() for it to be answered FOPEN_PASSTHROUGH with backing "
+     "file id (unchanged when the table is full)."},
+    {"use_passthrough", set_passthrough, METH_O,
+     "Whether the next session asks the kernel for FUSE passthrough when it offers it (default: yes)."},
     {"answer_foreign_xattrs", set_answer_foreign_xattrs, METH_O,
      "Whether sessions made from now on answer GETXATTR of foreign names here (default: yes)."},
     {NULL, NULL, 0, NULL},

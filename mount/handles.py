@@ -20,7 +20,7 @@ from distorefs.names import unescape_key
 from distorefs.ratelimit import InsertTicket
 from distorefs.waiting import Outcome
 
-from . import interpose
+from . import backing, interpose
 
 if TYPE_CHECKING:
     from .nodes import EntryNode, Node
@@ -37,6 +37,7 @@ class Handle:
     release_deferred = False
     node: Node | None = None  # the node opened (mount/operations.py sets it if the handle did not)
     fh: int | None = None  # its number (mount/operations.py sets it)
+    backing_id = 0  # a file the kernel reads for this handle itself (FUSE passthrough); 0: none
 
     def nothing_at_flush(self) -> bool:
         """(flush_tracked handles) Whether flush() would do nothing now."""
@@ -88,12 +89,28 @@ class SampleReader(Handle):
         self.batch = batch
         self.content = content
         self.size = content.size
+        self.memfd: backing.Memfd | None = None  # holding its file, when the kernel reads that (`back`)
 
     async def read(self, off: int, size: int):
         return self.content.read(off, size, SampleReader.scratch)
 
+    def back(self, memfd: backing.Memfd, backing_id: int) -> None:
+        """The kernel reads this handle's file from `memfd`, registered as `backing_id`
+        (mount/backing.py): both are the handle's until its release."""
+        self.memfd, self.backing_id = memfd, backing_id
+
     async def release(self) -> None:
         self.buffer.release(self.batch)
+        if self.backing_id:
+            backing.unregister(self.backing_id)
+            self.backing_id = 0
+        if self.memfd is not None:
+            memfd, self.memfd = self.memfd, None
+            recycle = getattr(self.node, "recycle_memfd", None)
+            if recycle is not None:
+                recycle(memfd)
+            else:
+                memfd.close()
 
 
 class ClientHandle(Handle):

@@ -23,6 +23,9 @@
   way until the committer's thread says they are done (`flush_pending`,
   `flush_committed`). DISTOREFS_FRONT=0 in the daemon's environment
   leaves the reading to pyfuse3, as before (for comparisons).
+- FUSE passthrough (`passthrough`, `backing_open`, `passthrough_fh`): where the kernel
+  offers it, an open can hand the kernel a file of the daemon's to read for the handle
+  itself (a large batch file, written into a memfd). DISTOREFS_PASSTHROUGH=0 leaves it off.
 
 The library defines those libfuse functions and forwards to libfuse's own; loaded into the
 global symbol scope before pyfuse3, its definitions are the ones pyfuse3's calls bind to.
@@ -32,6 +35,7 @@ imported first, `noflush` returns the handle unchanged and closes send FLUSH, as
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -60,6 +64,8 @@ _library, why_not = _load()
 active: bool = _library is not None
 if _library is not None and os.environ.get("DISTOREFS_FRONT", "1") == "0":
     _library.use_front(False)
+if _library is not None and os.environ.get("DISTOREFS_PASSTHROUGH", "1") == "0":
+    _library.use_passthrough(False)
 _MARK = _library.NOFLUSH_FH if _library is not None else 0
 
 
@@ -171,6 +177,47 @@ def release_free(fh: int) -> None:
     its RELEASE and keeps the number for `take_released`."""
     if _library is not None:
         _library.release_free(fh)
+
+
+_passthrough_refused = False
+
+
+def passthrough() -> bool:
+    """Whether opens may be answered FOPEN_PASSTHROUGH: the kernel was asked for FUSE
+    passthrough at INIT (it offered it) and no backing file was refused since."""
+    return _library is not None and not _passthrough_refused and bool(_library.passthrough()[0])
+
+
+def stop_passthrough() -> None:
+    """A backing file was refused (the daemon lacks CAP_SYS_ADMIN, say): not tried again."""
+    global _passthrough_refused
+    _passthrough_refused = True
+
+
+def passthrough_replies() -> int:
+    """Opens answered FOPEN_PASSTHROUGH so far."""
+    return int(_library.passthrough()[1]) if _library is not None else 0
+
+
+def backing_open(fd: int) -> int:
+    """Register the open file `fd` as a backing file on the session; its id (OSError:
+    no passthrough, or the daemon lacks CAP_SYS_ADMIN)."""
+    if _library is None:
+        raise OSError(errno.EOPNOTSUPP, "no libfuse library of distorefs' own")
+    return int(_library.backing_open(fd))
+
+
+def backing_close(backing_id: int) -> None:
+    """Unregister a backing file: opens that use it keep it until they close."""
+    if _library is not None:
+        _library.backing_close(backing_id)
+
+
+def passthrough_fh(fh: int, backing_id: int) -> int:
+    """The handle number to return from open() for the kernel to read the handle from
+    backing file `backing_id` itself (FOPEN_PASSTHROUGH); `fh` unchanged when that cannot
+    be asked (no library, no room: the open is a plain one)."""
+    return int(_library.passthrough_fh(fh, backing_id)) if _library is not None else fh
 
 
 def take_released() -> tuple[int, ...]:

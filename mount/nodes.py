@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import os
 import stat
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, Iterator
 
 import pyfuse3
+import trio
 
 from distorefs import __version__
 from distorefs.batch import BatchFile, Blob
@@ -28,7 +30,7 @@ from distorefs.names import check_name
 from distorefs.owner import Owner
 from distorefs.ratelimit import InsertTicket
 
-from . import interpose
+from . import backing, interpose
 from .callers import abandoned_by, process_of
 from .handles import (BytesReader, ClientHandle, ConfigWriter, EntryWriter, Handle, PrioritiesWriter,
                       SampleReader, wants_read, wants_write)
@@ -38,8 +40,12 @@ if TYPE_CHECKING:
     from .operations import Filesystem
 
 XATTR_PREFIX = b"user.distorefs."
+log = logging.getLogger(__name__)
+
 DIR_LONG = 3600.0
 NO_CACHE = 0.0
+PASSTHROUGH_MIN = 1 << 20  # a batch file at least this large is read by the kernel from a memfd (passthrough)
+LARGE_STREAMS = 64  # processes' streams of large batch files a batch directory keeps (the oldest goes)
 
 
 def make_attrs(ino: int, mode: int, size: int, uid: int, gid: int, mtime_ns: int,
@@ -462,6 +468,7 @@ class DrawDir(Node):
         self._spare = itertools.count(1)
         self._last_asker: dict[int, int] = {}  # N -> the process that looked it up last
         self._contended_until: dict[int, float] = {}  # N -> monotonic time
+        self._large: dict[tuple[int, int], backing.LargeBatches] = {}  # (N, pid) -> its stream
 
     def name_timeout(self, child: Node) -> float | None:
         n = getattr(child, "n", None)
@@ -491,11 +498,27 @@ class DrawDir(Node):
         pid = ctx.pid if ctx is not None else 0
         self._note_asker(n, pid)
         node = self.fs.inodes.intern((kind, self.buf.ns_id, n, pid),
-                                     lambda: DrawFile(self.fs, self.buf, n, self.npz, pid))
+                                     lambda: DrawFile(self.fs, self.buf, n, self.npz, pid, self))
         if node.open_handles:  # its batch is still being read: this open gets an inode of its own
             node = self.fs.inodes.intern((kind, self.buf.ns_id, n, pid, next(self._spare)),
-                                         lambda: DrawFile(self.fs, self.buf, n, self.npz, pid))
+                                         lambda: DrawFile(self.fs, self.buf, n, self.npz, pid, self))
         return node
+
+    def large_batches(self, n: int, pid: int) -> "backing.LargeBatches":
+        """Process `pid`'s stream of large batch files of `n` (every inode of the
+        process's for the name shares it: a lookup that comes before the RELEASE of its
+        last batch gets a spare inode)."""
+        large = self._large.get((n, pid))
+        if large is None:
+            assert self.fs.pusher is not None  # (DrawFile.large_batches asks only with one)
+            # (not when its inodes are forgotten: the kernel forgets a process's inode as
+            # soon as a lookup gave it a spare one, and the stream is the process's)
+            for key in [k for k in self._large if not os.path.exists(f"/proc/{k[1]}")]:
+                self._large.pop(key).close()  # the process is gone
+            large = self._large[(n, pid)] = backing.LargeBatches(self.buf, n, self.fs.pusher)
+            while len(self._large) > LARGE_STREAMS:  # the oldest process's goes
+                self._large.pop(next(iter(self._large))).close()
+        return large
 
 
 class DrawFile(Node):
@@ -519,12 +542,14 @@ class DrawFile(Node):
     a learner's loop then sends Python no request for its batches. Python counts the draw
     and makes the handle when it takes the front's notes (`opened_by_front`)."""
 
-    def __init__(self, fs: "Filesystem", buf: Buffer, n: int, npz: bool, pid: int = 0) -> None:
+    def __init__(self, fs: "Filesystem", buf: Buffer, n: int, npz: bool, pid: int = 0,
+                 directory: "DrawDir | None" = None) -> None:
         super().__init__(fs)
         self.buf = buf
         self.n = n
         self.npz = npz
         self.pid = pid
+        self.directory = directory
         self.size = 0  # of the batch opened last
         self.kernel_size: int | None = None  # the size in this inode's last attributes reply
         self.ahead: Reservation | None = None  # the batch in the page cache for the front's next open
@@ -548,6 +573,18 @@ class DrawFile(Node):
             interpose.forget_attributes(self.ino)  # the front answers no open of it now: this one is ours
             if not reservation.void:  # what the page cache holds already
                 return self._hand_out(reservation)
+        # (the stream of a process whose batches of this size were large: `size`, the last's)
+        large = self.large_batches() if self.size >= PASSTHROUGH_MIN else None
+        ready = await large.take() if large is not None else None
+        if large is not None and ready is not None:  # the next large batch, written ahead into a memfd
+            reservation, memfd, backing_id = ready
+            handle = SampleReader(self.buf, self.buf.take_ahead(reservation), reservation.file)
+            handle.back(memfd, backing_id)
+            self.size = handle.size
+            if self.size != self.kernel_size:
+                drop_attributes(self.ino)
+            large.prepare_soon(self.buf.spawn)
+            return handle
         nonblocking = bool(flags & os.O_NONBLOCK)
         abandoned = abandoned_by(ctx.pid)  # the wait for min_size_to_sample ends if the caller does
         if self.npz:
@@ -564,9 +601,33 @@ class DrawFile(Node):
             # only if the size the kernel learns next is the one it has (it drops them all
             # on a size change, and the READs then come as before).
             handle.keep_cache = pusher.store_at_open(self.ino, content.read(0, content.size, SampleReader.scratch))
+        elif content.size >= PASSTHROUGH_MIN and (large := self.large_batches()) is not None:
+            # A large batch file (a learner's batch of frames): the kernel reads it from a
+            # memfd itself, not through this inode's page cache, which an open drops and
+            # read-ahead fills again page by page for every batch (READs from Python); and
+            # the next batch is written into another memfd while this one is read.
+            written = await large.write(content)
+            if written is not None:
+                handle.back(*written)
+            large.prepare_soon(self.buf.spawn)
         if content.size != self.kernel_size:
             drop_attributes(self.ino)  # while this OPEN is pending: the next stat or seek asks for the new batch's size
         return handle
+
+    def large_batches(self) -> "backing.LargeBatches | None":
+        """This process's stream of large batch files of this size (None: passthrough
+        off, or not a batch/N.npz)."""
+        if not self.npz or self.directory is None or self.fs.pusher is None or not interpose.passthrough():
+            return None
+        return self.directory.large_batches(self.n, self.pid)
+
+    def recycle_memfd(self, memfd: "backing.Memfd") -> None:
+        """(SampleReader.release) The memfd of a batch read on this inode."""
+        large = self.large_batches()
+        if large is not None:
+            large.recycle(memfd)
+        else:
+            memfd.close()
 
     def released(self, handle: Handle) -> None:
         if self.npz and not self.open_handles and isinstance(handle, SampleReader):

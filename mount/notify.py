@@ -115,6 +115,19 @@ class PageCachePusher(_Sender):
         self._put(pyfuse3.notify_store, ino, 0, data, done=functools.partial(self._pushed, len(data), done), then=then)
         return True
 
+    def take_bytes(self, n: int) -> bool:
+        """Count `n` bytes held for the kernel elsewhere (a batch file's memfd,
+        mount/backing.py) against `max_bytes`; False (nothing counted) past it."""
+        with self._lock:
+            if self.queued_bytes + n > self.max_bytes:
+                return False
+            self.queued_bytes += n
+            return True
+
+    def give_bytes(self, n: int) -> None:
+        with self._lock:
+            self.queued_bytes -= n
+
     def _pushed(self, n: int, done: Callable[[], None] | None) -> None:
         with self._lock:
             self.queued_bytes -= n

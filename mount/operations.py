@@ -21,7 +21,7 @@ import trio
 
 from distorefs.errors import DistorefsError, NotFound, OperationNotPermitted, Stale
 
-from . import interpose
+from . import backing, interpose
 from .badinput import BAD_INPUT, bad_input_log
 from distorefs.ring import Ring
 from distorefs.catalog import EntryMeta
@@ -139,6 +139,8 @@ class Filesystem(pyfuse3.Operations):
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),
                       "foreign_xattrs_answered": foreign, "front": front, "front_passed": passed,
                       "front_tables": interpose.front_tables(), "parallel_dirops": interpose.parallel_dirops(),
+                      "passthrough": interpose.passthrough(), "passthrough_opens": interpose.passthrough_replies(),
+                      "memfds_made": backing.made,
                       "names_listed": self.names.listed if self.names else 0,
                       "gc": self.collector.stats() if self.collector is not None else None}
         if self.pusher is not None:
@@ -217,7 +219,10 @@ class Filesystem(pyfuse3.Operations):
         self._adopt(fh, node, handle)
         if noflush or handle.release_deferred:  # the library answers its RELEASE; we release it later
             interpose.release_free(fh)
-        return pyfuse3.FileInfo(fh=interpose.noflush(fh) if noflush else fh, direct_io=handle.direct_io,
+        number = interpose.noflush(fh) if noflush else fh
+        if handle.backing_id:  # the kernel reads its file itself (FUSE passthrough)
+            number = interpose.passthrough_fh(number, handle.backing_id)
+        return pyfuse3.FileInfo(fh=number, direct_io=handle.direct_io,
                                 keep_cache=handle.keep_cache, nonseekable=handle.nonseekable)
 
     def _adopt(self, fh: int, node: Node, handle: Handle) -> None:
@@ -246,6 +251,9 @@ class Filesystem(pyfuse3.Operations):
 
     @_translate
     async def lookup(self, parent_inode, name, ctx=None):
+        # Handles the front released first: a batch file's process that closed one and
+        # looks the name up again gets its own inode back, not a spare (DrawDir).
+        await self.release_taken()
         parent = self.inodes.get(parent_inode)
         if name == b".":
             return self._entry(parent)
@@ -375,6 +383,7 @@ class Filesystem(pyfuse3.Operations):
 
     @_translate
     async def open(self, inode, flags, ctx):
+        await self.release_taken()  # (likewise: DrawFile.open refuses an inode with a batch open)
         node = self.inodes.get(inode)
         handle = await node.open(flags, ctx)
         # A read-only open whose handle does nothing at flush needs no FLUSH request at

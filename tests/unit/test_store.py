@@ -304,6 +304,44 @@ def test_a_batch_set_aside_is_counted_when_taken_and_void_when_an_entry_of_it_go
     run(tmp_path / "s", body)
 
 
+def test_a_large_batch_reserved_ahead_is_counted_when_taken_and_void_when_an_entry_of_it_goes(tmp_path):
+    """Buffer.reserve_large: the next batch of a size too large to be built while queued,
+    drawn ahead and its file described (the mount writes it into a memfd for the next
+    open). Nothing is counted until it is taken; removing an entry it holds makes it void;
+    fifo and a rate limiter reserve nothing."""
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"sampler": "uniform"}')
+        for i in range(3):
+            await buf.insert(b"e%d" % i, npy(i, (300, 300)), OWNER)
+        await buf.sample_npz(32)  # 32 x 360 KB: a batch/32.npz was opened, none built while queued
+        await trio.sleep(0.05)
+        assert buf.reserve_ahead(32, lambda: None) is None  # too large for the small way
+        counted = buf.counters["batches"], int(buf.sampler.times.sum())
+        reservation = await buf.reserve_large(32)
+        assert reservation is not None and not reservation.void
+        assert (buf.counters["batches"], int(buf.sampler.times.sum())) == counted
+        z = np.load(io.BytesIO(bytes(reservation.file.read(0, reservation.file.size))))
+        assert [int(v) for v in z["data"][:, 0, 0]] == [int(m.key[1:]) for m in reservation.ahead.batch.metas]
+        batch = buf.take_ahead(reservation)
+        assert buf.counters["batches"] == counted[0] + 1
+        assert int(buf.sampler.times.sum()) == counted[1] + 32
+        assert len(batch.metas) == 32
+
+        second = await buf.reserve_large(32)
+        assert second is not None
+        await buf.ring.delete(b"e1")
+        assert second.void
+        buf.drop_reserved(second)
+
+        await store.configure_buffer("rb", b'{"sampler": "fifo"}')
+        assert await buf.reserve_large(32) is None
+        await store.configure_buffer("rb", b'{"sampler": "uniform", "samples_per_insert": 4, "error_buffer": 1000, '
+                                           b'"min_size_to_sample": 1}')
+        assert await buf.reserve_large(32) is None  # a draw may have to wait: through sample_npz
+    run(tmp_path / "s", body)
+
+
 def test_dead_segments_are_collected(tmp_path):
     async def body(store):
         buf = await store.create_buffer("rb", DIR)
