@@ -21,6 +21,7 @@ import errno
 import functools
 import logging
 import os
+from collections import deque
 
 import trio
 
@@ -115,22 +116,24 @@ def _ignore(_outcome) -> None:
     """(the outcome of a thread nobody waits for)"""
 
 
+AHEAD = 2  # batches a process's stream keeps written ahead of its opens
 SPARE_MEMFDS = 1  # memfds a process's stream keeps for its next batches
 PREPARE_WAIT_S = 1.0  # an open waits this long at most for its batch being written ahead (then draws its own)
 
 
 class LargeBatches:
     """The large batch files of one batch size that one process draws (every inode the
-    mount gives that process for the name: DrawDir): the next batch, drawn ahead
-    (Buffer.reserve_large, counted only when an open takes it), written into a memfd and
-    registered while the process reads the one before; and the memfds of batches read,
-    kept to be written over."""
+    mount gives that process for the name: DrawDir): the next AHEAD batches, drawn ahead
+    (Buffer.reserve_large, counted only when an open takes one), written into memfds and
+    registered while the process reads the one before (two: a batch that took longer to
+    write than its reader took to read the last one does not make the next open wait);
+    and the memfds of batches read, kept to be written over."""
 
     def __init__(self, buf: Buffer, n: int, share: PageCachePusher) -> None:
         self.buf = buf
         self.n = n
         self.share = share
-        self.ready: tuple[Reservation, Memfd, int] | None = None  # (reservation, memfd, backing id)
+        self.ready: deque[tuple[Reservation, Memfd, int]] = deque()  # (reservation, memfd, backing id)
         self.preparing: trio.Event | None = None
         self.spare: list[Memfd] = []
         self.closed = False
@@ -138,19 +141,18 @@ class LargeBatches:
     async def take(self) -> tuple[Reservation, Memfd, int] | None:
         """The batch written ahead for this open (waiting a little for one under way), if
         it still is what a draw would give; None: the open draws (and writes) its own."""
-        if self.preparing is not None:
+        if not self.ready and self.preparing is not None:
             with trio.move_on_after(PREPARE_WAIT_S):
                 await self.preparing.wait()
-        ready, self.ready = self.ready, None
-        if ready is None:
-            return None
-        reservation, memfd, backing_id = ready
-        if reservation.void or not reservation.ahead.current(self.buf):
+        while self.ready:
+            ready = self.ready.popleft()
+            reservation, memfd, backing_id = ready
+            if not reservation.void and reservation.ahead.current(self.buf):
+                return ready
             self.buf.drop_reserved(reservation)
             unregister(backing_id)
             self.recycle(memfd)
-            return None
-        return ready
+        return None
 
     async def write(self, content: BatchFile) -> tuple[Memfd, int] | None:
         """`content` in a memfd (a spare one if there is one), registered: (memfd, backing
@@ -172,33 +174,37 @@ class LargeBatches:
             return None
 
     def prepare_soon(self, spawn) -> None:
-        """Draw and write the next batch in the background (`spawn`: the store's nursery),
-        for the process's next open: it reads the one just opened meanwhile."""
-        if self.preparing is None and self.ready is None and not self.closed:
+        """Draw and write the next batches in the background (`spawn`: the store's
+        nursery), for the process's next opens: it reads the one just opened meanwhile."""
+        if self.preparing is None and len(self.ready) < AHEAD and not self.closed:
             self.preparing = trio.Event()
             spawn(self._prepare)
 
     async def _prepare(self) -> None:
-        done, reservation = self.preparing, None
+        reservation = None
         try:
-            reservation = await self.buf.reserve_large(self.n)
-            if reservation is None:
-                return
-            written = await self.write(reservation.file)
-            if written is None:
-                return
-            if self.closed:
-                unregister(written[1])
-                written[0].close()
-                return
-            self.ready = (reservation, *written)
-            reservation = None
+            while len(self.ready) < AHEAD and not self.closed:
+                reservation = await self.buf.reserve_large(self.n)
+                if reservation is None:
+                    return
+                written = await self.write(reservation.file)
+                if written is None:
+                    return
+                if self.closed:
+                    unregister(written[1])
+                    written[0].close()
+                    return
+                self.ready.append((reservation, *written))
+                reservation = None
+                done, self.preparing = self.preparing, trio.Event()  # an open waiting takes this one
+                if done is not None:
+                    done.set()
         except Exception as exc:  # made ahead or not, an open still gets its batch
             log.info("batch/%d.npz not made ahead: %s", self.n, exc)
         finally:
             if reservation is not None:
                 self.buf.drop_reserved(reservation)
-            self.preparing = None
+            done, self.preparing = self.preparing, None
             if done is not None:
                 done.set()
 
@@ -215,9 +221,8 @@ class LargeBatches:
         for memfd in self.spare:
             memfd.close()
         self.spare.clear()
-        ready, self.ready = self.ready, None
-        if ready is not None:
-            reservation, memfd, backing_id = ready
+        while self.ready:
+            reservation, memfd, backing_id = self.ready.popleft()
             self.buf.drop_reserved(reservation)
             unregister(backing_id)
             memfd.close()

@@ -557,6 +557,11 @@ class DrawFile(Node):
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         o = self.buf.owner
         self.kernel_size = self.size  # every caller replies with them (LOOKUP, GETATTR)
+        if self.size >= PASSTHROUGH_MIN:
+            # The kernel asks for them after every read of a passed-through file (the reads
+            # mark its atime stale) and the reader's fstat waits: the library's front answers,
+            # until a batch of another size drops them (_new_size).
+            interpose.hold_attributes(self.ino)
         # Cached until an open of another size drops them (below): np.load's stat and seeks
         # cost one GETATTR per batch at most, not one each.
         return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o444), self.size, o.uid, o.gid, self.buf.ctime_ns,
@@ -580,9 +585,7 @@ class DrawFile(Node):
             reservation, memfd, backing_id = ready
             handle = SampleReader(self.buf, self.buf.take_ahead(reservation), reservation.file)
             handle.back(memfd, backing_id)
-            self.size = handle.size
-            if self.size != self.kernel_size:
-                drop_attributes(self.ino)
+            self._new_size(handle.size)
             large.prepare_soon(self.buf.spawn)
             return handle
         nonblocking = bool(flags & os.O_NONBLOCK)
@@ -610,9 +613,17 @@ class DrawFile(Node):
             if written is not None:
                 handle.back(*written)
             large.prepare_soon(self.buf.spawn)
-        if content.size != self.kernel_size:
-            drop_attributes(self.ino)  # while this OPEN is pending: the next stat or seek asks for the new batch's size
+        self._new_size(content.size)
         return handle
+
+    def _new_size(self, size: int) -> None:
+        """The batch opened now is `size` bytes: if the kernel holds another size, it is
+        made to ask again (while this OPEN is pending: the next stat or seek asks), and the
+        front forgets the attributes it answered with."""
+        self.size = size
+        if size != self.kernel_size:
+            interpose.forget_attributes(self.ino)
+            drop_attributes(self.ino)
 
     def large_batches(self) -> "backing.LargeBatches | None":
         """This process's stream of large batch files of this size (None: passthrough

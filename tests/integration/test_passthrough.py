@@ -66,6 +66,22 @@ def test_large_batches_are_read_from_memfds_each_a_new_draw(fs, buf):
     assert get_stats(buf)["batches"] - batches == 12  # the one written ahead now is not counted
 
 
+def test_a_large_batch_sends_python_its_open_alone(fs, buf):
+    """The kernel asks for a passed-through file's attributes after its reads (they mark
+    its atime stale), and np.load's fstat waits for them: the library's front answers them
+    (and the IOCTL, the RELEASE); Python sees the OPEN of each batch only."""
+    passthrough_or_skip(fs)
+    fill(buf, 30)
+    load(buf, 8)
+    time.sleep(0.2)
+
+    def passed(fn) -> int:
+        before = mount_stats(fs)["front_passed"]
+        fn()
+        return mount_stats(fs)["front_passed"] - before
+    assert passed(lambda: [load(buf, 8) for _ in range(10)]) - passed(lambda: None) <= 12
+
+
 def test_a_rewrite_after_the_next_batch_was_written_ahead_is_seen(fs, buf):
     """The batch written ahead holds an entry rewritten since: it is not handed out, and the
     open draws again, with the new contents."""
