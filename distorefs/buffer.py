@@ -563,8 +563,7 @@ class Buffer(RingNamespace):
         if self.layout is not layout or self.config is not config or not (ring.slot_seq[slots] == seqs).all():
             return None
         self.rows.fill(metas, values)
-        probs, weights = self.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
-        batch = Batch(metas, probs, weights, [], self.places.take(slots), None)  # type: ignore[arg-type]
+        batch = BuiltAhead.drawn(self, slots, None)
         batch.file = await trio.to_thread.run_sync(batch_file, batch, values, layout)
         ahead = BuiltAhead(batch, slots, config, layout)
         if not ahead.current(self):
@@ -902,12 +901,17 @@ class BuiltAhead:
         rows = buf.rows.of(slots)
         if rows is None or rows.nbytes > BuiltAhead.MAX_BYTES:
             return None
-        ring = buf.ring
-        probs, weights = buf.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
-        batch = Batch([ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
-                      [], buf.places.take(slots), rows)
+        batch = BuiltAhead.drawn(buf, slots, rows)
         batch.file = batch_file(batch, None, layout)
         return BuiltAhead(batch, slots, config, layout)
+
+    @staticmethod
+    def drawn(buf: "Buffer", slots: np.ndarray, rows: np.ndarray | None) -> Batch:
+        """The batch of `slots`, drawn ahead and not counted: its probabilities and weights
+        are those of the distribution it is drawn from now."""
+        probs, weights = buf.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
+        return Batch([buf.ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
+                     [], buf.places.take(slots), rows)
 
     def current(self, buf: "Buffer") -> bool:
         if buf.config is not self.config or buf.layout is not self.layout:
