@@ -34,7 +34,7 @@ import numpy as np
 import trio
 
 from .batch import Batch, BatchFile, SequenceBatch, batch_file
-from . import priojournal
+from . import priojournal, priowal
 from .catalog import DB_SAMPLED, EntryMeta, entry_key, pack_u32
 from .committer import Change, Overlay
 from .config import MAX_PRIORITY, BufferConfig, RingConfig, check_priority, priority_text
@@ -44,7 +44,7 @@ from .namespace import update_record
 from .names import escape_key
 from .owner import Owner
 from .ring import RemoveEntry, RingNamespace, SpooledEntry
-from .waiting import Abandoned, wait_event
+from .waiting import Abandoned, Outcome, wait_event
 from .prefetcher import Prefetcher
 from .removers import LowestPriority, Remover, ring_remover
 from .ratelimit import InsertTicket, Ratio, RateLimiter, SampleClaim
@@ -91,6 +91,7 @@ class Buffer(RingNamespace):
         self._changed = trio.Event()
         self._waiting = 0  # tasks waiting for min_size_to_sample
         self._priorities_queued = 0  # SetPriorities queued and not yet applied (or failed)
+        self._priorities_last: Outcome | None = None  # the SetPriorities queued last
         self._snapshot_queued = False  # a SnapshotPriorities queued and not yet applied (or failed)
         self.counters = {"batches": 0, "sampled_entries": 0, "presampled_used": 0, "built_ahead_used": 0,
                          "priority_updates": 0, "priority_unknown_keys": 0, "exhausted": 0,
@@ -666,9 +667,11 @@ class Buffer(RingNamespace):
             await pending.wait()
         return count
 
-    def queue_priorities(self, pairs: list[tuple[bytes, float]], strict: bool = False):
+    def queue_priorities(self, pairs: list[tuple[bytes, float]], strict: bool = False, wal_number: int = 0):
         """Check the priorities now (InvalidArgument, NotFound if `strict`) and queue their
-        commit: (something to `await .wait()` on, or None when no key is known; how many)."""
+        commit: (something to `await .wait()` on, or None when no key is known; how many).
+        `wal_number`: they are that record of the priority write-ahead file
+        (distorefs/priowal.py), whose commit notes it (queued even with no key known)."""
         if pairs:
             _check_priorities([k for k, _ in pairs], np.fromiter((v for _, v in pairs), dtype=np.float64,
                                                                    count=len(pairs)))
@@ -682,7 +685,7 @@ class Buffer(RingNamespace):
                 continue
             metas.append(meta)
             values.append(value)
-        return self._queue_priorities(metas, values)
+        return self._queue_priorities(metas, values, wal_number)
 
     def queue_priorities_of(self, seqs: np.ndarray, given: np.ndarray):
         """`queue_priorities` of the entries named by sequence number (those not there any
@@ -699,15 +702,16 @@ class Buffer(RingNamespace):
                 values.append(value)
         return self._queue_priorities(metas, values)
 
-    def _queue_priorities(self, metas: list[EntryMeta], values: list[float]):
-        if not metas:
+    def _queue_priorities(self, metas: list[EntryMeta], values: list[float], wal_number: int = 0):
+        if not metas and not wal_number:
             return None, 0
         shared = self.ring.shared
         if shared is not None:
             pairs = [(m.key, v) for m, v in zip(metas, values)]
             return shared.publish_soon(shared.log.priorities, self.kind, self.name, pairs), len(metas)
         self._priorities_queued += 1
-        return self.committer.enqueue(SetPriorities(self, metas, values)), len(metas)
+        pending = self._priorities_last = self.committer.enqueue(SetPriorities(self, metas, values, wal_number))
+        return pending, len(metas)
 
     async def set_times_sampled(self, key: bytes, times: int) -> None:
         """Set an entry's times-sampled count (restoring a buffer: `distorefs import`).
@@ -725,11 +729,15 @@ class Buffer(RingNamespace):
         await self.committer.submit(SetTimesSampled(self, meta, times))
 
     async def settled(self) -> None:
-        """Wait until priorities already committed are applied here too: a `priorities`
-        close may be answered as its transaction commits, a moment before it is applied
-        (mount/handles.py PrioritiesWriter). Draws, the `priorities` file and the priority
-        xattr look at the sampler after this."""
+        """Wait until the priorities queued so far are applied here: a `priorities` close
+        may be answered as its transaction commits, a moment before it is applied
+        (mount/handles.py PrioritiesWriter), or once the mount's front wrote it ahead, before
+        it is committed (distorefs/priowal.py). Draws, the `priorities` file and the
+        priority xattr look at the sampler after this."""
         if self._priorities_queued:
+            last = self._priorities_last
+            if last is not None:  # applied in the order queued: the last one applied, all are
+                await last.done.wait()
             await self.committer.settle()
 
     async def priorities_text(self) -> bytes:
@@ -945,8 +953,9 @@ class SetPriorities(Change):
     The entries are held as arrays (seq, slot, priority): whether each is still there is one
     comparison with the ring's slot table, at plan and again at apply, not a lookup apiece."""
 
-    def __init__(self, buffer: Buffer, metas: list[EntryMeta], values: list[float]) -> None:
+    def __init__(self, buffer: Buffer, metas: list[EntryMeta], values: list[float], wal_number: int = 0) -> None:
         self.buffer = buffer
+        self.wal_number = wal_number  # the priority write-ahead file's record these are (0: none)
         self.count = n = len(metas)
         self.named = (np.fromiter((m.seq for m in metas), dtype=np.int64, count=n),
                       np.fromiter((m.slot for m in metas), dtype=np.int64, count=n),
@@ -970,6 +979,8 @@ class SetPriorities(Change):
     def txn(self, txn) -> None:
         if len(self.seqs):
             priojournal.put_record(txn, self.buffer.ns_id, self.number, self.seqs.astype(np.uint64), self.values)
+        if self.wal_number:  # (records are queued in their order, so this only grows)
+            priowal.put_applied(txn, self.wal_number)
 
     def failed(self) -> None:
         self.buffer._priorities_queued -= 1

@@ -14,6 +14,7 @@ points at non-durable data.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -48,11 +49,13 @@ from .errors import AlreadyExists, DistorefsError, InvalidConfig, NoSpace, NotEm
 from .lockfile import take_lock
 from .memory import MemoryPlan
 from .migrate import migrate, stored_format
-from .names import check_namespace_name
+from .names import check_namespace_name, parse_priorities
 from .namespace import ConfigureNamespace, SetNamespaceOwner, ns_key
 from .owner import Owner
 from .prefetcher import PrefetchBudget, hit_rate
 from .priojournal import DB_PRIOLOG, DB_PRIOSNAP
+from .priowal import NoteApplied, PriorityWal, applied_number
+from .waiting import Outcome
 from .recovery import Recovery, recover
 from .ring import RemoveEntry, Ring, RingNamespace
 from .services import Services
@@ -160,6 +163,8 @@ class Store:
         # dataset dropped takes its entry with it)
         self._located: weakref.WeakKeyDictionary[Dataset, LocatedBlocks] = weakref.WeakKeyDictionary()
         self.committer = Committer(self.env.write)
+        # priority writes the mount's front acknowledged (distorefs/priowal.py); replayed in running()
+        self.priority_wal = None if self.read_only else PriorityWal(self.path, self.env.read(applied_number))
         self.follower = self._join(self.cluster) if self.cluster is not None else None
         self.namespaces: dict[str, dict[str, Namespace]] = {kind: {} for kind in KINDS}
         self.datasets: dict[str, Dataset] = self.namespaces["datasets"]  # type: ignore[assignment]
@@ -389,6 +394,7 @@ class Store:
                 if self.datasets_log is not None:
                     for ds in self.datasets_log.unshared():
                         nursery.start_soon(self._share_dataset, ds)
+            await self._replay_priority_wal()
             nursery.start_soon(self._sync_loop)
             await nursery.start(self.checkpoints.run)
             await nursery.start(self.mover.run)
@@ -419,6 +425,49 @@ class Store:
             finally:
                 nursery.cancel_scope.cancel()
                 self._nursery = None
+
+    def commit_priority_record(self, ns_id: int, number: int, text: bytes) -> Outcome:
+        """Queue the commit of record `number` of the priority write-ahead file
+        (distorefs/priowal.py): its lines into buffer ns_id's journal. A buffer dropped since,
+        or lines that do not parse (the front checked them), note the number alone."""
+        pending = None
+        buf = next((b for b in self.buffers.values() if b.ns_id == ns_id), None)
+        if buf is not None and buf.ring.shared is None:
+            try:
+                pending, _ = buf.queue_priorities(parse_priorities(text), wal_number=number)
+            except DistorefsError as exc:
+                log.warning("priorities write %d of buffers/%s: %s (not applied)", number, buf.name, exc)
+        if pending is None:
+            pending = self.committer.enqueue(NoteApplied(number))
+        pending.then(functools.partial(self._priority_record_committed, number))
+        return pending
+
+    def _priority_record_committed(self, number: int, err: int) -> None:
+        # (the committer's thread, in commit order)
+        wal = self.priority_wal
+        if wal is not None and not err:
+            wal.committed(number)
+            if wal.on_committed is not None:
+                wal.on_committed(number)
+
+    async def _replay_priority_wal(self) -> None:
+        """Commit the priority writes a daemon acknowledged and did not commit (killed, or
+        power lost, before it did; or an unmount that left some to the next mount)."""
+        wal = self.priority_wal
+        if wal is None or not wal.pending:
+            return
+        outcomes = [self.commit_priority_record(r.ns_id, r.number, r.text) for r in wal.pending]
+        failed = 0
+        for outcome in outcomes:
+            try:
+                await outcome.wait()
+            except DistorefsError:
+                failed += 1
+        wal.replayed = len(outcomes) - failed
+        log.warning("committed %d priorities write(s) acknowledged by the last daemon and not committed by it%s",
+                    wal.replayed, f" ({failed} failed, kept for the next mount)" if failed else "")
+        if not failed:
+            wal.trim()
 
     def spawn(self, fn, *args) -> None:
         if self._nursery is not None:
@@ -451,6 +500,8 @@ class Store:
         self._synced_groups = groups
 
     def sync_blocking(self) -> None:
+        if self.priority_wal is not None:
+            self.priority_wal.sync()
         self.values.sync()
         self.counters["syncs"] += 1
         # Reader slots of client processes (distorefs.client) killed inside a read: freed
@@ -471,6 +522,8 @@ class Store:
             return
         try:
             self.sync_blocking()
+            if self.priority_wal is not None:
+                self.priority_wal.close()
             self.values.close()
             self.env.close()
         except BaseException:
@@ -617,6 +670,8 @@ class Store:
             "checkpoints": self.checkpoints.stats(),
             "datasets": {name: d.stats() for name, d in sorted(self.datasets.items())},
             "recovery": self.recovery.as_dict(),
+            **({"priority_wal": {"applied": self.priority_wal.applied, "replayed": self.priority_wal.replayed}}
+               if self.priority_wal is not None else {}),
             **({"cluster": {"store": self.cluster.store, "url": self.cluster.url,
                             "applied": self.follower.applied.decode(), **self.follower.counters,
                             **self.engine.counters, "wait_replicas": self.engine.wait_replicas,

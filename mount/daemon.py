@@ -139,6 +139,7 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
     signalled: list[int] = []
     async with store.running():
         fs.start_notifications(mountpoint)
+        fs.start_priority_log()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_stop_on_signal, signalled, fs)
@@ -154,6 +155,7 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
                         raise
                 _report(ready_fd, "ready")
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
+                fs.stop_priority_log()
                 await fs.release_taken()  # RELEASEs the front answered last (a commit at release)
                 nursery.cancel_scope.cancel()
         finally:

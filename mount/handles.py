@@ -16,7 +16,7 @@ from distorefs.batch import Batch, BatchFile
 from distorefs.buffer import Buffer
 from distorefs.clientsession import ClientSession, DatasetSession
 from distorefs.errors import DistorefsError, InvalidArgument, NotPermitted, TooLarge
-from distorefs.names import unescape_key
+from distorefs.names import parse_priorities
 from distorefs.ratelimit import InsertTicket
 from distorefs.waiting import Outcome
 
@@ -370,34 +370,6 @@ class PrioritiesWriter(Handle):
         if self.partial.strip():
             line, self.partial = self.partial, b""
             await self.buffer.set_priorities(parse_priorities(line))
-
-
-def parse_priorities(text: bytes) -> list[tuple[bytes, float]]:
-    """(key, priority) of each "KEY PRIORITY" line; InvalidArgument naming the first bad line."""
-    if b"#" not in text and b"\\" not in text:
-        # The usual text - no comments, no escaped keys, one pair per line - in a few
-        # C-speed calls; anything else (and any error) takes the line-by-line way below.
-        tokens = text.split()
-        lines = text.count(b"\n") + (0 if text.endswith(b"\n") else 1)
-        if len(tokens) == 2 * lines:
-            try:
-                return list(zip(tokens[0::2], map(float, tokens[1::2])))
-            except ValueError:
-                pass
-    pairs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith(b"#"):
-            continue
-        parts = line.rsplit(None, 1)
-        if len(parts) != 2:
-            raise InvalidArgument(f"priorities line {number}: expected 'KEY PRIORITY', got {line[:80]!r}")
-        try:
-            value = float(parts[1])
-        except ValueError:
-            raise InvalidArgument(f"priorities line {number}: bad priority {parts[1][:40]!r}") from None
-        pairs.append((unescape_key(parts[0]), value))
-    return pairs
 
 
 def complete_json_object(data: bytes | bytearray) -> bool:

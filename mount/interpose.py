@@ -21,7 +21,10 @@
   cache, noted for `take_opened`), Python making the handle only when a request of it
   comes (`adopt_opened`); and it parks the FLUSH of a handle whose commits are still under
   way until the committer's thread says they are done (`flush_pending`,
-  `flush_committed`). DISTOREFS_FRONT=0 in the daemon's environment
+  `flush_committed`). And it takes a `priorities` WRITE of whole, well-formed lines
+  itself, appending it to the store's priority write-ahead file first (`priority_log`,
+  `take_writes`; distorefs/priowal.py), so that its close waits for nothing.
+  DISTOREFS_FRONT=0 in the daemon's environment
   leaves the reading to pyfuse3, as before (for comparisons).
 - FUSE passthrough (`passthrough`, `backing_open`, `passthrough_fh`): where the kernel
   offers it, an open can hand the kernel a file of the daemon's to read for the handle
@@ -119,7 +122,7 @@ def flush_free(fh: int, free: bool) -> None:
 
 
 def answer_opens(ino: int, accmode: int, *, keep_cache: bool = False, noflush: bool = False,
-                 once: bool = False, adopted: bool = False, pid: int = 0) -> bool:
+                 once: bool = False, adopted: bool = False, pid: int = 0, priorities_of: int = 0) -> bool:
     """The front answers opens of `ino` with access mode `accmode` (os.O_WRONLY, say) itself,
     with a handle number of its own, until `forget_attributes(ino)`. For a file whose open
     is nothing but making its handle, with the kernel checking permissions
@@ -129,12 +132,14 @@ def answer_opens(ino: int, accmode: int, *, keep_cache: bool = False, noflush: b
     `keep_cache` and `noflush` go into the open's reply; `once`: only the next open, whose
     inode and handle number are then noted for `take_opened`; `adopted` (with `once`): the
     handle is Python's from that open on (made at `take_opened`), its RELEASE handed to
-    `take_released`; `pid`: only opens by that thread. False: not answered (no library, no
-    room)."""
+    `take_released`; `pid`: only opens by that thread; `priorities_of`: the file is the
+    `priorities` of the buffer of that ns_id, whose WRITEs the front takes while it has a
+    write-ahead file (`priority_log`). False: not answered (no library, no room)."""
     if _library is None:
         return False
-    flags = (1 if keep_cache else 0) | (2 if noflush else 0) | (4 if once else 0) | (8 if adopted else 0)
-    return bool(_library.answer_opens(ino, accmode, flags, pid))
+    flags = (1 if keep_cache else 0) | (2 if noflush else 0) | (4 if once else 0) | (8 if adopted else 0) | \
+        (16 if priorities_of else 0)
+    return bool(_library.answer_opens(ino, accmode, flags, pid, priorities_of))
 
 
 def notes_fd() -> int:
@@ -170,6 +175,33 @@ def flush_committed(fh: int, errno: int) -> None:
     FLUSHes parked meanwhile, with the first error. Any thread."""
     if _library is not None:
         _library.flush_committed(fh, errno)
+
+
+def priority_log(fd: int, next_number: int, priority_max: float) -> bool:
+    """The front takes `priorities` WRITEs of whole, well-formed lines itself, appending each
+    to the write-ahead file open at `fd` (distorefs/priowal.py) as record `next_number`, the
+    next as the one after, and so on (fd -1: it takes none from now on). False: no library."""
+    if _library is None:
+        return False
+    _library.priority_log(fd, next_number, priority_max)
+    return True
+
+
+def take_writes() -> tuple[tuple[int, int, bytes], ...]:
+    """(ns_id, record number, text) of each `priorities` WRITE the front took since the last
+    call, in order: Python commits them."""
+    return _library.take_writes() if _library is not None else ()
+
+
+def priority_log_trim(number: int) -> bool:
+    """Record `number` is committed: the front empties the file if nothing was appended
+    after it and it is past 1 MiB. Any thread."""
+    return _library is not None and bool(_library.priority_log_trim(number))
+
+
+def priority_log_state() -> tuple[int, int, int]:
+    """(WRITEs the front took, times it emptied the file, the number its next record gets)."""
+    return _library.priority_log_state() if _library is not None else (0, 0, 0)
 
 
 def release_free(fh: int) -> None:

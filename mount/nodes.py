@@ -418,8 +418,14 @@ class PrioritiesFile(BufferControlFile):
         # Python's open() stats the file: that GETATTR is answered by the library's thread.
         interpose.hold_attributes(self.ino)
         # And that open itself: a write-only open only makes a PrioritiesWriter (the kernel
-        # checks permissions), made at the handle's first WRITE instead.
-        interpose.answer_opens(self.ino, os.O_WRONLY)
+        # checks permissions), made at the handle's first WRITE instead. With the store's
+        # priority write-ahead file, the front takes that WRITE too (whole, well-formed
+        # lines): appended there first, committed by Python a moment later, so the close
+        # waits for nothing (mount/interpose.py priority_log). Not for a buffer shared by
+        # several nodes, whose updates go through the cluster's log.
+        shared = self.buf.ring.shared is not None
+        interpose.answer_opens(self.ino, os.O_WRONLY,
+                               priorities_of=self.buf.ns_id if self.fs.priority_log_on and not shared else 0)
         return super().attributes(ctx)
 
     async def open(self, flags: int, ctx) -> Handle:

@@ -19,6 +19,7 @@ from typing import NoReturn
 import pyfuse3
 import trio
 
+from distorefs.config import MAX_PRIORITY
 from distorefs.errors import DistorefsError, NotFound, OperationNotPermitted, Stale
 
 from . import backing, interpose
@@ -79,6 +80,7 @@ class Filesystem(pyfuse3.Operations):
         self._listed: dict[int, list[Node]] = {}  # per listed directory: the nodes its last reply listed, to tell
         self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
         self.collector: CollectorPauses | None = None  # the cycle collector's pauses (the daemon sets it)
+        self.priority_log_on = False  # the front takes `priorities` WRITEs (start_priority_log)
         self._fh = itertools.count(1)
         self.uid = os.getuid()
         self.gid = os.getgid()
@@ -98,6 +100,32 @@ class Filesystem(pyfuse3.Operations):
         self.pusher = PageCachePusher(self.store.memory.transfer)
         if mountpoint is not None:
             self.names = NameWarmer(mountpoint)
+
+    def start_priority_log(self) -> None:
+        """The library's front takes `priorities` WRITEs from now on, appending each to the
+        store's write-ahead file (distorefs/priowal.py) before it answers; Python commits
+        them as it takes them (`_take_writes`). Not on a read-only store, or with
+        DISTOREFS_PRIORITY_WAL=0 in the daemon's environment (for comparisons)."""
+        wal = self.store.priority_wal
+        if wal is None or os.environ.get("DISTOREFS_PRIORITY_WAL", "1") == "0":
+            return
+        if interpose.priority_log(wal.fd, wal.next_number, MAX_PRIORITY):
+            wal.on_committed = interpose.priority_log_trim
+            self.priority_log_on = True
+
+    def stop_priority_log(self) -> None:
+        """The front takes no more (the store closes the file next); what it took is
+        committed here, the rest of the file at the next mount."""
+        if self.priority_log_on:
+            interpose.priority_log(-1, 0, MAX_PRIORITY)
+            self.priority_log_on = False
+            self._take_writes()
+
+    def _take_writes(self) -> None:
+        """Queue the commit of the `priorities` WRITEs the front took (before any request
+        that could read or change what they name: every request passes here)."""
+        for ns_id, number, text in interpose.take_writes():
+            self.store.commit_priority_record(ns_id, number, text)
 
     def stop_listing(self) -> None:
         """Blocking (a worker thread): end the daemon's own listings of the mount while it
@@ -134,6 +162,9 @@ class Filesystem(pyfuse3.Operations):
         ioctls = interpose.ioctl_replies()
         if ioctls:
             requests["ioctl"] = ioctls  # likewise: isatty() at every open
+        writes_taken, log_trims, _ = interpose.priority_log_state()
+        if writes_taken:
+            requests["write"] += writes_taken  # `priorities` WRITEs the library took
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),
@@ -141,6 +172,8 @@ class Filesystem(pyfuse3.Operations):
                       "front_tables": interpose.front_tables(), "parallel_dirops": interpose.parallel_dirops(),
                       "passthrough": interpose.passthrough(), "passthrough_opens": interpose.passthrough_replies(),
                       "memfds_made": backing.made,
+                      "priority_log": self.priority_log_on, "priority_writes_taken": writes_taken,
+                      "priority_log_trims": log_trims,
                       "names_listed": self.names.listed if self.names else 0,
                       "gc": self.collector.stats() if self.collector is not None else None}
         if self.pusher is not None:
@@ -423,7 +456,9 @@ class Filesystem(pyfuse3.Operations):
 
     async def release_taken(self) -> None:
         """Release the handles whose RELEASE the library's front answered since the last
-        call (mount/interpose.py release_free), and tell the nodes it opened itself."""
+        call (mount/interpose.py release_free), and tell the nodes it opened itself. And
+        commit the `priorities` writes it took."""
+        self._take_writes()
         self._take_opened()
         for fh in interpose.take_released():
             if fh not in self.handles:
