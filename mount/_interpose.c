@@ -111,6 +111,8 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -984,11 +986,25 @@ static void *front_take_spare(void)  /* with front_lock held */
     return front_spare_count ? front_spares[--front_spare_count] : NULL;
 }
 
+/* The front's thread runs at this nice value where the daemon may raise its priority
+   (CAP_SYS_NICE; else it stays at the daemon's): a caller blocked in a request the front
+   answers in C waits for that thread to get a core, and on a machine whose cores the
+   daemon's Python, the actors and the learner share, a thread of the default weight waits
+   out others' slices. It needs little CPU, so it takes little from them.
+   DISTOREFS_FRONT_NICE in the daemon's environment sets another value (0: as the rest). */
+#define FRONT_NICE (-10)
+
 static void *front_run(void *unused)
 {
     struct fuse_buf buf;
     int res;
     memset(&buf, 0, sizeof(buf));
+    const char *nice_env = getenv("DISTOREFS_FRONT_NICE");
+    int nice_value = nice_env != NULL ? atoi(nice_env) : FRONT_NICE;
+    if (nice_value != 0 && setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), nice_value) != 0) {
+        /* not allowed: the thread runs at the daemon's priority */
+    }
+    pthread_setname_np(pthread_self(), "distorefs-front");  /* (in top, py-spy, /proc/PID/task) */
     for (;;) {
         res = libfuse_receive_buf(front_se, &buf);  /* blocks; allocates buf.mem when NULL */
         if (res == -EINTR || res == -EAGAIN)

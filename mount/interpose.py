@@ -24,7 +24,8 @@
   `flush_committed`). And it takes a `priorities` WRITE of whole, well-formed lines
   itself, appending it to the store's priority write-ahead file first (`priority_log`,
   `take_writes`; distorefs/priowal.py), so that its close waits for nothing.
-  DISTOREFS_FRONT=0 in the daemon's environment
+  The front's thread (`distorefs-front`) runs at nice -10 where the daemon may
+  (DISTOREFS_FRONT_NICE sets another value). DISTOREFS_FRONT=0 in the daemon's environment
   leaves the reading to pyfuse3, as before (for comparisons).
 - FUSE passthrough (`passthrough`, `backing_open`, `passthrough_fh`): where the kernel
   offers it, an open can hand the kernel a file of the daemon's to read for the handle

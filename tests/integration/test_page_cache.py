@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -804,3 +805,22 @@ def test_an_item_pushed_for_an_order_replaced_before_its_read_is_still_counted(f
     after = prefetch()
     opens = {k: after[k] - before[k] for k in ("hits", "late", "page_cache", "misses")}
     assert sum(opens.values()) == len(index), (opens, after)
+
+
+def test_the_fronts_thread_runs_ahead_of_the_daemons_other_threads(fs):
+    """The front's thread (named distorefs-front) runs at nice -10 where the daemon may
+    (root): a caller blocked in a request the front answers in C waits for that thread to
+    get a core, not behind the slices of the daemon's Python, the actors and the learner.
+    The daemon's other threads keep its own priority."""
+    assert os.geteuid() == 0, "the mount tests run as root (FUSE, allow_other)"
+    tasks = Path(f"/proc/{fs.pid}/task")
+    nice = {}
+    for task in tasks.iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        nice.setdefault(name, set()).add(int(fields[16]))
+    assert nice.get("distorefs-front") == {-10}, nice
+    assert all(v == {0} for k, v in nice.items() if k != "distorefs-front"), nice
