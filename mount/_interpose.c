@@ -815,11 +815,9 @@ static uint64_t log_append(uint32_t tag, const char *text, uint32_t length)
     ssize_t total = (ssize_t)sizeof(head) + length;
     ssize_t n = writev(log_fd, iov, 2);
     if (n != total) {
-        if (n > 0 && ftruncate(log_fd, log_bytes) != 0) {
-            /* a record cut short ends what a replay reads: stop appending after it */
-            close(log_fd);
-            log_fd = -1;
-        }
+        if (n > 0 && ftruncate(log_fd, log_bytes) != 0)
+            log_fd = -1;  /* a record cut short ends what a replay reads: append nothing after it
+                             (the descriptor stays Python's to close) */
         return 0;
     }
     log_bytes += total;

@@ -345,6 +345,34 @@ def test_a_priorities_write_reaches_no_python(fs, buf):
     assert float(xattr(buf / "entries" / "p2.npy", "priority")) == 6.5
 
 
+def test_priorities_writes_the_front_takes_and_those_it_leaves_apply_in_order(fs, buf):
+    """On one descriptor: a write of whole lines (the front's), then a line split across two
+    writes and a write with a comment (Python's, and so is every later write of that
+    handle), then whole lines again; and a single write() of 10,000 lines, which the kernel
+    sends as several WRITEs of which only the first starts on a line: every line applies,
+    the later one of two for the same key winning."""
+    keys = [f"o{i}.npy" for i in range(4)]
+    for i, k in enumerate(keys):
+        write_entry(buf, k, npy(np.full(2, i, np.int32)))
+    taken = mount_stats(fs)["priority_writes_taken"]
+    fd = os.open(buf / "priorities", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, b"o0.npy 1\no1.npy 2\n")
+        os.write(fd, b"o1.npy 3\no2.npy")
+        os.write(fd, b" 4\n# a comment\n")
+        os.write(fd, b"o3.npy 5\no0.npy 6\n")
+    finally:
+        os.close(fd)
+    assert [float(xattr(buf / "entries" / k, "priority")) for k in keys] == [6.0, 3.0, 4.0, 5.0]
+    assert mount_stats(fs)["priority_writes_taken"] - taken == 1
+    many = [f"n{i:05d}" for i in range(10_000)]
+    for k in many[:3]:
+        write_entry(buf, k, npy(np.zeros(2, np.int32)))
+    with open(buf / "priorities", "w") as f:
+        f.write("".join(f"{k} {i + 0.5}\n" for i, k in enumerate(many)) + "n00001 7.25\n")
+    assert [float(xattr(buf / "entries" / k, "priority")) for k in many[:3]] == [0.5, 7.25, 2.5]
+
+
 def test_an_insert_reaches_python_four_times(fs, buf):
     """An insert by Python's open(): the create drops entries/' attributes in the kernel and
     the next insert's path walk asks for them; the front answers that GETATTR from what
