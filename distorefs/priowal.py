@@ -37,7 +37,6 @@ MAGIC = 0x4C525044  # "DPRL"
 APPLIED_KEY = b"priowal_applied"
 _U64 = struct.Struct("<Q")
 FILE_NAME = "priorities.wal"
-TRIM_BYTES = 1 << 20  # the front empties the file once it is past this and all of it is committed
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ def read_records(data: bytes) -> list[Record]:
         text = data[at + HEADER.size:end]
         if zlib.crc32(text, zlib.crc32(data[at:at + _HEAD.size])) != crc:
             break
-        out.append(Record(ns_id, number, bytes(text)))
+        out.append(Record(ns_id, number, text))
         at = end
     return out
 

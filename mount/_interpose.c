@@ -287,7 +287,7 @@ static unsigned long long front_opens, front_releases;  /* releases: of handles 
 #define WRITE_TAKE_MAX (64 << 10)  /* a longer WRITE goes to Python */
 #define LOG_MAGIC UINT32_C(0x4C525044)
 #define LOG_HEAD_SIZE 20  /* magic u32, ns_id u32, number u64, length u32; then crc u32 */
-#define LOG_TRIM_BYTES (1 << 20)  /* distorefs/priowal.py TRIM_BYTES */
+#define LOG_TRIM_BYTES (1 << 20)  /* the file is emptied once past this and all committed */
 /* Past this the front takes no more until the file is emptied: a trim needs a moment when
    everything appended is committed, which writes coming faster than Python commits them
    could put off for good; going to Python meanwhile, they let it catch up. */
