@@ -861,13 +861,10 @@ static int write_taken_here(const char *mem, size_t size)
         pthread_mutex_unlock(&log_lock);
     }
     pthread_mutex_lock(&held_lock);
-    /* (the handle is still there: its RELEASE comes after this WRITE's reply, on this thread) */
-    for (unsigned j = 0; j < opened_count; j++)
-        if (opened[j].fh == fh) {
-            if (number == 0)
-                opened[j].passed = 1;
-            break;
-        }
+    /* opened[k] is still this handle: only this thread adds to `opened` or moves its entries
+       (release_here), and the handle's RELEASE comes after this WRITE's reply */
+    if (number == 0)
+        opened[k].passed = 1;
     if (number != 0) {  /* (room: only this thread adds) */
         writes[writes_count++] = (struct taken_write){tag, number, copy, length};
         copy = NULL;
