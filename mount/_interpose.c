@@ -71,6 +71,19 @@
  *   waited for the WRITE's trip through the trio loop, the commit queue and an LMDB
  *   transaction, behind whatever else the loop was doing (1.5-1.8 ms a step under 2 actors).
  *
+ * - Entry WRITEs the front collects (collect_writes, take_collected): Python marks the
+ *   handle of a new entry's writer (write-only, nothing written yet) at its CREATE or
+ *   truncating OPEN, and the front keeps what its WRITEs write, each answered at once,
+ *   while they land within what was written or right after it, within the buffer's limit
+ *   (at most 8 MiB a handle, 64 MiB in all). Python takes the bytes at the handle's first
+ *   request that reaches it, its close's FLUSH (which commits them, as before) or a WRITE
+ *   the front did not keep (then that handle's later WRITEs are Python's too), and reads
+ *   their size meanwhile for the inode's attributes (collected_size). An insert was four
+ *   requests through pyfuse3 and the trio loop (LOOKUP, CREATE, WRITE, FLUSH), np.save's
+ *   eight (five WRITEs); now three or four. Nothing is acknowledged before the FLUSH: what
+ *   the front held when the daemon dies was never committed, as Python's staged bytes
+ *   were not.
+ *
  * - FUSE_PARALLEL_DIROPS (fuse_session_mount, the session's INIT handler): libfuse before 3.17
  *   never passes it to the kernel (it wants it by default, but its INIT reply leaves the flag
  *   out; libfuse #861), so the kernel took a directory's mutex around every LOOKUP and
@@ -305,6 +318,18 @@ static file_op_fn handler_getattr, handler_flush, handler_release, handler_open;
 static unsigned long long front_getattrs, front_flushes;  /* RELEASEs of Python's handles: Python counts them as it takes them */
 /* On the front's thread: the answer answered_in_c found for the request it processes next. */
 static __thread struct { int opcode; struct stat attr; double timeout; uint64_t fh; int mark; size_t size; } front_answer;
+
+/* Entry WRITEs the front collects (collect_writes, take_collected): the bytes a new entry's
+   writer writes are kept here, each WRITE answered by the front, until Python's first
+   request of the handle (its close's FLUSH, which commits them) takes them. */
+#define COLLECT_MAX 64  /* handles collecting at once */
+#define COLLECT_HANDLE_MAX (8 << 20)  /* bytes one handle collects at most (then: Python's, with them) */
+#define COLLECT_TOTAL_MAX (64 << 20)  /* bytes all collecting handles hold at most */
+static pthread_mutex_t collect_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct collect { uint64_t fh; uint64_t limit; char *data; size_t size, cap; int passed; } collects[COLLECT_MAX];
+static unsigned collect_count;
+static size_t collect_bytes;  /* what the handles' buffers take together */
+static unsigned long long collected_writes;
 
 /* Runs when the library is loaded, before anything can call through it. The library is
    linked against libfuse3, so that is loaded already: take its definitions, not ours
@@ -882,6 +907,67 @@ static int write_taken_here(const char *mem, size_t size)
     return 1;
 }
 
+static struct collect *collect_find(uint64_t fh)  /* with collect_lock held */
+{
+    for (unsigned i = 0; i < collect_count; i++)
+        if (collects[i].fh == fh)
+            return &collects[i];
+    return NULL;
+}
+
+/* A WRITE of a handle collecting its bytes (collect_writes): kept here if it lands within
+   what was written so far or right after it, and within the handle's limit and the front's
+   room (the reply follows). 0: Python's, and so are the handle's later WRITEs (Python takes
+   what was collected before it handles this one). */
+static int write_collected_here(const char *mem, size_t size)
+{
+    uint64_t fh, off;
+    uint32_t length;
+    if (__atomic_load_n(&collect_count, __ATOMIC_RELAXED) == 0 || size < IN_HEADER_SIZE + WRITE_IN_SIZE)
+        return 0;
+    memcpy(&fh, mem + IN_HEADER_SIZE, sizeof(fh));
+    memcpy(&off, mem + IN_HEADER_SIZE + sizeof(fh), sizeof(off));
+    memcpy(&length, mem + IN_HEADER_SIZE + WRITE_IN_SIZE_OFFSET, sizeof(length));
+    if (size != IN_HEADER_SIZE + WRITE_IN_SIZE + (size_t)length)
+        return 0;
+    int taken = 0;
+    pthread_mutex_lock(&collect_lock);
+    struct collect *c = collect_find(fh);
+    if (c != NULL && !c->passed) {
+        uint64_t end = off + length;
+        if (off <= c->size && end >= off && end <= c->limit) {
+            if (end > c->cap) {
+                size_t cap = c->cap ? c->cap : 4096;
+                while (cap < end)
+                    cap *= 2;
+                if (cap > c->limit)
+                    cap = (size_t)c->limit;
+                char *grown = collect_bytes - c->cap + cap <= COLLECT_TOTAL_MAX ? realloc(c->data, cap) : NULL;
+                if (grown != NULL) {
+                    collect_bytes += cap - c->cap;
+                    c->data = grown;
+                    c->cap = cap;
+                }
+            }
+            if (end <= c->cap) {
+                memcpy(c->data + off, mem + IN_HEADER_SIZE + WRITE_IN_SIZE, length);
+                if (end > c->size)
+                    c->size = (size_t)end;
+                collected_writes++;
+                taken = 1;
+            }
+        }
+        if (!taken)
+            c->passed = 1;
+    }
+    pthread_mutex_unlock(&collect_lock);
+    if (taken) {
+        front_answer.opcode = OPCODE_WRITE;
+        front_answer.size = length;
+    }
+    return taken;
+}
+
 /* Whether session_ops answers this request in C alone (so the front may process it). */
 static int answered_in_c(const char *mem, size_t size)
 {
@@ -892,7 +978,8 @@ static int answered_in_c(const char *mem, size_t size)
     if (opcode == OPCODE_IOCTL)
         return session_ops.ioctl == ioctl_unsupported;
     if (opcode == OPCODE_WRITE)
-        return session_ops.write_buf == write_taken && write_taken_here(mem, size);
+        return session_ops.write_buf == write_taken &&
+               (write_taken_here(mem, size) || write_collected_here(mem, size));
     if (opcode == OPCODE_GETATTR && session_ops.getattr == getattr_held) {
         uint64_t ino;
         int found = 0;
@@ -1134,6 +1221,11 @@ void fuse_session_destroy(struct fuse_session *se)
         }
         pthread_mutex_unlock(&held_lock);
         reply_parked(all, EIO);
+        pthread_mutex_lock(&collect_lock);  /* what no FLUSH took is not acknowledged: dropped */
+        while (collect_count)
+            free(collects[--collect_count].data);
+        collect_bytes = 0;
+        pthread_mutex_unlock(&collect_lock);
     }
     libfuse_session_destroy(se);
 }
@@ -1604,6 +1696,69 @@ static PyObject *front_tables(PyObject *self, PyObject *unused)
                          "opened_noted", counts[6]);
 }
 
+/* (fh, limit): the front collects the WRITEs of handle fh (a new entry's writer, nothing
+   written yet), up to `limit` bytes. False: not (no front, no room). */
+static PyObject *collect_writes(PyObject *self, PyObject *args)
+{
+    unsigned long long fh, limit;
+    int done = 0;
+    if (!PyArg_ParseTuple(args, "KK", &fh, &limit))
+        return NULL;
+    pthread_mutex_lock(&collect_lock);
+    if (front_started && session_ops.write_buf == write_taken && collect_count < COLLECT_MAX &&
+        collect_find(fh) == NULL) {
+        collects[collect_count++] = (struct collect){.fh = fh, .limit = limit < COLLECT_HANDLE_MAX ? limit : COLLECT_HANDLE_MAX};
+        done = 1;
+    }
+    pthread_mutex_unlock(&collect_lock);
+    return PyBool_FromLong(done);
+}
+
+/* fh: the bytes the front collected for the handle (b"" if none were written), and it
+   collects no more; None if it was not collecting. */
+static PyObject *take_collected(PyObject *self, PyObject *arg)
+{
+    unsigned long long fh = PyLong_AsUnsignedLongLong(arg);
+    if (fh == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&collect_lock);
+    struct collect *c = collect_find(fh), taken;
+    if (c != NULL) {
+        taken = *c;
+        *c = collects[--collect_count];
+        collect_bytes -= taken.cap;
+    }
+    pthread_mutex_unlock(&collect_lock);
+    if (c == NULL)
+        Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize(taken.size ? taken.data : "", (Py_ssize_t)taken.size);
+    free(taken.data);
+    return out;
+}
+
+/* fh: how many bytes the front has collected for the handle (it goes on), or None. */
+static PyObject *collected_size(PyObject *self, PyObject *arg)
+{
+    unsigned long long fh = PyLong_AsUnsignedLongLong(arg);
+    if (fh == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&collect_lock);
+    struct collect *c = collect_find(fh);
+    Py_ssize_t size = c != NULL ? (Py_ssize_t)c->size : -1;
+    pthread_mutex_unlock(&collect_lock);
+    if (size < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromSsize_t(size);
+}
+
+static PyObject *collect_state(PyObject *self, PyObject *unused)
+{
+    pthread_mutex_lock(&collect_lock);
+    PyObject *out = Py_BuildValue("(KIn)", collected_writes, collect_count, (Py_ssize_t)collect_bytes);
+    pthread_mutex_unlock(&collect_lock);
+    return out;
+}
+
 static PyObject *set_release_free(PyObject *self, PyObject *arg)
 {
     unsigned long long fh = PyLong_AsUnsignedLongLong(arg);
@@ -1672,6 +1827,13 @@ static PyMethodDef methods[] = {
      "None if it opened no such handle."},
     {"release_free", set_release_free, METH_O,
      "fh: the front answers handle fh's RELEASE itself and keeps its number for take_released (False: no room)."},
+    {"collect_writes", collect_writes, METH_VARARGS,
+     "(fh, limit): the front collects the WRITEs of that handle, up to limit bytes; False: it does not."},
+    {"take_collected", take_collected, METH_O,
+     "fh: the bytes collected for that handle (it collects no more), or None if it was not collecting."},
+    {"collected_size", collected_size, METH_O,
+     "fh: the bytes collected so far for that handle (it collects on), or None if it is not collecting."},
+    {"collect_state", collect_state, METH_NOARGS, "(WRITEs collected so far, handles collecting, bytes held)."},
     {"take_released", take_released, METH_NOARGS, "The handles whose RELEASE the front answered since the last call."},
     {"take_writes", take_writes, METH_NOARGS,
      "((ns_id, number, text), ...): the `priorities` WRITEs the front answered since the last call, in order, "

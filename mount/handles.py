@@ -172,7 +172,7 @@ class StagingWriter(Handle):
     """
 
     def __init__(self, initial: bytes, limit: int, readable: bool) -> None:
-        self.data = bytearray(initial)
+        self.data: bytes | bytearray = bytearray(initial)
         self.limit = limit
         self.readable = readable
         self.dirty = False  # something to commit
@@ -193,6 +193,8 @@ class StagingWriter(Handle):
         if end > self.limit:
             self.failed = TooLarge(f"write up to byte {end} exceeds the limit of {self.limit} bytes")
             raise self.failed
+        if not isinstance(self.data, bytearray):  # bytes the front collected
+            self.data = bytearray(self.data)
         if off > len(self.data):
             self.data.extend(bytes(off - len(self.data)))
         self.data[off:end] = buf
@@ -204,6 +206,8 @@ class StagingWriter(Handle):
         if size > self.limit:
             self.failed = TooLarge(f"size {size} exceeds the limit of {self.limit} bytes")
             raise self.failed
+        if not isinstance(self.data, bytearray):
+            self.data = bytearray(self.data)
         if size < len(self.data):
             del self.data[size:]
         else:
@@ -260,6 +264,35 @@ class EntryWriter(StagingWriter):
         self.dirty = fresh  # created or truncated: commits even if nothing is written
         self.ticket = ticket
         self.admit = admit
+        self.collecting = False  # the library's front keeps what is written (collect)
+
+    def collect(self) -> None:
+        """Have the library's front take this writer's WRITEs (mount/interpose.py
+        collect_writes): an insert's bytes then reach Python with its close's FLUSH, one
+        request, not one more per WRITE. Only a write-only writer with nothing written yet
+        and no admission to wait for: each WRITE's answer is then the front's to give."""
+        if not self.data and not self.readable and self.admit is None and self.fh is not None:
+            self.collecting = interpose.collect_writes(self.fh, self.limit)
+
+    def size(self) -> int:
+        """The size of what was written (the front may still be collecting it)."""
+        if self.collecting and self.fh is not None:
+            size = interpose.collected_size(self.fh)
+            if size is not None:
+                return size
+        return len(self.data)
+
+    def take_collected(self) -> None:
+        """What the front kept becomes this writer's bytes (before anything reads or changes
+        them: every request of the handle, the inode's attributes); it keeps no more."""
+        if not self.collecting:
+            return
+        self.collecting = False
+        data = interpose.take_collected(self.fh) if self.fh is not None else None
+        if data:
+            self.data = data  # (bytes: committed as they are; a later write makes a copy)
+            self.dirty = self.wrote = True
+            self.refused = None
 
     async def _admitted(self) -> None:
         if self.admit is None:
@@ -273,11 +306,21 @@ class EntryWriter(StagingWriter):
             raise
         self.admit = None
 
+    async def read(self, off: int, size: int) -> bytes:
+        self.take_collected()
+        return await super().read(off, size)
+
     async def write(self, off: int, buf: bytes) -> int:
+        self.take_collected()
         await self._admitted()
         return await super().write(off, buf)
 
+    def truncate(self, size: int) -> None:
+        self.take_collected()
+        super().truncate(size)
+
     async def flush(self) -> None:
+        self.take_collected()
         await self._admitted()
         await super().flush()
 
@@ -288,6 +331,7 @@ class EntryWriter(StagingWriter):
             self._release_ticket()  # committed (counted as an insert) or failed
 
     async def release(self) -> None:
+        self.take_collected()
         try:
             await super().release()
         finally:

@@ -23,7 +23,10 @@
   way until the committer's thread says they are done (`flush_pending`,
   `flush_committed`). And it takes a `priorities` WRITE of whole, well-formed lines
   itself, appending it to the store's priority write-ahead file first (`priority_log`,
-  `take_writes`; distorefs/priowal.py), so that its close waits for nothing.
+  `take_writes`; distorefs/priowal.py), so that its close waits for nothing. And it
+  keeps the bytes a new entry's writer writes (`collect_writes`), answering each WRITE,
+  until Python's first request of that handle takes them (`take_collected`): an insert's
+  WRITEs never reach Python, its close's FLUSH commits what the front kept.
   The front's thread (`distorefs-front`) runs at nice -10 where the daemon may
   (DISTOREFS_FRONT_NICE sets another value). DISTOREFS_FRONT=0 in the daemon's environment
   leaves the reading to pyfuse3, as before (for comparisons).
@@ -71,6 +74,7 @@ if _library is not None and os.environ.get("DISTOREFS_FRONT", "1") == "0":
 if _library is not None and os.environ.get("DISTOREFS_PASSTHROUGH", "1") == "0":
     _library.use_passthrough(False)
 _MARK = _library.NOFLUSH_FH if _library is not None else 0
+_collect = os.environ.get("DISTOREFS_COLLECT", "1") != "0"
 
 
 def noflush(fh: int) -> int:
@@ -203,6 +207,31 @@ def priority_log_trim(number: int) -> bool:
 def priority_log_state() -> tuple[int, int, int]:
     """(WRITEs the front took, times it emptied the file, the number its next record gets)."""
     return _library.priority_log_state() if _library is not None else (0, 0, 0)
+
+
+def collect_writes(fh: int, limit: int) -> bool:
+    """The front takes handle `fh`'s WRITEs itself, keeping their bytes (up to `limit`: a
+    longer file's WRITEs go to Python, with what was kept), until `take_collected(fh)`. For
+    a writer with nothing written yet that commits at its close. DISTOREFS_COLLECT=0 in the
+    daemon's environment leaves every WRITE to Python (for comparisons). False: not."""
+    return _library is not None and _collect and bool(_library.collect_writes(fh, limit))
+
+
+def take_collected(fh: int) -> bytes | None:
+    """What the front kept of handle `fh`'s WRITEs (b"" if none came), which it collects no
+    more: Python's before it handles any request of that handle. None: not collecting."""
+    return _library.take_collected(fh) if _library is not None else None
+
+
+def collected_size(fh: int) -> int | None:
+    """How many bytes the front kept of handle `fh`'s WRITEs so far (it keeps on); None: not
+    collecting."""
+    return _library.collected_size(fh) if _library is not None else None
+
+
+def collect_state() -> tuple[int, int, int]:
+    """(WRITEs the front collected so far, handles collecting now, bytes they hold)."""
+    return _library.collect_state() if _library is not None else (0, 0, 0)
 
 
 def release_free(fh: int) -> None:

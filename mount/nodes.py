@@ -852,7 +852,7 @@ class EntryNode(Node):
             # The kernel tracks the size of what it writes itself, and drops the size and
             # mtime it holds at each write: cached, these attributes answer the open's
             # permission check and the writer's fstat without a GETATTR each.
-            return make_attrs(self.ino, o.mode, len(w.data), o.uid, o.gid, time.time_ns(), timeout,
+            return make_attrs(self.ino, o.mode, w.size(), o.uid, o.gid, time.time_ns(), timeout,
                               entry_timeout=NO_CACHE if self.private else timeout)
         if self.private and self.version is None:  # a writer's inode before its open: what it rewrites
             meta = self.base

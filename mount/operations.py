@@ -165,6 +165,9 @@ class Filesystem(pyfuse3.Operations):
         writes_taken, log_trims, _ = interpose.priority_log_state()
         if writes_taken:
             requests["write"] += writes_taken  # `priorities` WRITEs the library took
+        writes_collected, collecting, collected_bytes = interpose.collect_state()
+        if writes_collected:
+            requests["write"] += writes_collected  # entry WRITEs the library kept
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),
@@ -174,6 +177,8 @@ class Filesystem(pyfuse3.Operations):
                       "memfds_made": backing.made,
                       "priority_log": self.priority_log_on, "priority_writes_taken": writes_taken,
                       "priority_log_trims": log_trims,
+                      "writes_collected": writes_collected, "writers_collecting": collecting,
+                      "collected_bytes": collected_bytes,
                       "names_listed": self.names.listed if self.names else 0,
                       "gc": self.collector.stats() if self.collector is not None else None}
         if self.pusher is not None:
@@ -255,6 +260,8 @@ class Filesystem(pyfuse3.Operations):
         number = interpose.noflush(fh) if noflush else fh
         if handle.backing_id:  # the kernel reads its file itself (FUSE passthrough)
             number = interpose.passthrough_fh(number, handle.backing_id)
+        if isinstance(handle, EntryWriter):
+            handle.collect()  # its WRITEs are the library's front's to answer, their bytes Python's at its close
         return pyfuse3.FileInfo(fh=number, direct_io=handle.direct_io,
                                 keep_cache=handle.keep_cache, nonseekable=handle.nonseekable)
 
