@@ -254,6 +254,9 @@ class EntryWriter(StagingWriter):
     # the limiter's ticket, the node's list of writers) is done before Python's next request:
     # every request that could see it (a lookup, a listing, an open) comes after.
     release_deferred = True
+    # A close after the one that committed (np.save closes a duplicate descriptor first) has
+    # nothing to do: its FLUSH is the library's to answer, until something is written.
+    flush_tracked = True
 
     def __init__(self, node, initial: bytes, limit: int, readable: bool, owner, fresh: bool,
                  ticket: InsertTicket | None = None,
@@ -273,6 +276,10 @@ class EntryWriter(StagingWriter):
         and no admission to wait for: each WRITE's answer is then the front's to give."""
         if not self.data and not self.readable and self.admit is None and self.fh is not None:
             self.collecting = interpose.collect_writes(self.fh, self.limit)
+
+    def nothing_at_flush(self) -> bool:
+        return (not self.collecting and self.admit is None and self.failed is None and self.refused is None
+                and not (self.dirty and self.wrote))
 
     def size(self) -> int:
         """The size of what was written (the front may still be collecting it)."""
@@ -317,6 +324,8 @@ class EntryWriter(StagingWriter):
 
     def truncate(self, size: int) -> None:
         self.take_collected()
+        if self.fh is not None:
+            interpose.flush_free(self.fh, False)  # the next close commits it (by path too: setattr)
         super().truncate(size)
 
     async def flush(self) -> None:

@@ -448,7 +448,10 @@ class Filesystem(pyfuse3.Operations):
 
     @_translate
     async def flush(self, fh):
-        await (await self._handle(fh)).flush()
+        handle = await self._handle(fh)
+        await handle.flush()
+        if handle.flush_tracked and handle.nothing_at_flush():
+            interpose.flush_free(fh, True)  # the next close's FLUSH is answered by the library
 
     @_translate
     async def fsync(self, fh, datasync):
