@@ -80,9 +80,10 @@
  *   the front did not keep (then that handle's later WRITEs are Python's too), and reads
  *   their size meanwhile for the inode's attributes (collected_size). An insert was four
  *   requests through pyfuse3 and the trio loop (LOOKUP, CREATE, WRITE, FLUSH), np.save's
- *   eight (five WRITEs); now three or four. Nothing is acknowledged before the FLUSH: what
- *   the front held when the daemon dies was never committed, as Python's staged bytes
- *   were not.
+ *   ten (five WRITEs, and a second FLUSH, which the front now answers too: flush_free once
+ *   the first committed); now three, and four. Nothing is acknowledged before the FLUSH:
+ *   what the front held when the daemon dies was never committed, as Python's staged
+ *   bytes were not.
  *
  * - FUSE_PARALLEL_DIROPS (fuse_session_mount, the session's INIT handler): libfuse before 3.17
  *   never passes it to the kernel (it wants it by default, but its INIT reply leaves the flag

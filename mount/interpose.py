@@ -26,7 +26,8 @@
   `take_writes`; distorefs/priowal.py), so that its close waits for nothing. And it
   keeps the bytes a new entry's writer writes (`collect_writes`), answering each WRITE,
   until Python's first request of that handle takes them (`take_collected`): an insert's
-  WRITEs never reach Python, its close's FLUSH commits what the front kept.
+  WRITEs never reach Python, its close's FLUSH commits what the front kept (and a later
+  close of the same open file, np.save's second, is the front's: `flush_free`).
   The front's thread (`distorefs-front`) runs at nice -10 where the daemon may
   (DISTOREFS_FRONT_NICE sets another value). DISTOREFS_FRONT=0 in the daemon's environment
   leaves the reading to pyfuse3, as before (for comparisons).
