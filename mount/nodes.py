@@ -940,6 +940,11 @@ class EntryNode(Node):
                 raise NotFound("no such entry (not committed yet, or removed)")
             initial = b"" if flags & os.O_TRUNC else await self.buf.ring.read(base)
             return self.writer(initial, flags, Owner(base.mode, base.uid, base.gid), bool(flags & os.O_TRUNC))
+        if self.private and self.key is not None:
+            # the retry of a reader sent here (a version rewritten since its lookup): its open
+            # ends the redirect, as a writer's does, so that this process's next lookup of
+            # the name (a truncate(path) right after, say) resolves as everyone's does
+            self.fs.take_redirect(self.parent.name_key(self.name), ctx.pid if ctx is not None else 0)
         meta = self.latest()
         if meta is None and self.private and not self.writers:
             # a writer's inode before its open (the lookup of a redirected process that then
