@@ -327,7 +327,14 @@ static __thread struct { int opcode; struct stat attr; double timeout; uint64_t 
 #define COLLECT_HANDLE_MAX (8 << 20)  /* bytes one handle collects at most (then: Python's, with them) */
 #define COLLECT_TOTAL_MAX (64 << 20)  /* bytes all collecting handles hold at most */
 static pthread_mutex_t collect_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct collect { uint64_t fh; uint64_t limit; char *data; size_t size, cap; int passed; } collects[COLLECT_MAX];
+static struct collect {
+    uint64_t fh, ino, limit;
+    char *data;
+    size_t size, cap;
+    int passed;
+    struct stat attr;  /* the writer's attributes but size and times (a GETATTR's answer) */
+    double timeout;
+} collects[COLLECT_MAX];
 static unsigned collect_count;
 static size_t collect_bytes;  /* what the handles' buffers take together */
 static unsigned long long collected_writes;
@@ -969,6 +976,38 @@ static int write_collected_here(const char *mem, size_t size)
     return taken;
 }
 
+/* A GETATTR of an inode one writer alone writes while the front keeps its bytes: the
+   attributes Python gave with collect_writes, the size written so far, the times now (as
+   Python answers a writer's inode: mount/nodes.py EntryNode.attributes). np.save's fstat
+   after its header's WRITE (the kernel drops a file's size at each write) asks one. */
+static int getattr_collected_here(uint64_t ino)
+{
+    struct collect *found = NULL;
+    int writers = 0;
+    if (__atomic_load_n(&collect_count, __ATOMIC_RELAXED) == 0)
+        return 0;
+    pthread_mutex_lock(&collect_lock);
+    for (unsigned i = 0; i < collect_count; i++)
+        if (collects[i].ino == ino) {
+            found = &collects[i];
+            writers++;
+        }
+    if (found != NULL && writers == 1 && !found->passed) {  /* (co-writers: Python says which size) */
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        front_answer.attr = found->attr;
+        front_answer.attr.st_size = (off_t)found->size;
+        front_answer.attr.st_blocks = (blkcnt_t)((found->size + 511) / 512);
+        front_answer.attr.st_atim = front_answer.attr.st_mtim = front_answer.attr.st_ctim = now;
+        front_answer.timeout = found->timeout;
+        front_answer.opcode = OPCODE_GETATTR;
+    } else {
+        found = NULL;
+    }
+    pthread_mutex_unlock(&collect_lock);
+    return found != NULL;
+}
+
 /* Whether session_ops answers this request in C alone (so the front may process it). */
 static int answered_in_c(const char *mem, size_t size)
 {
@@ -994,7 +1033,7 @@ static int answered_in_c(const char *mem, size_t size)
             found = 1;
         }
         pthread_mutex_unlock(&held_lock);
-        return found;
+        return found || getattr_collected_here(ino);
     }
     if (opcode == OPCODE_OPEN && session_ops.open == open_answered && size >= IN_HEADER_SIZE + OPEN_IN_SIZE) {
         uint64_t ino;
@@ -1697,18 +1736,29 @@ static PyObject *front_tables(PyObject *self, PyObject *unused)
                          "opened_noted", counts[6]);
 }
 
-/* (fh, limit): the front collects the WRITEs of handle fh (a new entry's writer, nothing
-   written yet), up to `limit` bytes. False: not (no front, no room). */
+/* (fh, limit, ino, mode, uid, gid, timeout): the front collects the WRITEs of handle fh (a
+   new entry's writer, nothing written yet), up to `limit` bytes, and answers GETATTRs of its
+   inode with those attributes meanwhile. False: not (no front, no room). */
 static PyObject *collect_writes(PyObject *self, PyObject *args)
 {
-    unsigned long long fh, limit;
+    unsigned long long fh, limit, ino;
+    unsigned mode, uid, gid;
+    double timeout;
     int done = 0;
-    if (!PyArg_ParseTuple(args, "KK", &fh, &limit))
+    if (!PyArg_ParseTuple(args, "KKKIIId", &fh, &limit, &ino, &mode, &uid, &gid, &timeout))
         return NULL;
     pthread_mutex_lock(&collect_lock);
     if (front_started && session_ops.write_buf == write_taken && collect_count < COLLECT_MAX &&
         collect_find(fh) == NULL) {
-        collects[collect_count++] = (struct collect){.fh = fh, .limit = limit < COLLECT_HANDLE_MAX ? limit : COLLECT_HANDLE_MAX};
+        struct collect *c = &collects[collect_count++];
+        *c = (struct collect){.fh = fh, .ino = ino, .limit = limit < COLLECT_HANDLE_MAX ? limit : COLLECT_HANDLE_MAX,
+                              .timeout = timeout};
+        c->attr.st_ino = (ino_t)ino;
+        c->attr.st_mode = (mode_t)mode;
+        c->attr.st_nlink = 1;
+        c->attr.st_uid = (uid_t)uid;
+        c->attr.st_gid = (gid_t)gid;
+        c->attr.st_blksize = 128 << 10;  /* (mount/nodes.py make_attrs) */
         done = 1;
     }
     pthread_mutex_unlock(&collect_lock);
@@ -1829,7 +1879,8 @@ static PyMethodDef methods[] = {
     {"release_free", set_release_free, METH_O,
      "fh: the front answers handle fh's RELEASE itself and keeps its number for take_released (False: no room)."},
     {"collect_writes", collect_writes, METH_VARARGS,
-     "(fh, limit): the front collects the WRITEs of that handle, up to limit bytes; False: it does not."},
+     "(fh, limit, ino, mode, uid, gid, timeout): the front collects the WRITEs of that handle, up to limit bytes, "
+     "answering GETATTRs of its inode meanwhile; False: it does not."},
     {"take_collected", take_collected, METH_O,
      "fh: the bytes collected for that handle (it collects no more), or None if it was not collecting."},
     {"collected_size", collected_size, METH_O,

@@ -275,7 +275,9 @@ class EntryWriter(StagingWriter):
         request, not one more per WRITE. Only a write-only writer with nothing written yet
         and no admission to wait for: each WRITE's answer is then the front's to give."""
         if not self.data and not self.readable and self.admit is None and self.fh is not None:
-            self.collecting = interpose.collect_writes(self.fh, self.limit)
+            o = self.owner  # (and the timeout EntryNode.attributes gives a writer's inode)
+            self.collecting = interpose.collect_writes(self.fh, self.limit, self.node.ino, o.mode, o.uid, o.gid,
+                                                       self.node.fs.store.config.entry_timeout)
 
     def nothing_at_flush(self) -> bool:
         return (not self.collecting and self.admit is None and self.failed is None and self.refused is None

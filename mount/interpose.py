@@ -210,12 +210,15 @@ def priority_log_state() -> tuple[int, int, int]:
     return _library.priority_log_state() if _library is not None else (0, 0, 0)
 
 
-def collect_writes(fh: int, limit: int) -> bool:
+def collect_writes(fh: int, limit: int, ino: int, mode: int, uid: int, gid: int, timeout: float) -> bool:
     """The front takes handle `fh`'s WRITEs itself, keeping their bytes (up to `limit`: a
     longer file's WRITEs go to Python, with what was kept), until `take_collected(fh)`. For
-    a writer with nothing written yet that commits at its close. DISTOREFS_COLLECT=0 in the
+    a writer with nothing written yet that commits at its close. Meanwhile it answers the
+    GETATTRs of inode `ino` (its only writer's) with `mode`, `uid`, `gid`, the size written
+    so far and the time now, to be cached `timeout` seconds. DISTOREFS_COLLECT=0 in the
     daemon's environment leaves every WRITE to Python (for comparisons). False: not."""
-    return _library is not None and _collect and bool(_library.collect_writes(fh, limit))
+    return _library is not None and _collect and bool(_library.collect_writes(fh, limit, ino, mode, uid, gid,
+                                                                              timeout))
 
 
 def take_collected(fh: int) -> bytes | None:

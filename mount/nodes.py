@@ -996,6 +996,7 @@ class EntryNode(Node):
             return
         if self.version is None or self.writers:
             for w in self.writers:  # not committed yet: the attributes go in with the commit
+                w.take_collected()  # (the front answers GETATTR with the owner it was given)
                 o = w.owner
                 w.owner = Owner(o.mode if mode is None else mode, o.uid if uid is None else uid,
                                 o.gid if gid is None else gid)
