@@ -78,10 +78,13 @@
  *   (at most 8 MiB a handle, 64 MiB in all). Python takes the bytes at the handle's first
  *   request that reaches it, its close's FLUSH (which commits them, as before) or a WRITE
  *   the front did not keep (then that handle's later WRITEs are Python's too), and reads
- *   their size meanwhile for the inode's attributes (collected_size). An insert was four
- *   requests through pyfuse3 and the trio loop (LOOKUP, CREATE, WRITE, FLUSH), np.save's
- *   ten (five WRITEs, and a second FLUSH, which the front now answers too: flush_free once
- *   the first committed); now three, and four. Nothing is acknowledged before the FLUSH:
+ *   their size meanwhile for the inode's attributes (collected_size). While one writer
+ *   alone writes an inode this way, the front answers its GETATTRs too, from the writer's
+ *   attributes Python gave with collect_writes, the size kept so far and the time now (a
+ *   chmod or chown of it ends the keeping). An insert was four requests through pyfuse3
+ *   and the trio loop (LOOKUP, CREATE, WRITE, FLUSH), np.save's ten (an fstat's GETATTR,
+ *   five WRITEs, and a second FLUSH, which the front now answers too: flush_free once the
+ *   first committed); now three either way. Nothing is acknowledged before the FLUSH:
  *   what the front held when the daemon dies was never committed, as Python's staged
  *   bytes were not.
  *
