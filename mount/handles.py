@@ -315,10 +315,6 @@ class EntryWriter(StagingWriter):
             raise
         self.admit = None
 
-    async def read(self, off: int, size: int) -> bytes:
-        self.take_collected()
-        return await super().read(off, size)
-
     async def write(self, off: int, buf: bytes) -> int:
         self.take_collected()
         await self._admitted()
