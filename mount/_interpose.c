@@ -864,17 +864,10 @@ static uint64_t log_append(uint32_t tag, const char *text, uint32_t length)
 /* A WRITE of a `priorities` handle the front opened: taken here if its lines are whole and
    well-formed and it could be appended to the write-ahead file (queued for take_writes; the
    reply follows). 0: Python's, and so are the handle's later WRITEs. */
-static int write_taken_here(const char *mem, size_t size)
+static int write_taken_here(uint64_t fh, const char *text, uint32_t length)
 {
-    uint64_t fh;
-    uint32_t length;
-    if (size < IN_HEADER_SIZE + WRITE_IN_SIZE)
+    if ((fh & FRONT_FH) == 0)
         return 0;
-    memcpy(&fh, mem + IN_HEADER_SIZE, sizeof(fh));
-    memcpy(&length, mem + IN_HEADER_SIZE + WRITE_IN_SIZE_OFFSET, sizeof(length));
-    if ((fh & FRONT_FH) == 0 || size != IN_HEADER_SIZE + WRITE_IN_SIZE + (size_t)length)
-        return 0;
-    const char *text = mem + IN_HEADER_SIZE + WRITE_IN_SIZE;
     uint32_t tag = 0;
     int k = -1;
     pthread_mutex_lock(&held_lock);
@@ -930,16 +923,9 @@ static struct collect *collect_find(uint64_t fh)  /* with collect_lock held */
    what was written so far or right after it, and within the handle's limit and the front's
    room (the reply follows). 0: Python's, and so are the handle's later WRITEs (Python takes
    what was collected before it handles this one). */
-static int write_collected_here(const char *mem, size_t size)
+static int write_collected_here(uint64_t fh, uint64_t off, const char *data, uint32_t length)
 {
-    uint64_t fh, off;
-    uint32_t length;
-    if (__atomic_load_n(&collect_count, __ATOMIC_RELAXED) == 0 || size < IN_HEADER_SIZE + WRITE_IN_SIZE)
-        return 0;
-    memcpy(&fh, mem + IN_HEADER_SIZE, sizeof(fh));
-    memcpy(&off, mem + IN_HEADER_SIZE + sizeof(fh), sizeof(off));
-    memcpy(&length, mem + IN_HEADER_SIZE + WRITE_IN_SIZE_OFFSET, sizeof(length));
-    if (size != IN_HEADER_SIZE + WRITE_IN_SIZE + (size_t)length)
+    if (__atomic_load_n(&collect_count, __ATOMIC_RELAXED) == 0)
         return 0;
     int taken = 0;
     pthread_mutex_lock(&collect_lock);
@@ -961,7 +947,7 @@ static int write_collected_here(const char *mem, size_t size)
                 }
             }
             if (end <= c->cap) {
-                memcpy(c->data + off, mem + IN_HEADER_SIZE + WRITE_IN_SIZE, length);
+                memcpy(c->data + off, data, length);
                 if (end > c->size)
                     c->size = (size_t)end;
                 collected_writes++;
@@ -1020,9 +1006,17 @@ static int answered_in_c(const char *mem, size_t size)
     memcpy(&opcode, mem + IN_OPCODE_OFFSET, sizeof(opcode));
     if (opcode == OPCODE_IOCTL)
         return session_ops.ioctl == ioctl_unsupported;
-    if (opcode == OPCODE_WRITE)
-        return session_ops.write_buf == write_taken &&
-               (write_taken_here(mem, size) || write_collected_here(mem, size));
+    if (opcode == OPCODE_WRITE && session_ops.write_buf == write_taken && size >= IN_HEADER_SIZE + WRITE_IN_SIZE) {
+        uint64_t fh, off;
+        uint32_t length;
+        memcpy(&fh, mem + IN_HEADER_SIZE, sizeof(fh));
+        memcpy(&off, mem + IN_HEADER_SIZE + sizeof(fh), sizeof(off));
+        memcpy(&length, mem + IN_HEADER_SIZE + WRITE_IN_SIZE_OFFSET, sizeof(length));
+        const char *data = mem + IN_HEADER_SIZE + WRITE_IN_SIZE;
+        /* (the bytes whole in the request: a WRITE read any other way is Python's) */
+        return size == IN_HEADER_SIZE + WRITE_IN_SIZE + (size_t)length &&
+               (write_taken_here(fh, data, length) || write_collected_here(fh, off, data, length));
+    }
     if (opcode == OPCODE_GETATTR && session_ops.getattr == getattr_held) {
         uint64_t ino;
         int found = 0;
