@@ -28,7 +28,7 @@ import functools
 import io
 import struct
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, cast
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from .backends.crc import crc32
 from .catalog import EntryMeta
 from .codec import crc32_combine
 from .layout import Layout, batch_name
-from .names import escape_key
+from .names import escape_key, escape_keys
 from .rows import field_columns
 
 # A stacked member up to this size is joined once and checksummed whole: cheaper than one CRC
@@ -59,9 +59,10 @@ class Batch:
 
     def manifest(self) -> bytes:
         """One line per entry: KEY SEQ PROBABILITY WEIGHT (KEY escaped: names.escape_key)."""
-        return b"".join(
-            b"%s %d %.9g %.9g\n" % (escape_key(m.key), m.seq, p, w)
-            for m, p, w in zip(self.metas, self.probabilities.tolist(), self.weights.tolist()))
+        metas = self.metas
+        return b"".join([b"%s %d %.9g %.9g\n" % line for line in zip(
+            escape_keys([m.key for m in metas]), [m.seq for m in metas], self.probabilities.tolist(),
+            self.weights.tolist())])
 
 
 @dataclass
@@ -197,6 +198,7 @@ class BatchFile:
 
 # ----- the npz container ------------------------------------------------------------------------
 
+_U32 = struct.Struct("<I")
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
 _CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
 _EOCD = struct.Struct("<4sHHHHIIH")
@@ -211,7 +213,7 @@ class Member:
     name: str
     head: bytes  # the .npy header
     body: Part
-    crc: int  # of head + body
+    crc: int | None  # of head + body (None: not computed yet; a Blob body's only)
 
     @property
     def size(self) -> int:
@@ -225,6 +227,8 @@ def zip_parts(members: list[Member], force_zip64: bool = False) -> list[Part]:
     central: list[bytes] = []
     offset = 0
     for m in members:
+        if m.crc is None:
+            m.crc = crc32(cast(Blob, m.body).data, crc32(m.head))
         name = m.name.encode()
         size = m.size
         big = force_zip64 or size >= _LIMIT or offset >= _LIMIT
@@ -261,8 +265,7 @@ def npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
 def _array_member(name: str, array: np.ndarray) -> Member:
     array = np.ascontiguousarray(array)
     head = npy_header(array.dtype.str, array.shape)
-    body = array.tobytes()
-    return Member(name, head, Blob(body), crc32(body, crc32(head)))
+    return Member(name, head, Blob(array.tobytes()), None)
 
 
 class _Joined:
@@ -288,7 +291,7 @@ def _stacked_member(name: str, descr: str, shape: tuple[int, ...], length: int, 
     if length * len(values) <= SMALL:
         data = joined.field(offsets, length) if joined is not None else \
             b"".join([memoryview(v)[o:o + length] for v, o in zip(values, offsets.tolist())])
-        return Member(name, head, Blob(data), crc32(data, crc32(head)))
+        return Member(name, head, Blob(data), None)
     crc = crc32(head)
     for c in crcs.tolist():
         crc = crc32_combine(crc, c, length)
@@ -336,8 +339,7 @@ def _row_members(layout: Layout, rows: np.ndarray, sequences: bool,
     members = []
     for f, column in field_columns(layout, rows):
         head = npy_header(f.dtype, (*(lead or (len(rows),)), *f.shape))
-        data = column.tobytes()
-        members.append(Member(batch_name(f, sequences) + ".npy", head, Blob(data), crc32(data, crc32(head))))
+        members.append(Member(batch_name(f, sequences) + ".npy", head, Blob(column.tobytes()), None))
     return members
 
 
@@ -347,8 +349,53 @@ def _draw_members(batch: Batch) -> list[Member]:
 
 
 def _file(members: list[Member]) -> BatchFile:
+    if all(type(m.body) is Blob and m.crc is None for m in members) and sum(m.size for m in members) <= SMALL:
+        template = _SmallZip.of(tuple(m.name for m in members), tuple(m.head for m in members),
+                                tuple(m.body.size for m in members))
+        return BatchFile([Blob(template.fill([cast(Blob, m.body).data for m in members]))])
     f = BatchFile(zip_parts(members))
     return BatchFile([Blob(bytes(f))]) if f.size <= SMALL else f
+
+
+class _SmallZip:
+    """A small batch file of given members' names, .npy headers and sizes, all but their
+    bytes and CRCs in place. A buffer's batches of one size are the same file but for those
+    (its layout is fixed, and so are the draw's fields), so each is a copy of this image with
+    the members' bytes written in and their CRCs set in the local and central headers:
+    no ZIP records are built per batch."""
+
+    __slots__ = ("image", "places")
+
+    def __init__(self, names: tuple[str, ...], heads: tuple[bytes, ...], sizes: tuple[int, ...]) -> None:
+        members = [Member(n, h, Blob(bytes(size)), 0) for n, h, size in zip(names, heads, sizes)]
+        parts = zip_parts(members)
+        self.image = bytes(BatchFile(parts).read(0, sum(p.size for p in parts)))
+        # Where each member's bytes and CRC fields are: its local header (the CRC 14 bytes
+        # in) is the part before its body; the central directory is in the last part, one
+        # record (46 bytes and the name: no ZIP64 in a file this small) per member.
+        places = []
+        at = 0
+        central = len(self.image) - parts[-1].size
+        for i, (m, head) in enumerate(zip(members, heads)):
+            local, body = parts[2 * i], parts[2 * i + 1]
+            places.append((at + local.size, body.size, at + 14, central + 16, crc32(head)))
+            at += local.size + body.size
+            central += _CENTRAL.size + len(m.name.encode())
+        self.places = places
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(names: tuple[str, ...], heads: tuple[bytes, ...], sizes: tuple[int, ...]) -> "_SmallZip":
+        return _SmallZip(names, heads, sizes)
+
+    def fill(self, bodies: list[bytes]) -> bytes:
+        out = bytearray(self.image)
+        for (at, size, local_crc, central_crc, seed), body in zip(self.places, bodies):
+            out[at:at + size] = body
+            crc = crc32(body, seed)
+            _U32.pack_into(out, local_crc, crc)
+            _U32.pack_into(out, central_crc, crc)
+        return bytes(out)
 
 
 @functools.lru_cache(maxsize=64)

@@ -650,10 +650,12 @@ class Buffer(RingNamespace):
                 queue.append(((slots, self.ring.slot_seq[slots]), built))
                 cached = self.ring.values.cache.peek
                 ns = self.ns_id
-                # only what the memory tier does not hold already needs reading ahead
+                # only what the memory tier does not hold already needs reading ahead (and
+                # with nothing to read, the prefetcher is not woken)
                 assert self.ring.prefetcher is not None  # (set in __init__)
-                self.ring.prefetcher.extend({(m.seq, m.gen): None for m in metas
-                                             if cached((ns, m.seq, m.gen)) is None})
+                missing = {(m.seq, m.gen): None for m in metas if cached((ns, m.seq, m.gen)) is None}
+                if missing:
+                    self.ring.prefetcher.extend(missing)
         finally:
             self._refilling.discard(n)
 

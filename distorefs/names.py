@@ -50,6 +50,14 @@ def escape_key(key: bytes) -> bytes:
     return b"".join(b"\\%03o" % c if c in _ESCAPED else bytes((c,)) for c in key)
 
 
+def escape_keys(keys: list[bytes]) -> list[bytes]:
+    """`escape_key` of each of `keys`: one search over them all (a key holds no `/`), as
+    most batches have no key to escape."""
+    if _NEEDS_ESCAPE.search(b"/".join(keys)) is None:
+        return keys
+    return [escape_key(k) for k in keys]
+
+
 def unescape_key(text: bytes) -> bytes:
     """The key a `sample/N` or `priorities` line names (see escape_key); a backslash not
     followed by three octal digits stands for itself."""

@@ -226,16 +226,18 @@ class Sampler:
         if kind in ("fifo", "lifo"):
             return np.ones(n), np.ones(n)
         alpha = self.config.alpha
-        total = self.weighted.total() + float((self.priority[spent] ** alpha).sum())
+        spent_p = self.priority[spent] ** alpha if len(spent) else None  # (most batches spend none)
+        total = self.weighted.total() + (float(spent_p.sum()) if spent_p is not None else 0.0)
         if kind == "prioritized" and total > 0:
             p = self.priority[slots] ** alpha
             probs = p / total
             smallest = self.weighted.min_positive()
-            spent_p = self.priority[spent] ** alpha
-            if (spent_p > 0).any():
+            if spent_p is not None and (spent_p > 0).any():
                 smallest = min(smallest, float(spent_p[spent_p > 0].min()))
-            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                weights = np.where(probs > 0, (p / smallest) ** (-self.config.beta), 0.0)
+            # 0 where a drawn entry's priority is 0 now (drawn ahead): no 0 ** -beta computed
+            ratio = p / smallest
+            weights = np.zeros(n)
+            np.power(ratio, -self.config.beta, out=weights, where=ratio > 0)
             return probs, weights
         count = max(self.drawable_count() + len(spent), 1)
         return np.full(n, 1.0 / count), np.ones(n)

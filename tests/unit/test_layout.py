@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from distorefs.backends.lmdbenv import LmdbEnv
+from distorefs import batch as batch_module
 from distorefs.batch import Batch, Blob, BatchFile, Member, Stacked, _array_member, batch_file, zip_parts
 from distorefs.catalog import DB_ENTRIES, DB_META, DB_NS, FORMAT_VERSION, EntryMeta, pack_u32
 from distorefs.codec import checksums
@@ -257,3 +258,26 @@ def test_a_format_1_store_is_migrated(tmp_path):
         return store.env.read(lambda txn: bytes(txn.get(b"format", db=DB_META)))
 
     assert run(tmp_path / "s", read) == pack_u32(FORMAT_VERSION)
+
+
+def test_a_small_batch_file_from_its_template_is_the_zip_built_record_by_record():
+    """A small batch file is a copy of a per-layout image with the members' bytes and CRCs
+    written in (batch._SmallZip): byte for byte the archive zip_parts builds, for members of
+    several sizes (an empty one too), and again for other bytes of the same sizes."""
+    rng = np.random.default_rng(3)
+    for round_ in range(3):
+        arrays = {"obs": rng.standard_normal((8, 4)).astype(np.float32),
+                  "action": rng.integers(0, 9, size=8, dtype=np.int64),
+                  "none": np.zeros((8, 0), dtype=np.float32),
+                  "keys": np.array([f"k{round_}-{i}" for i in range(8)])}
+        members = [_array_member(name + ".npy", a) for name, a in arrays.items()]
+        generic = [_array_member(name + ".npy", a) for name, a in arrays.items()]
+        for m in generic:
+            m.crc = zlib.crc32(bytes(m.body.data), zlib.crc32(m.head))  # the record-by-record way
+        expected = bytes(BatchFile(zip_parts(generic)))
+        f = batch_module._file(members)
+        assert bytes(f) == expected
+        assert zipfile.ZipFile(io.BytesIO(expected)).testzip() is None
+        with np.load(io.BytesIO(bytes(f))) as z:
+            for name, a in arrays.items():
+                assert z[name].dtype == a.dtype and np.array_equal(z[name], a)

@@ -397,3 +397,19 @@ def test_bank_ring_positions_and_persistence(tmp_path):
         assert "mem" in store.buffers
 
     run(tmp_path / "s", read)
+
+
+def test_the_weight_of_a_drawn_entry_whose_priority_is_0_now_is_0(tmp_path):
+    """A batch drawn ahead is handed out with the weights of the distribution it was drawn
+    from; an entry of it set to priority 0 since gets weight 0 (not inf, not nan) and
+    probability 0, the others theirs."""
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"sampler": "prioritized", "alpha": 1.0, "beta": 0.5}')
+        await fill(buf, 3)
+        await buf.set_priorities([(b"k0", 1.0), (b"k1", 4.0), (b"k2", 0.0)])
+        slots = np.array([buf.ring.by_key[k].slot for k in (b"k0", b"k1", b"k2")], dtype=np.int64)
+        probs, weights = buf.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
+        assert probs.tolist() == [0.2, 0.8, 0.0]
+        assert weights.tolist() == [1.0, 0.25 ** 0.5, 0.0]
+    run(tmp_path / "s", body)
