@@ -45,13 +45,20 @@ class Lane:
     async def run(self, fn: Callable[[], T]) -> T:
         """`fn()` in a thread of the lane, once the calls handed over before it started."""
         job = (fn, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task())
+        # Put and counted without the lock: the event loop never waits for a lane thread the
+        # OS preempted inside its bookkeeping (on a busy machine, for a whole time slice,
+        # with every request the loop serves). A thread that ends looks at the queue again
+        # once it counted itself out, so a job put as it ends is never left behind.
+        self._jobs.put(job)
+        if self._alive < self.threads and self._jobs.qsize() > self._idle:
+            self._start()  # a thread more only when the waiting jobs outnumber the idle threads
+        return await trio.lowlevel.wait_task_rescheduled(_uncancellable)
+
+    def _start(self) -> None:
         with self._lock:
-            self._jobs.put(job)
-            # a thread more only when the waiting jobs outnumber the idle threads
             if self._alive < self.threads and self._jobs.qsize() > self._idle:
                 self._alive += 1
                 threading.Thread(target=self._serve, name=self.name, daemon=True).start()
-        return await trio.lowlevel.wait_task_rescheduled(_uncancellable)
 
     def _serve(self) -> None:
         while True:
@@ -60,11 +67,18 @@ class Lane:
             try:
                 fn, token, task = self._jobs.get(timeout=IDLE_S)
             except queue.Empty:
-                with self._lock:  # a job put after the timeout is taken, not left behind
+                with self._lock:
                     self._idle -= 1
-                    if self._jobs.empty():
-                        self._alive -= 1
+                    self._alive -= 1
+                # Counted out, then a last look: a caller that put a job before this saw
+                # the thread alive and started none, so it is taken here (unless a thread
+                # started since, which takes it).
+                if self._jobs.empty():
+                    return
+                with self._lock:
+                    if self._alive >= self.threads:
                         return
+                    self._alive += 1
                 continue
             with self._lock:
                 self._idle -= 1

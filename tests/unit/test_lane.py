@@ -89,3 +89,44 @@ def test_a_lane_of_several_threads_runs_that_many_calls_at_once_and_no_more():
         with pytest.raises(ValueError):
             Lane("none", threads=0)
     trio.run(main)
+
+
+def test_handing_a_call_over_never_blocks_the_event_loop_on_the_lanes_bookkeeping():
+    """The event loop hands a call over and goes on at once, even while a lane thread holds
+    the lane's lock (the OS may preempt it there on a busy machine: the loop, and every
+    request it serves, would wait for that thread to be scheduled again)."""
+    async def main():
+        lane = Lane("test-lane-busy")
+        assert await lane.run(lambda: 1) == 1  # its thread is up, and idle
+        ticks = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await trio.sleep(0.005)
+
+        held = threading.Event()
+        release = threading.Event()
+
+        def hold_lock():  # as a lane thread preempted inside its bookkeeping would
+            with lane._lock:
+                held.set()
+                release.wait(0.5)
+
+        holder = threading.Thread(target=hold_lock)
+        holder.start()
+        held.wait()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.sleep(0.02)
+            start = time.monotonic()
+            nursery.start_soon(lane.run, lambda: 2)  # handed over while the lock is held
+            await trio.sleep(0.2)
+            loop_ticks = [t for t in ticks if t > start]
+            release.set()
+            nursery.cancel_scope.cancel()
+        holder.join()
+        # the loop kept running (a tick every ~5 ms) while the lock was held
+        assert len(loop_ticks) >= 10, f"the event loop stalled: {len(loop_ticks)} ticks in 0.2 s"
+        assert await lane.run(lambda: 3) == 3
+    trio.run(main)
