@@ -1722,6 +1722,13 @@ static PyObject *front_answers(PyObject *self, PyObject *unused)
                          __atomic_load_n(&front_opens, __ATOMIC_RELAXED), releases);
 }
 
+/* Requests the front queued for pyfuse3 (a hint, read without the lock: the loop that takes
+   them asks again when a receive finds none). */
+static PyObject *front_queued(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromUnsignedLong(__atomic_load_n(&front_count, __ATOMIC_RELAXED));
+}
+
 static PyObject *front_tables(PyObject *self, PyObject *unused)
 {
     pthread_mutex_lock(&held_lock);
@@ -1860,6 +1867,7 @@ static PyMethodDef methods[] = {
     {"flush_committed", flush_committed, METH_VARARGS,
      "(fh, errno): one of fh's pending commits is done (0) or failed; the last answers its parked FLUSHes."},
     {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes, OPENs, RELEASEs of handles Python never saw) the front answered itself."},
+    {"front_queued", front_queued, METH_NOARGS, "How many requests the front queued for pyfuse3 now (a hint)."},
     {"front_tables", front_tables, METH_NOARGS, "How full the front's tables are (each holds at most 64 but "
      "marks, 262144, release_free and released, 1024, and notices, 4096)."},
     {"answer_opens", answer_opens, METH_VARARGS,

@@ -154,6 +154,7 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
                         _report(ready_fd, f"error: cannot serve metrics at {metrics_addr[0]}:{metrics_addr[1]}: {exc}")
                         raise
                 _report(ready_fd, "ready")
+                interpose.take_queued_without_waiting()
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 fs.stop_priority_log()
                 await fs.release_taken()  # RELEASEs the front answered last (a commit at release)

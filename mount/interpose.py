@@ -307,6 +307,45 @@ def parallel_dirops() -> bool:
     return _library is not None and bool(_library.parallel_dirops())
 
 
+_taken_queued = [0]  # requests pyfuse3's loop took without waiting (take_queued_without_waiting)
+
+
+def taken_without_waiting() -> int:
+    """How many requests pyfuse3's loop took from the front's queue without a wait."""
+    return _taken_queued[0]
+
+
+def take_queued_without_waiting() -> bool:
+    """pyfuse3's loop waits for its fd (the front's eventfd) to be readable before it takes
+    each request: a turn of its read lock, an epoll registration and a pass of trio's
+    scheduler that polls for it. When the front has requests queued already (writers and
+    readers busy together), the wait is a checkpoint only: other tasks get their turn and
+    the request is taken. pyfuse3 looks the wait up by name in its module at each request,
+    so this replaces it there; a receive that finds the queue empty after all (another task
+    took the request) makes the loop wait again, the old way. False: not done (no front
+    library, or a pyfuse3 without that wait). DISTOREFS_QUEUED_WAIT=0 in the daemon's
+    environment leaves it off (for comparisons)."""
+    import pyfuse3
+    import trio
+
+    original = getattr(pyfuse3, "_wait_fuse_readable", None)
+    if _library is None or original is None or os.environ.get("DISTOREFS_QUEUED_WAIT") == "0":
+        return False
+    queued = _library.front_queued
+    checkpoint = trio.lowlevel.cancel_shielded_checkpoint
+    taken_queued = _taken_queued
+
+    async def wait_fuse_readable() -> bool:
+        if queued():
+            taken_queued[0] += 1
+            await checkpoint()
+            return True
+        return await original()
+
+    setattr(pyfuse3, "_wait_fuse_readable", wait_fuse_readable)
+    return True
+
+
 def front_tables() -> dict[str, int]:
     """How many numbers each of the front's tables holds now (stats.json mount.front_tables)."""
     return dict(_library.front_tables()) if _library is not None else {}

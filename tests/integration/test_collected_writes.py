@@ -199,3 +199,31 @@ def test_a_close_after_the_committing_one_is_the_libraries_until_something_chang
     os.truncate(path, 2)  # by path, the writer still open
     os.close(fd)
     assert read_entry(buf, "closed-twice") == b"fi"
+
+
+def _insert_many(directory: str, tag: int, count: int) -> None:
+    for i in range(count):
+        with open(f"{directory}/q{tag}-{i:05d}.bin", "wb") as f:
+            f.write(bytes([tag]) * (300 + i % 7))
+
+
+def test_requests_queued_behind_others_are_taken_without_a_wait_and_all_land(fs, buf):
+    """With several writers at once, requests queue at the front while Python answers one:
+    pyfuse3's loop takes those without waiting for its fd again (interpose.
+    take_queued_without_waiting), and every insert lands whole, none twice."""
+    import multiprocessing
+
+    before = mount_stats(fs)["taken_without_waiting"]
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_insert_many, args=(str(buf / "entries"), tag, 300)) for tag in range(1, 5)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+        assert w.exitcode == 0
+    assert mount_stats(fs)["taken_without_waiting"] > before
+    names = entry_names(buf)
+    assert len(names) == 1200
+    for tag in range(1, 5):
+        for i in (0, 151, 299):
+            assert read_entry(buf, f"q{tag}-{i:05d}.bin") == bytes([tag]) * (300 + i % 7)
