@@ -139,11 +139,19 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _crc32_combine_python(crc1, crc2, len2)
 
 
+# Up to this size a value's regions and the whole are checksummed each in turn: reading its
+# bytes twice costs less than the CRC combinations (a call into zlib each, 2 or 3 a region)
+# that reading them once needs.
+READ_TWICE_BYTES = 64 << 10
+
+
 def checksums(data: bytes | memoryview, regions: list[tuple[int, int]]) -> tuple[int, list[int]]:
     """(CRC-32 of `data`, CRC-32 of each (offset, length) region in it), reading each byte
-    once: the regions' CRCs and those of the gaps between them are combined into the whole.
-    Regions must not overlap; their CRCs come back in the order given."""
+    once past READ_TWICE_BYTES: the regions' CRCs and those of the gaps between them are
+    combined into the whole. Regions must not overlap; their CRCs come back in the order given."""
     view = memoryview(data).cast("B")
+    if len(view) <= READ_TWICE_BYTES:  # a small value: read again, cheaper than combining
+        return crc32(view), [crc32(view[off:off + length]) for off, length in regions]
     whole, pos = 0, 0
     out = [0] * len(regions)
     for i in sorted(range(len(regions)), key=lambda k: regions[k][0]):

@@ -130,3 +130,20 @@ def test_invalid_names(name):
 def test_valid_names():
     for name in (b"a", b"step-1.npy", b"x" * 255, "ünï".encode(), b"with space"):
         assert check_name(name) == name
+
+
+@pytest.mark.parametrize("size", [0, 1, 300, 64 << 10, (64 << 10) + 1, 300_000])
+def test_checksums_of_a_value_and_its_regions_are_zlibs_whichever_way_they_are_computed(size, monkeypatch):
+    """codec.checksums reads a small value twice (the whole, then each region) and combines
+    a large one's CRCs from one read: both ways give zlib's CRC-32 of the whole and of each
+    region, regions given out of order and with gaps between them."""
+    import random
+    import zlib
+
+    data = random.Random(size).randbytes(size)
+    cuts = sorted({0, size, *random.Random(size + 1).sample(range(size + 1), min(size, 6))})
+    regions = [(a, b - a) for a, b in zip(cuts[::2], cuts[1::2])][::-1]  # every other span, backwards
+    expected = (zlib.crc32(data), [zlib.crc32(data[o:o + n]) for o, n in regions])
+    assert codec.checksums(data, regions) == expected
+    monkeypatch.setattr(codec, "READ_TWICE_BYTES", -1)  # every value the combining way
+    assert codec.checksums(data, regions) == expected
