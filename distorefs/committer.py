@@ -93,9 +93,9 @@ class Change(ABC):
     def prepare(self) -> None:
         """CPU work before the transaction (worker thread, run in parallel across the group)."""
 
-    def prepares(self) -> bool:
-        """Whether `prepare` has work (compression) worth a hop to the pool."""
-        return type(self).prepare is not Change.prepare
+    def prepare_bytes(self) -> int:
+        """How many bytes `prepare` works through (compression); 0: it has nothing to do."""
+        return 0 if type(self).prepare is Change.prepare else 1
 
     @abstractmethod
     def txn(self, txn: Any) -> None:
@@ -116,6 +116,13 @@ class _Pending(Outcome):
         super().__init__()
         self.change = change
         self.waited = waited
+
+
+# A group's prepares spread over the pool's threads only when they compress this much
+# between them (zstd lets go of the GIL: large values compress side by side). Below it, the
+# pool's hand-offs (a future and two wake-ups a share) cost more than the work: 4 writers
+# of 300-byte transitions spent more of the daemon's time in them than in compressing.
+PARALLEL_PREPARE_BYTES = 256 << 10
 
 
 def _prepare_all(changes: list[Change]) -> None:
@@ -255,19 +262,20 @@ class Committer:
                 pending.change.txn(txn)
 
         # Only changes that do work before the transaction (compression) are prepared; most
-        # (priorities, removals, a follower's records) have none, and a hop to the pool
-        # each would cost more than the whole change.
-        preparing = [p.change for p in planned if p.change.prepares()]
+        # (priorities, removals, a follower's records) have none.
+        sizes = [(p.change, p.change.prepare_bytes()) for p in planned]
+        preparing = [change for change, size in sizes if size]
+        spread = len(preparing) > 1 and sum(size for _, size in sizes) >= PARALLEL_PREPARE_BYTES
 
         def work() -> None:
             # One thread hop per group: prepare spreads over the pool when several changes
-            # have some, then the transaction runs here.
-            if len(preparing) > 1:  # one share per pool thread: a future per change costs more than a small one's work
+            # have enough between them, then the transaction runs here.
+            if spread:  # one share per pool thread: a future per change costs more than a small one's work
                 shares = min(len(preparing), self._workers)
                 for future in [self._pool.submit(_prepare_all, preparing[i::shares]) for i in range(shares)]:
                     future.result()
-            elif preparing:
-                preparing[0].prepare()
+            else:
+                _prepare_all(preparing)
             self._write_txn(write)
             for pending in planned:  # committed: whoever asked is told now, not after the hop back
                 try:

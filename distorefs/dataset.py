@@ -1227,8 +1227,9 @@ class PutItem(_DsChange):
         self.encoded: list[codec.Encoded] | None = source.encoded if source else None
         self.item: Item | None = None
 
-    def prepares(self) -> bool:
-        return self.encoded is None and self.data is not None  # a staged source came encoded
+    def prepare_bytes(self) -> int:
+        # a staged source came encoded
+        return len(self.data) if self.encoded is None and self.data is not None else 0
 
     def prepare(self) -> None:
         if self.encoded is None and self.data is not None:

@@ -856,8 +856,9 @@ class InsertEntry(Change):
                 ring.next_seq = self.seq  # no gap in the sequence numbers
         self.victims = []
 
-    def prepares(self) -> bool:
-        return self.spooled is None  # a spooled value was encoded by its client
+    def prepare_bytes(self) -> int:
+        # a spooled value was encoded by its client
+        return len(self.raw) if self.spooled is None and self.raw is not None else 0
 
     def prepare(self) -> None:
         if self.spooled is not None:

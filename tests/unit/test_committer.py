@@ -1,6 +1,7 @@
 """The committer's group commit (no FUSE): changes with work before their transaction
-(compression) are prepared in the pool, each once, before the group's transaction; one
-whose preparation fails fails alone."""
+(compression) are prepared each once before the group's transaction, in the pool when they
+have enough bytes between them, else in the committer's own thread; one whose preparation
+fails fails alone."""
 
 import threading
 
@@ -13,10 +14,13 @@ from store_runner import run
 class Prepared(Change):
     """A change that records its preparation and checks it inside the transaction."""
 
-    def __init__(self, log: list, fail: bool = False) -> None:
-        self.log, self.fail = log, fail
+    def __init__(self, log: list, fail: bool = False, size: int = 64 << 10) -> None:
+        self.log, self.fail, self.size = log, fail, size
         self.prepared = 0
         self.thread: str | None = None
+
+    def prepare_bytes(self) -> int:
+        return self.size
 
     def prepare(self) -> None:
         self.prepared += 1
@@ -29,26 +33,37 @@ class Prepared(Change):
         self.log.append(self)
 
 
-def test_a_group_prepares_every_change_once_in_the_pool_before_its_transaction(tmp_path):
+def _commit_all(tmp_path, make) -> tuple[list, list, list]:
+    """(the changes `make(log)` gives, the log their transactions wrote, their results)
+    once committed together."""
     async def body(store):
         log: list = []
-        changes = [Prepared(log) for _ in range(50)]
+        changes = make(log)
         results = await store.committer.submit_all(changes)
         return changes, log, results
-    changes, log, results = run(tmp_path / "s", body)
+    return run(tmp_path / "s", body)
+
+
+def test_a_group_prepares_every_change_once_in_the_pool_before_its_transaction(tmp_path):
+    changes, log, results = _commit_all(tmp_path, lambda log: [Prepared(log) for _ in range(50)])
     assert results == [None] * 50
     assert all(c.prepared == 1 for c in changes)
     assert {id(c) for c in log} == {id(c) for c in changes}
     assert all(c.thread and c.thread.startswith("distorefs-prepare") for c in changes)
 
 
+def test_small_changes_are_prepared_in_the_committers_thread_not_handed_to_the_pool(tmp_path):
+    """Changes with little to compress between them (an actor's transitions) are prepared
+    in the thread that runs the group's transaction: the pool's hand-offs would cost more."""
+    changes, log, results = _commit_all(tmp_path, lambda log: [Prepared(log, size=300) for _ in range(20)])
+    assert results == [None] * 20
+    assert all(c.prepared == 1 for c in changes)
+    assert {id(c) for c in log} == {id(c) for c in changes}
+    assert {c.thread for c in changes} == {"distorefs-commit"}
+
+
 def test_a_change_whose_preparation_fails_fails_alone(tmp_path):
-    async def body(store):
-        log: list = []
-        changes = [Prepared(log, fail=(i == 7)) for i in range(20)]
-        results = await store.committer.submit_all(changes)
-        return changes, log, results
-    changes, log, results = run(tmp_path / "s", body)
+    changes, log, results = _commit_all(tmp_path, lambda log: [Prepared(log, fail=(i == 7)) for i in range(20)])
     assert isinstance(results[7], DistorefsError)
     assert all(r is None for i, r in enumerate(results) if i != 7)
     assert changes[7] not in log
