@@ -28,6 +28,8 @@
   until Python's first request of that handle takes them (`take_collected`): an insert's
   WRITEs never reach Python, its close's FLUSH commits what the front kept (and a later
   close of the same open file, np.save's second, is the front's: `flush_free`).
+  And a request the front has queued already is taken by pyfuse3's loop without waiting
+  for its fd again (`take_queued_without_waiting`; DISTOREFS_QUEUED_WAIT=0 leaves it off).
   The front's thread (`distorefs-front`) runs at nice -10 where the daemon may
   (DISTOREFS_FRONT_NICE sets another value). DISTOREFS_FRONT=0 in the daemon's environment
   leaves the reading to pyfuse3, as before (for comparisons).
