@@ -91,7 +91,9 @@ class Change(ABC):
         """Decide the effects (on the event loop). May raise DistorefsError to fail alone."""
 
     def prepare(self) -> None:
-        """CPU work before the transaction (worker thread, run in parallel across the group)."""
+        """CPU work before the transaction, in a worker thread: the committer's own, or the
+        pool's in parallel across the group when the group's changes have
+        PARALLEL_PREPARE_BYTES of it between them."""
 
     def prepare_bytes(self) -> int:
         """How many bytes `prepare` works through (compression); 0: it has nothing to do."""
