@@ -124,6 +124,30 @@ def test_declared_order_is_prefetched(staged):
     assert after["bytes_ahead"] < 64 << 20 and after["plans"] == before["plans"] + 1
 
 
+def test_the_daemons_worker_threads_are_not_renamed_for_each_call(fs, staged):
+    """trio names a worker thread after each call's task and back (pthread_setname_np
+    through ctypes, letting go of the GIL twice a call): the daemon turns that off, so after
+    a cold listing, lookups and a declared order's loads, no thread of it carries a name
+    trio gave it."""
+    _, files, ds = staged
+    index = np.load(ds / "index.npy")
+    order = np.random.default_rng(11).permutation(len(index))[:300]
+    drop_page_cache([ds / "items" / index["path"][i].decode() for i in order])
+    with open(ds / "order", "wb") as f:
+        np.save(f, order)
+    for i in order:
+        path = index["path"][i].decode()
+        assert (ds / "items" / path).read_bytes() == files[path]
+    names = []
+    for task in os.listdir(f"/proc/{fs.pid}/task"):
+        try:
+            names.append(Path(f"/proc/{fs.pid}/task/{task}/comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    assert "distorefs-front" in names  # (the front names its own thread)
+    assert not [n for n in names if n.startswith("Trio thread") or " from " in n], names
+
+
 def test_reads_against_the_order_are_correct(staged):
     _, files, ds = staged
     index = np.load(ds / "index.npy")
