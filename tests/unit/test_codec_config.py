@@ -147,3 +147,15 @@ def test_checksums_of_a_value_and_its_regions_are_zlibs_whichever_way_they_are_c
     assert codec.checksums(data, regions) == expected
     monkeypatch.setattr(codec, "READ_TWICE_BYTES", -1)  # every value the combining way
     assert codec.checksums(data, regions) == expected
+
+
+def test_zlibs_crc_combination_is_called_keeping_the_gil():
+    """codec.crc32_combine calls zlib without letting go of the GIL (ctypes.PyDLL): a call
+    takes about a microsecond, and a large batch makes hundreds, each of which would
+    otherwise wait to take the GIL back from any busy thread."""
+    import ctypes
+
+    if codec._combine is None:
+        pytest.skip("no zlib with crc32_combine64 on this machine: the pure-Python combination is used")
+    assert codec._combine._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    assert codec.crc32_combine(0x12345678, 0x9ABCDEF0, 1000) == codec._crc32_combine_python(0x12345678, 0x9ABCDEF0, 1000)
