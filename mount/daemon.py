@@ -137,6 +137,7 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
                metrics_addr: tuple[str, int] | None = None) -> bool:
     """Serve until the mount ends; True if it ended by a signal rather than an unmount."""
     signalled: list[int] = []
+    _unnamed_worker_threads()  # before the store's tasks hand anything to a thread
     async with store.running():
         fs.start_notifications(mountpoint)
         fs.start_priority_log()
@@ -155,7 +156,6 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
                         raise
                 _report(ready_fd, "ready")
                 interpose.take_queued_without_waiting()
-                _unnamed_worker_threads()
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 fs.stop_priority_log()
                 await fs.release_taken()  # RELEASEs the front answered last (a commit at release)
