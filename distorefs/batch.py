@@ -36,7 +36,7 @@ from .backends.crc import crc32
 from .catalog import EntryMeta
 from .codec import crc32_combine
 from .layout import Layout, batch_name
-from .names import escape_key, escape_keys
+from .names import escape_keys
 from .rows import field_columns
 
 # A stacked member up to this size is joined once and checksummed whole: cheaper than one CRC
@@ -76,10 +76,10 @@ class SequenceBatch(Batch):
 
     def manifest(self) -> bytes:
         """One line per sequence: START_KEY SEQ PROBABILITY WEIGHT LENGTH (LENGTH: its real steps)."""
-        return b"".join(
-            b"%s %d %.9g %.9g %d\n" % (escape_key(m.key), m.seq, p, w, k)
-            for m, p, w, k in zip(self.starts, self.probabilities.tolist(), self.weights.tolist(),
-                                  self.mask.sum(axis=1).tolist()))
+        starts = self.starts
+        return b"".join([b"%s %d %.9g %.9g %d\n" % line for line in zip(
+            escape_keys([m.key for m in starts]), [m.seq for m in starts], self.probabilities.tolist(),
+            self.weights.tolist(), self.mask.sum(axis=1).tolist())])
 
 
 # ----- parts of a file ------------------------------------------------------------------------
@@ -369,7 +369,7 @@ class _SmallZip:
     def __init__(self, names: tuple[str, ...], heads: tuple[bytes, ...], sizes: tuple[int, ...]) -> None:
         members = [Member(n, h, Blob(bytes(size)), 0) for n, h, size in zip(names, heads, sizes)]
         parts = zip_parts(members)
-        self.image = bytes(BatchFile(parts).read(0, sum(p.size for p in parts)))
+        self.image = bytes(BatchFile(parts))
         # Where each member's bytes and CRC fields are: its local header (the CRC 14 bytes
         # in) is the part before its body; the central directory is in the last part, one
         # record (46 bytes and the name: no ZIP64 in a file this small) per member.
