@@ -56,6 +56,8 @@ class Batch:
     rows: np.ndarray | None = None
     # its batch/N.npz, when it was built ahead of its open (distorefs/buffer.py, BuiltAhead)
     file: "BatchFile | None" = None
+    # the ring slots of `metas`, in order (an empty array: not known)
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def manifest(self) -> bytes:
         """One line per entry: KEY SEQ PROBABILITY WEIGHT (KEY escaped: names.escape_key)."""

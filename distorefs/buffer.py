@@ -84,7 +84,8 @@ class Buffer(RingNamespace):
         self._presampled: dict[int, deque] = {}
         # Entries drawn since their times-sampled counts were last written: written behind,
         # SAMPLED_FLUSH_S after the first draw, in one commit (a crash loses at most those).
-        self._sampled: dict[int, EntryMeta] = {}
+        self._sampled: list[tuple[np.ndarray, np.ndarray]] = []  # (slots, seqs) of each draw
+        self._sampled_count = 0
         self._sampled_due = False
         self._refilling: set[int] = set()
         self._npz_sizes: set[int] = set()  # batch sizes last drawn for a batch/N.npz: built ahead
@@ -414,10 +415,10 @@ class Buffer(RingNamespace):
             batch = Batch([ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
                           [ring.slot_meta[s] for s in spent.tolist()],  # type: ignore[misc]
                           self.places.take(slots) if self.layout is not None and len(slots) else None,
-                          self.rows.of(slots))
+                          self.rows.of(slots), slots=slots)
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(batch.metas)
-        self._record_sampled(batch.metas)
+        self._record_sampled(batch.slots)
         if presample:  # this daemon reads the batch's values (not a client beside it)
             ring.note_read(len(batch.metas))
             self._schedule_presample(n)
@@ -433,15 +434,16 @@ class Buffer(RingNamespace):
                              self.places.take(real) if self.layout is not None and len(real) else None,
                              self.rows.of(real),
                              starts=[slot_meta[s] for s in drawn.starts.tolist()],  # type: ignore[misc]
-                             mask=drawn.mask)
+                             mask=drawn.mask, slots=real)
 
-    def _record_sampled(self, metas: list[EntryMeta]) -> None:
-        if self.read_only:
+    def _record_sampled(self, slots: np.ndarray) -> None:
+        """The entries in `slots` were handed out: their times-sampled counts are written
+        behind."""
+        if self.read_only or not len(slots):
             return
-        sampled = self._sampled
-        for m in metas:
-            sampled[m.seq] = m
-        if len(sampled) >= SAMPLED_FLUSH_ENTRIES:
+        self._sampled.append((slots, self.ring.slot_seq[slots]))
+        self._sampled_count += len(slots)
+        if self._sampled_count >= SAMPLED_FLUSH_ENTRIES:
             self.flush_sampled()
         elif not self._sampled_due:
             self._sampled_due = True
@@ -455,8 +457,10 @@ class Buffer(RingNamespace):
         """Queue the times-sampled counts not written yet (the store calls it at shutdown)."""
         self._sampled_due = False
         if self._sampled:
-            metas, self._sampled = list(self._sampled.values()), {}
-            self.committer.submit_nowait(RecordSampled(self, metas))
+            drawn, self._sampled, self._sampled_count = self._sampled, [], 0
+            slots = np.concatenate([slots for slots, _ in drawn])
+            seqs = np.concatenate([seqs for _, seqs in drawn])
+            self.committer.submit_nowait(RecordSampled(self, slots, seqs))
 
     async def sample_npz(self, n: int, nonblocking: bool = False,
                          abandoned: Abandoned | None = None) -> tuple[Batch, BatchFile]:
@@ -555,6 +559,7 @@ class Buffer(RingNamespace):
         if not len(slots) or not (ring.slot_seq[slots] == seqs).all():
             return None  # an entry of it removed or replaced since: the open draws instead
         metas = [ring.slot_meta[s] for s in slots.tolist()]
+        gens = ring.slot_gen[slots]  # the versions read: the file is handed out only while they are there
         if sum(m.size for m in metas) > self.limits.max_batch_bytes:
             return None
         try:
@@ -566,7 +571,7 @@ class Buffer(RingNamespace):
         self.rows.fill(metas, values)
         batch = BuiltAhead.drawn(self, slots, None)
         batch.file = await trio.to_thread.run_sync(batch_file, batch, values, layout)
-        ahead = BuiltAhead(batch, slots, config, layout)
+        ahead = BuiltAhead(batch, slots, gens, config, layout)
         if not ahead.current(self):
             return None
         reservation = Reservation(n, hint, ahead, _nothing)
@@ -582,15 +587,15 @@ class Buffer(RingNamespace):
         self._reserved.discard(reservation)
         ahead = reservation.ahead
         batch = ahead.batch
-        slot_meta = self.ring.slot_meta
-        held = [s for s, m in zip(ahead.slots.tolist(), batch.metas) if slot_meta[s] is m]
-        self.sampler.count_draws(ahead.slots if len(held) == len(batch.metas) else np.array(held, dtype=np.int64))
+        held = ahead.held(self)
+        slots = ahead.slots if held.all() else ahead.slots[held]
+        self.sampler.count_draws(slots)
         counters = self.counters
         counters["presampled_used"] += 1
         counters["built_ahead_used"] += 1
         counters["batches"] += 1
         counters["sampled_entries"] += len(batch.metas)
-        self._record_sampled([m for m in batch.metas if slot_meta[m.slot] is m])
+        self._record_sampled(slots)
         self.ring.note_read(len(batch.metas))  # (its queue was refilled when it was set aside)
         return batch
 
@@ -645,17 +650,14 @@ class Buffer(RingNamespace):
                         built = BuiltAhead.build(self, slots)
                 if len(slots) == 0:
                     return
-                ahead = self.rows.unfilled(ahead)  # entries whose rows are kept need no reading
-                metas = [self.ring.slot_meta[s] for s in ahead.tolist()]
                 queue.append(((slots, self.ring.slot_seq[slots]), built))
-                cached = self.ring.values.cache.peek
-                ns = self.ns_id
-                # only what the memory tier does not hold already needs reading ahead (and
-                # with nothing to read, the prefetcher is not woken)
-                assert self.ring.prefetcher is not None  # (set in __init__)
-                missing = {(m.seq, m.gen): None for m in metas if cached((ns, m.seq, m.gen)) is None}
-                if missing:
-                    self.ring.prefetcher.extend(missing)
+                # only what neither the rows kept nor the memory tier hold needs reading ahead
+                # (and with nothing to read, the prefetcher is not woken)
+                ahead = self.ring.uncached_slots(self.rows.unfilled(ahead))
+                if len(ahead):
+                    assert self.ring.prefetcher is not None  # (set in __init__)
+                    metas = [self.ring.slot_meta[s] for s in ahead.tolist()]
+                    self.ring.prefetcher.extend({(m.seq, m.gen): None for m in metas})  # type: ignore[union-attr]
         finally:
             self._refilling.discard(n)
 
@@ -839,16 +841,19 @@ class FixLayout(Change):
 class RecordSampled(Change):
     """Persist times-sampled counters (fire and forget: a crash loses at most the last)."""
 
-    def __init__(self, buffer: Buffer, metas: list[EntryMeta]) -> None:
+    def __init__(self, buffer: Buffer, slots: np.ndarray, seqs: np.ndarray) -> None:
+        """The entries drawn: (slot, seq) pairs, an entry drawn many times many times."""
         self.buffer = buffer
-        self.metas = list({m.seq: m for m in metas}.values())
+        self.seqs, first = np.unique(seqs, return_index=True)
+        self.slots = slots[first]
 
     def plan(self, overlay: Overlay) -> None:
         ring = self.buffer.ring
         removed = overlay.ring(ring.ns_id).removed
-        times = self.buffer.sampler.times
-        self.rows = [(m.seq, int(times[m.slot])) for m in self.metas
-                     if ring.by_seq.get(m.seq) is not None and m.seq not in removed and ring.slot_meta[m.slot] is not None]
+        live = ring.slot_seq[self.slots] == self.seqs  # still in the slot it was drawn from
+        times = self.buffer.sampler.times[self.slots[live]]
+        self.rows = [(seq, count) for seq, count in zip(self.seqs[live].tolist(), times.tolist())
+                     if seq not in removed]
 
     def txn(self, txn) -> None:
         ns = self.buffer.ns_id
@@ -896,9 +901,11 @@ class BuiltAhead:
 
     MAX_BYTES = 1 << 20  # held while queued (presample_batches of them per batch size)
 
-    def __init__(self, batch: Batch, slots: np.ndarray, config: BufferConfig, layout: Layout) -> None:
+    def __init__(self, batch: Batch, slots: np.ndarray, gens: np.ndarray, config: BufferConfig,
+                 layout: Layout) -> None:
         self.batch = batch
         self.slots = slots
+        self.gens = gens  # the entry versions it was built from (Ring.slot_gen)
         self.config = config
         self.layout = layout
 
@@ -911,9 +918,10 @@ class BuiltAhead:
         rows = buf.rows.of(slots)
         if rows is None or rows.nbytes > BuiltAhead.MAX_BYTES:
             return None
+        gens = buf.ring.slot_gen[slots]
         batch = BuiltAhead.drawn(buf, slots, rows)
         batch.file = batch_file(batch, None, layout)
-        return BuiltAhead(batch, slots, config, layout)
+        return BuiltAhead(batch, slots, gens, config, layout)
 
     @staticmethod
     def drawn(buf: "Buffer", slots: np.ndarray, rows: np.ndarray | None) -> Batch:
@@ -921,13 +929,16 @@ class BuiltAhead:
         are those of the distribution it is drawn from now."""
         probs, weights = buf.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
         return Batch([buf.ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
-                     [], buf.places.take(slots), rows)
+                     [], buf.places.take(slots), rows, slots=slots)
+
+    def held(self, buf: "Buffer") -> np.ndarray:
+        """For each entry, whether its slot still holds the version it was built from."""
+        return buf.ring.slot_gen[self.slots] == self.gens
 
     def current(self, buf: "Buffer") -> bool:
         if buf.config is not self.config or buf.layout is not self.layout:
             return False
-        slot_meta = buf.ring.slot_meta
-        return all(slot_meta[s] is m for s, m in zip(self.slots.tolist(), self.batch.metas))
+        return bool(self.held(buf).all())
 
 
 class Reservation:

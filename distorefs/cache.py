@@ -10,8 +10,12 @@ of it, the LRU holding what is left.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
-from typing import Hashable
+from typing import Callable, Hashable
+
+# Told whenever a watched key enters the tier (True) or leaves it (False).
+Watcher = Callable[[Hashable, bool], None]
 
 
 class ValueCache:
@@ -24,6 +28,10 @@ class ValueCache:
         self.warmed_bytes = 0  # loaded by warm requests
         self.warm_refused_bytes = 0  # asked for by warm requests, not taken (budget)
         self._items: OrderedDict[Hashable, bytes] = OrderedDict()
+        # Whoever keeps its own record of which of its keys the tier holds (a ring, per slot:
+        # a draw then asks a numpy array, not the LRU key by key), by the first item of the
+        # key tuple. Weak: a dropped namespace's watcher goes with it.
+        self._watchers: dict[Hashable, weakref.WeakMethod] = {}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -44,6 +52,20 @@ class ValueCache:
         """Like get, but counts neither a hit nor a miss (for the prefetcher's bookkeeping)."""
         return self._items.get(key)
 
+    def watch(self, prefix: Hashable, fn: Watcher) -> None:
+        """Call `fn(key, held)` (a bound method, held weakly) whenever a key tuple starting
+        with `prefix` enters the tier (held True) or leaves it (False)."""
+        self._watchers[prefix] = weakref.WeakMethod(fn)  # type: ignore[arg-type]
+
+    def _tell(self, key: Hashable, held: bool) -> None:
+        ref = self._watchers.get(key[0]) if type(key) is tuple and key else None  # type: ignore[index]
+        if ref is not None:
+            fn = ref()
+            if fn is None:
+                del self._watchers[key[0]]  # type: ignore[index]
+            else:
+                fn(key, held)
+
     def admits(self, size: int) -> bool:
         """Whether a value of `size` bytes may be cached at all."""
         return size <= self.capacity_bytes // 4
@@ -56,6 +78,8 @@ class ValueCache:
             self.used_bytes -= len(old)
         self._items[key] = value
         self.used_bytes += len(value)
+        if self._watchers:
+            self._tell(key, True)
         self._shrink()
 
     def reserve(self, nbytes: int) -> bool:
@@ -76,13 +100,17 @@ class ValueCache:
 
     def _shrink(self) -> None:
         while self.used_bytes + self.reserved_bytes > self.capacity_bytes and self._items:
-            _, evicted = self._items.popitem(last=False)
+            key, evicted = self._items.popitem(last=False)
             self.used_bytes -= len(evicted)
+            if self._watchers:
+                self._tell(key, False)
 
     def discard(self, key: Hashable) -> None:
         old = self._items.pop(key, None)
         if old is not None:
             self.used_bytes -= len(old)
+            if self._watchers:
+                self._tell(key, False)
 
     def stats(self) -> dict:
         total = self.hits + self.misses

@@ -1,6 +1,7 @@
 """The store, ring and replay buffer as a library: no FUSE, a real LMDB store on disk."""
 
 import io
+from collections import deque
 import math
 import zipfile
 
@@ -266,18 +267,25 @@ def test_batch_npz_stacks_fields(tmp_path):
     run(tmp_path / "s", body)
 
 
+async def building_ahead(store):
+    """A buffer "rb" of entries e0..e2 (one float32 array `obs` each, full of i) whose
+    batch/32.npz files are built ahead: one was opened."""
+    buf = await store.create_buffer("rb", DIR)
+    for i in range(3):
+        out = io.BytesIO()
+        np.savez(out, obs=np.full(2, i, np.float32))
+        await buf.insert(b"e%d" % i, out.getvalue(), OWNER)
+    await buf.sample_npz(32)
+    await trio.sleep(0.05)
+    return buf
+
+
 def test_a_batch_set_aside_is_counted_when_taken_and_void_when_an_entry_of_it_goes(tmp_path):
     """Buffer.reserve_ahead: the next batch built ahead, set aside for an open to come (the
     mount's learner inode). Nothing is counted until it is taken; removing an entry it holds
     makes it void (its taker is told); with a rate limiter nothing is set aside."""
     async def body(store):
-        buf = await store.create_buffer("rb", DIR)
-        for i in range(3):
-            out = io.BytesIO()
-            np.savez(out, obs=np.full(2, i, np.float32))
-            await buf.insert(b"e%d" % i, out.getvalue(), OWNER)
-        await buf.sample_npz(32)  # a batch/32.npz was opened: its batches are built ahead from now on
-        await trio.sleep(0.05)
+        buf = await building_ahead(store)
         voided: list[int] = []
         reservation = buf.reserve_ahead(32, lambda: voided.append(1))
         assert reservation is not None and reservation.file.size > 0
@@ -412,4 +420,63 @@ def test_the_weight_of_a_drawn_entry_whose_priority_is_0_now_is_0(tmp_path):
         probs, weights = buf.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
         assert probs.tolist() == [0.2, 0.8, 0.0]
         assert weights.tolist() == [1.0, 0.25 ** 0.5, 0.0]
+    run(tmp_path / "s", body)
+
+
+def test_the_ring_knows_which_values_the_memory_tier_holds_and_presampling_reads_ahead_the_others(tmp_path):
+    """Ring.slot_cached follows the memory tier through inserts, evictions from the tier,
+    reads, rewrites, renames and deletes; a presampled draw hands the prefetcher exactly
+    its entries the tier does not hold."""
+    def consistent(buf) -> None:
+        ring, cache = buf.ring, buf.ring.values.cache
+        live = [m for m in ring.slot_meta if m is not None]
+        assert [bool(ring.slot_cached[m.slot]) for m in live] == [(ring.ns_id, m.seq, m.gen) in cache for m in live]
+        free = [slot for slot, m in enumerate(ring.slot_meta) if m is None]
+        assert not ring.slot_cached[free].any()
+
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"presample_batches": 1}')
+        await fill(buf, 24, size=8 << 10)  # the tier (64 KiB) holds the last few only
+        ring = buf.ring
+        consistent(buf)
+        assert 0 < int(ring.slot_cached.sum()) < 24
+        oldest = ring.get(b"k0")
+        assert not ring.slot_cached[oldest.slot]
+        assert await ring.read(oldest) == bytes([0]) * (8 << 10)  # read: held now, another one left
+        assert ring.slot_cached[oldest.slot]
+        consistent(buf)
+        await buf.insert(b"k0", bytes([99]) * (8 << 10), OWNER)  # a rewrite: its new version is held
+        consistent(buf)
+        await ring.rename(b"k0", b"renamed")
+        consistent(buf)
+        await ring.delete(b"k23")
+        consistent(buf)
+
+        asked: list[dict] = []
+        ring.prefetcher.extend = asked.append  # type: ignore[method-assign]  # what a draw ahead reads
+        queue = buf._presampled.setdefault(64, deque())
+        queue.clear()
+        await buf._presample(64)
+        (slots, _), _ = queue[-1]
+        drawn = [ring.slot_meta[s] for s in slots.tolist()]
+        wanted = {(m.seq, m.gen) for m in drawn if (ring.ns_id, m.seq, m.gen) not in ring.values.cache}
+        assert wanted and set().union(*asked) == wanted
+    run(tmp_path / "s", body, config={"cache_bytes": 64 << 10})
+
+
+def test_a_batch_built_ahead_is_not_handed_out_once_an_entry_of_it_is_rewritten(tmp_path):
+    """A batch/N.npz built ahead holds the versions it was built from: a rewrite of one of
+    its entries (same key, same slot, new version) makes it stale, as a delete does."""
+    async def body(store):
+        buf = await building_ahead(store)
+        _, ahead = buf._presampled[32][0]
+        assert ahead is not None and ahead.current(buf)
+        out = io.BytesIO()
+        np.savez(out, obs=np.full(2, 7, np.float32))
+        await buf.insert(b"e1", out.getvalue(), OWNER)
+        assert not ahead.current(buf)
+        batch, content = await buf.sample_npz(32)
+        z = np.load(io.BytesIO(bytes(content.read(0, content.size, bytearray(1 << 20)))))
+        assert 7.0 in z["obs"][:, 0] and 1.0 not in z["obs"][:, 0]
     run(tmp_path / "s", body)
