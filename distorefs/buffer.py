@@ -415,7 +415,7 @@ class Buffer(RingNamespace):
             batch = Batch([ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
                           [ring.slot_meta[s] for s in spent.tolist()],  # type: ignore[misc]
                           self.places.take(slots) if self.layout is not None and len(slots) else None,
-                          self.rows.of(slots), slots=slots)
+                          self.rows.of(slots), slots=slots, seqs=ring.slot_seq[slots])
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(batch.metas)
         self._record_sampled(batch.slots)
@@ -434,7 +434,7 @@ class Buffer(RingNamespace):
                              self.places.take(real) if self.layout is not None and len(real) else None,
                              self.rows.of(real),
                              starts=[slot_meta[s] for s in drawn.starts.tolist()],  # type: ignore[misc]
-                             mask=drawn.mask, slots=real)
+                             mask=drawn.mask, slots=real, seqs=self.ring.slot_seq[real])
 
     def _record_sampled(self, slots: np.ndarray) -> None:
         """The entries in `slots` were handed out: their times-sampled counts are written
@@ -929,7 +929,7 @@ class BuiltAhead:
         are those of the distribution it is drawn from now."""
         probs, weights = buf.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
         return Batch([buf.ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
-                     [], buf.places.take(slots), rows, slots=slots)
+                     [], buf.places.take(slots), rows, slots=slots, seqs=buf.ring.slot_seq[slots])
 
     def held(self, buf: "Buffer") -> np.ndarray:
         """For each entry, whether its slot still holds the version it was built from."""

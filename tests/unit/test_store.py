@@ -20,6 +20,12 @@ LARGE = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobyt
 DIR = Owner(0o40755, 1000, 1000)
 
 
+def npz_bytes(**arrays) -> bytes:
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
+
+
 def npy(value, shape=(4, 3)) -> bytes:
     out = io.BytesIO()
     np.save(out, np.full(shape, value, dtype=np.float32))
@@ -272,9 +278,7 @@ async def building_ahead(store):
     batch/32.npz files are built ahead: one was opened."""
     buf = await store.create_buffer("rb", DIR)
     for i in range(3):
-        out = io.BytesIO()
-        np.savez(out, obs=np.full(2, i, np.float32))
-        await buf.insert(b"e%d" % i, out.getvalue(), OWNER)
+        await buf.insert(b"e%d" % i, npz_bytes(obs=np.full(2, i, np.float32)), OWNER)
     await buf.sample_npz(32)
     await trio.sleep(0.05)
     return buf
@@ -472,11 +476,26 @@ def test_a_batch_built_ahead_is_not_handed_out_once_an_entry_of_it_is_rewritten(
         buf = await building_ahead(store)
         _, ahead = buf._presampled[32][0]
         assert ahead is not None and ahead.current(buf)
-        out = io.BytesIO()
-        np.savez(out, obs=np.full(2, 7, np.float32))
-        await buf.insert(b"e1", out.getvalue(), OWNER)
+        await buf.insert(b"e1", npz_bytes(obs=np.full(2, 7, np.float32)), OWNER)
         assert not ahead.current(buf)
         batch, content = await buf.sample_npz(32)
         z = np.load(io.BytesIO(bytes(content.read(0, content.size, bytearray(1 << 20)))))
         assert 7.0 in z["obs"][:, 0] and 1.0 not in z["obs"][:, 0]
+    run(tmp_path / "s", body)
+
+
+def test_a_draws_sequence_numbers_come_from_the_ring_and_name_its_entries(tmp_path):
+    """sample/N lines and batch/N.npz's seqs.npy give each drawn entry's own sequence number,
+    taken from the ring's slot table when it is drawn."""
+    async def body(store):
+        buf = await building_ahead(store)
+        await buf.insert(b"e0", npz_bytes(obs=np.full(2, 9, np.float32)), OWNER)  # a rewrite keeps its seq
+        for _ in range(3):
+            batch = await buf.sample(16)
+            assert len(batch.seqs) == 16 and batch.seqs.tolist() == [m.seq for m in batch.metas]
+            assert [int(line.split()[1]) for line in batch.manifest().splitlines()] == batch.seqs.tolist()
+            batch, content = await buf.sample_npz(32)
+            z = np.load(io.BytesIO(bytes(content.read(0, content.size, bytearray(1 << 20)))))
+            assert z["seqs"].tolist() == [m.seq for m in batch.metas]
+            assert [buf.ring.by_seq[s].key.decode() for s in z["seqs"].tolist()] == z["keys"].tolist()
     run(tmp_path / "s", body)
