@@ -5,7 +5,8 @@ file is warmed (`distorefs warmup`: ValueLayer.warm); the least recently used le
 `capacity_bytes` is exceeded. A value larger than a quarter of the budget is never cached,
 so one huge entry cannot flush everything. Tables of decoded fields kept beside it (a
 buffer's rows, distorefs/rows.py) reserve their bytes from the same budget: at most half
-of it, the LRU holding what is left.
+of it, the LRU holding what is left. A namespace may `watch` its keys come and go (a ring
+keeps, per slot, whether its value is here: distorefs/ring.py slot_cached).
 """
 
 from __future__ import annotations
