@@ -418,7 +418,7 @@ class Buffer(RingNamespace):
                           self.rows.of(slots), slots=slots, seqs=ring.slot_seq[slots])
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(batch.metas)
-        self._record_sampled(batch.slots)
+        self._record_sampled(batch.slots, batch.seqs)
         if presample:  # this daemon reads the batch's values (not a client beside it)
             ring.note_read(len(batch.metas))
             self._schedule_presample(n)
@@ -436,12 +436,12 @@ class Buffer(RingNamespace):
                              starts=[slot_meta[s] for s in drawn.starts.tolist()],  # type: ignore[misc]
                              mask=drawn.mask, slots=real, seqs=self.ring.slot_seq[real])
 
-    def _record_sampled(self, slots: np.ndarray) -> None:
-        """The entries in `slots` were handed out: their times-sampled counts are written
-        behind."""
+    def _record_sampled(self, slots: np.ndarray, seqs: np.ndarray) -> None:
+        """The entries in `slots` (their sequence numbers `seqs`) were handed out: their
+        times-sampled counts are written behind."""
         if self.read_only or not len(slots):
             return
-        self._sampled.append((slots, self.ring.slot_seq[slots]))
+        self._sampled.append((slots, seqs))
         self._sampled_count += len(slots)
         if self._sampled_count >= SAMPLED_FLUSH_ENTRIES:
             self.flush_sampled()
@@ -588,14 +588,14 @@ class Buffer(RingNamespace):
         ahead = reservation.ahead
         batch = ahead.batch
         held = ahead.held(self)
-        slots = ahead.slots if held.all() else ahead.slots[held]
+        slots, seqs = (ahead.slots, batch.seqs) if held.all() else (ahead.slots[held], batch.seqs[held])
         self.sampler.count_draws(slots)
         counters = self.counters
         counters["presampled_used"] += 1
         counters["built_ahead_used"] += 1
         counters["batches"] += 1
         counters["sampled_entries"] += len(batch.metas)
-        self._record_sampled(slots)
+        self._record_sampled(slots, seqs)
         self.ring.note_read(len(batch.metas))  # (its queue was refilled when it was set aside)
         return batch
 
@@ -656,8 +656,8 @@ class Buffer(RingNamespace):
                 ahead = self.ring.uncached_slots(self.rows.unfilled(ahead))
                 if len(ahead):
                     assert self.ring.prefetcher is not None  # (set in __init__)
-                    metas = [self.ring.slot_meta[s] for s in ahead.tolist()]
-                    self.ring.prefetcher.extend({(m.seq, m.gen): None for m in metas})  # type: ignore[union-attr]
+                    self.ring.prefetcher.extend(dict.fromkeys(zip(self.ring.slot_seq[ahead].tolist(),
+                                                                  self.ring.slot_gen[ahead].tolist())))
         finally:
             self._refilling.discard(n)
 
