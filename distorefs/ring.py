@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import struct
 import time
+import weakref
 from typing import TYPE_CHECKING, Callable, Hashable, Iterator, Protocol, TypeVar, cast
 
 import numpy as np
@@ -139,6 +140,10 @@ class Ring:
         # Set by namespaces that read ahead (buffers: pre-sampled batches); keys (seq, gen).
         self.prefetcher: Prefetcher | None = None
         self.values.cache.watch(ns_id, self._cache_changed)
+        # Told whenever a key enters `by_key` (True) or leaves it (False): the mount's
+        # directory of the ring's names keeps the front's copy of them (mount/nodes.py).
+        # Bound methods, held weakly: a forgotten directory's goes with it.
+        self._name_watchers: list[weakref.WeakMethod] = []
         # Set by namespaces whose entries hold arrays (buffers): given an entry's key and
         # content, the (offset, length) of each array in it, None for an entry kept as plain
         # bytes; raises InvalidArgument for an entry the namespace refuses. Called when the
@@ -209,6 +214,20 @@ class Ring:
         meta = self.by_seq.get(ring_key[1])
         if meta is not None and meta.gen == ring_key[2]:
             self.slot_cached[meta.slot] = held
+
+    def watch_names(self, fn: Callable[[bytes, bool], None]) -> None:
+        """Call `fn(key, True)` (a bound method, held weakly) whenever a key enters the ring
+        (an insert, a rename's new name, an entry loaded) and `fn(key, False)` when one
+        leaves it."""
+        self._name_watchers.append(weakref.WeakMethod(fn))  # type: ignore[arg-type]
+
+    def _names_changed(self, key: bytes, present: bool) -> None:
+        for ref in list(self._name_watchers):
+            fn = ref()
+            if fn is None:
+                self._name_watchers.remove(ref)
+            else:
+                fn(key, present)
 
     def uncached_slots(self, slots: np.ndarray) -> np.ndarray:
         """Those of `slots` whose values the memory tier does not hold."""
@@ -636,6 +655,8 @@ class Ring:
             self.by_seq[meta.seq] = meta
         self.by_key[meta.key] = meta
         self.next_seq = max(self.next_seq, meta.seq + 1)
+        if self._name_watchers:
+            self._names_changed(meta.key, True)
         self._account(meta, +1)
         if self.observer is not None:
             self.observer.entry_added(meta, priority, times_sampled)
@@ -649,6 +670,9 @@ class Ring:
         self.by_seq[new.seq] = new
         if old.key != new.key:
             del self.by_key[old.key]
+            if self._name_watchers:
+                self._names_changed(new.key, True)  # (first: the name is never missing in between)
+                self._names_changed(old.key, False)
         self.by_key[new.key] = new
         self._account(old, -1)
         self._account(new, +1)
@@ -677,6 +701,8 @@ class Ring:
     def apply_remove(self, meta: EntryMeta, reason: str) -> None:
         del self.by_seq[meta.seq]
         del self.by_key[meta.key]
+        if self._name_watchers:
+            self._names_changed(meta.key, False)
         self.slot_meta[meta.slot] = None
         self.slot_seq[meta.slot] = -1
         self.slot_gen[meta.slot] = 0

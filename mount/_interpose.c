@@ -88,6 +88,17 @@
  *   what the front held when the daemon dies was never committed, as Python's staged
  *   bytes were not.
  *
+ * - LOOKUPs of names a directory certainly lacks (absent_names, name_counted): Python gives
+ *   the front the names an `entries/` directory has (its ring's keys, and the names of the
+ *   inodes its writers created and hold), and keeps the count of each as they come and go;
+ *   a LOOKUP in that directory of a name it does not hold is answered ENOENT here. Every
+ *   insert of a new entry asked one (the kernel looks a name up before it creates it:
+ *   fuse_atomic_open), a trip through pyfuse3 and the trio loop for an answer the front
+ *   can give (68 us of the daemon's CPU each). The names are kept as 64-bit hashes with a
+ *   count: a name whose hash collides with one held goes to Python (which answers as
+ *   before), and one that is held is never answered here. A name Python refuses (empty,
+ *   `.`, `..`, past 255 bytes) goes to Python too, for its errno.
+ *
  * - FUSE_PARALLEL_DIROPS (fuse_session_mount, the session's INIT handler): libfuse before 3.17
  *   never passes it to the kernel (it wants it by default, but its INIT reply leaves the flag
  *   out; libfuse #861), so the kernel took a directory's mutex around every LOOKUP and
@@ -128,6 +139,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -161,6 +173,7 @@ typedef void (*write_buf_fn)(fuse_req_t, fuse_ino_t, struct fuse_bufvec *, off_t
 #define IN_HEADER_SIZE 40
 #define IN_OPCODE_OFFSET 4
 #define GETXATTR_IN_SIZE 8
+#define OPCODE_LOOKUP 1
 #define OPCODE_GETATTR 3
 #define OPCODE_FLUSH 25
 #define OPCODE_GETXATTR 22
@@ -342,6 +355,24 @@ static unsigned collect_count;
 static size_t collect_bytes;  /* what the handles' buffers take together */
 static unsigned long long collected_writes;
 
+/* Names directories hold (absent_names, name_counted): per directory inode, an
+   open-addressed table of the names' 64-bit hashes (0: an empty slot) with a count each
+   (a name a ring holds and writers hold too counts once for each). */
+#define NAME_DIRS_MAX 256  /* directories answered at once (then: Python's, as before) */
+#define NAME_MAX_BYTES 255  /* longer: Python's (ENAMETOOLONG) */
+typedef void (*lookup_fn)(fuse_req_t, fuse_ino_t, const char *);
+static lookup_fn handler_lookup;  /* pyfuse3's */
+static pthread_mutex_t names_lock = PTHREAD_MUTEX_INITIALIZER;
+struct name_slot { uint64_t hash; uint64_t count; };
+static struct name_dir {
+    uint64_t ino;
+    struct name_slot *slots;
+    size_t mask, used;  /* slots - 1 (a power of two less one), slots in use */
+} name_dirs[NAME_DIRS_MAX];
+static unsigned name_dir_count;
+static uint64_t name_seed;  /* (random: no name collides with another by design of its writer) */
+static unsigned long long front_lookups;
+
 /* Runs when the library is loaded, before anything can call through it. The library is
    linked against libfuse3, so that is loaded already: take its definitions, not ours
    (RTLD_DEFAULT would find ours first). */
@@ -498,6 +529,112 @@ int fuse_reply_entry(fuse_req_t req, const struct fuse_entry_param *e)
     if (held_count && e->ino != 0)
         held_remember(&e->attr, e->attr_timeout);
     return libfuse_reply_entry(req, e);
+}
+
+static uint64_t name_hash(const char *name, size_t n)
+{
+    uint64_t h = UINT64_C(0xcbf29ce484222325) ^ name_seed;  /* FNV-1a, then a 64-bit finalizer */
+    for (size_t i = 0; i < n; i++) {
+        h ^= (unsigned char)name[i];
+        h *= UINT64_C(0x100000001b3);
+    }
+    h ^= h >> 33;
+    h *= UINT64_C(0xff51afd7ed558ccd);
+    h ^= h >> 33;
+    h *= UINT64_C(0xc4ceb9fe1a85ec53);
+    h ^= h >> 33;
+    return h ? h : 1;
+}
+
+static struct name_dir *name_dir_find(uint64_t ino)  /* with names_lock held */
+{
+    for (unsigned i = 0; i < name_dir_count; i++)
+        if (name_dirs[i].ino == ino)
+            return &name_dirs[i];
+    return NULL;
+}
+
+static struct name_slot *name_slot_find(const struct name_dir *d, uint64_t hash)  /* NULL: not held */
+{
+    for (size_t i = hash & d->mask;; i = (i + 1) & d->mask) {
+        if (d->slots[i].hash == hash)
+            return &d->slots[i];
+        if (d->slots[i].hash == 0)
+            return NULL;
+    }
+}
+
+static void name_dir_end(struct name_dir *d)  /* with names_lock held: its LOOKUPs are Python's */
+{
+    free(d->slots);
+    *d = name_dirs[--name_dir_count];
+}
+
+/* One more holder of `hash`; 0: no memory (the directory's LOOKUPs are Python's again). */
+static int name_slot_add(struct name_dir *d, uint64_t hash, uint64_t count)
+{
+    struct name_slot *held = name_slot_find(d, hash);
+    if (held != NULL) {
+        held->count += count;
+        return 1;
+    }
+    if ((d->used + 1) * 2 > d->mask + 1) {  /* at most half full: probes stay short */
+        size_t slots = (d->mask + 1) * 2;
+        struct name_slot *grown = calloc(slots, sizeof(*grown));
+        if (grown == NULL)
+            return 0;
+        struct name_slot *old = d->slots;
+        size_t old_slots = d->mask + 1;
+        d->slots = grown;
+        d->mask = slots - 1;
+        for (size_t i = 0; i < old_slots; i++)
+            if (old[i].hash != 0) {
+                size_t j = old[i].hash & d->mask;
+                while (grown[j].hash != 0)
+                    j = (j + 1) & d->mask;
+                grown[j] = old[i];
+            }
+        free(old);
+    }
+    size_t i = hash & d->mask;
+    while (d->slots[i].hash != 0)
+        i = (i + 1) & d->mask;
+    d->slots[i] = (struct name_slot){hash, count};
+    d->used++;
+    return 1;
+}
+
+static void name_slot_drop(struct name_dir *d, uint64_t hash)
+{
+    struct name_slot *held = name_slot_find(d, hash);
+    if (held == NULL || --held->count > 0)
+        return;
+    /* Emptied: the slots after it in its run move back where their probe would find them
+       (no tombstones: a table whose names come and go forever stays as short to probe). */
+    size_t i = (size_t)(held - d->slots), j = i;
+    for (;;) {
+        j = (j + 1) & d->mask;
+        if (d->slots[j].hash == 0)
+            break;
+        size_t home = d->slots[j].hash & d->mask;
+        if (((j - home) & d->mask) >= ((j - i) & d->mask)) {  /* its home is at or before i */
+            d->slots[i] = d->slots[j];
+            i = j;
+        }
+    }
+    d->slots[i] = (struct name_slot){0, 0};
+    d->used--;
+}
+
+static void lookup_absent(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    if (front_answer.opcode == OPCODE_LOOKUP) {  /* the front's thread: not a name the directory holds */
+        front_answer.opcode = 0;
+        __atomic_add_fetch(&front_lookups, 1, __ATOMIC_RELAXED);
+        fuse_reply_err(req, ENOENT);
+        return;
+    }
+    handler_lookup(req, parent, name);
 }
 
 static void getattr_held(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -715,6 +852,10 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
         if (op->write_buf != NULL) {
             handler_write_buf = op->write_buf;
             session_ops.write_buf = write_taken;
+        }
+        if (op->lookup != NULL) {
+            handler_lookup = op->lookup;
+            session_ops.lookup = lookup_absent;
         }
     }
     struct fuse_session *se = libfuse_session_new(args, &session_ops, op_size, userdata);
@@ -1006,6 +1147,24 @@ static int answered_in_c(const char *mem, size_t size)
     memcpy(&opcode, mem + IN_OPCODE_OFFSET, sizeof(opcode));
     if (opcode == OPCODE_IOCTL)
         return session_ops.ioctl == ioctl_unsupported;
+    if (opcode == OPCODE_LOOKUP && session_ops.lookup == lookup_absent &&
+        __atomic_load_n(&name_dir_count, __ATOMIC_RELAXED) != 0) {
+        uint64_t parent;
+        memcpy(&parent, mem + IN_NODEID_OFFSET, sizeof(parent));
+        const char *name = mem + IN_HEADER_SIZE;
+        size_t n = strnlen(name, size - IN_HEADER_SIZE);
+        if (n == size - IN_HEADER_SIZE || n == 0 || n > NAME_MAX_BYTES || strcmp(name, ".") == 0 ||
+            strcmp(name, "..") == 0)
+            return 0;  /* (not terminated, or a name Python refuses: its errno) */
+        uint64_t hash = name_hash(name, n);
+        pthread_mutex_lock(&names_lock);
+        struct name_dir *d = name_dir_find(parent);
+        int absent = d != NULL && name_slot_find(d, hash) == NULL;
+        pthread_mutex_unlock(&names_lock);
+        if (absent)
+            front_answer.opcode = OPCODE_LOOKUP;
+        return absent;
+    }
     if (opcode == OPCODE_WRITE && session_ops.write_buf == write_taken && size >= IN_HEADER_SIZE + WRITE_IN_SIZE) {
         uint64_t fh, off;
         uint32_t length;
@@ -1841,6 +2000,124 @@ static PyObject *set_answer_foreign_xattrs(PyObject *self, PyObject *on)
     Py_RETURN_NONE;
 }
 
+/* (ino, names): the front answers LOOKUPs in directory ino of names not among `names` (an
+   iterable of bytes), nor added since by name_counted, ENOENT. False: no room (or memory), or
+   no front. */
+static PyObject *absent_names(PyObject *self, PyObject *args)
+{
+    unsigned long long ino;
+    PyObject *names;
+    if (!PyArg_ParseTuple(args, "KO", &ino, &names))
+        return NULL;
+    PyObject *it = PyObject_GetIter(names);
+    if (it == NULL)
+        return NULL;
+    /* Hashed first, without the lock (a million names take a while) */
+    size_t count = 0, cap = 1024;
+    uint64_t *hashes = malloc(cap * sizeof(*hashes));
+    PyObject *item;
+    while (hashes != NULL && (item = PyIter_Next(it)) != NULL) {
+        char *data;
+        Py_ssize_t n;
+        if (PyBytes_AsStringAndSize(item, &data, &n) < 0) {
+            Py_DECREF(item);
+            break;
+        }
+        if (count == cap) {
+            uint64_t *grown = realloc(hashes, 2 * cap * sizeof(*hashes));
+            if (grown == NULL) {
+                free(hashes);
+                hashes = NULL;
+                Py_DECREF(item);
+                break;
+            }
+            hashes = grown;
+            cap *= 2;
+        }
+        hashes[count++] = name_hash(data, (size_t)n);
+        Py_DECREF(item);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        free(hashes);
+        return NULL;
+    }
+    int done = hashes != NULL && front_se != NULL && session_ops.lookup == lookup_absent;
+    pthread_mutex_lock(&names_lock);
+    struct name_dir *d = name_dir_find(ino);
+    if (d != NULL)
+        name_dir_end(d);  /* (anew: what it held before goes) */
+    if (done && name_dir_count < NAME_DIRS_MAX) {
+        size_t slots = 64;
+        while (slots < 2 * (count + 1))
+            slots *= 2;
+        d = &name_dirs[name_dir_count];
+        *d = (struct name_dir){ino, calloc(slots, sizeof(struct name_slot)), slots - 1, 0};
+        if (d->slots != NULL) {
+            name_dir_count++;
+            for (size_t i = 0; i < count; i++)
+                name_slot_add(d, hashes[i], 1);  /* (room for all: no growing) */
+        } else {
+            done = 0;
+        }
+    } else {
+        done = 0;
+    }
+    pthread_mutex_unlock(&names_lock);
+    free(hashes);
+    return PyBool_FromLong(done);
+}
+
+/* (ino, name, present): one holder of `name` more (True) or fewer in directory ino. */
+static PyObject *name_counted(PyObject *self, PyObject *args)
+{
+    unsigned long long ino;
+    const char *name;
+    Py_ssize_t n;
+    int present;
+    if (!PyArg_ParseTuple(args, "Ky#p", &ino, &name, &n, &present))
+        return NULL;
+    uint64_t hash = name_hash(name, (size_t)n);
+    pthread_mutex_lock(&names_lock);
+    struct name_dir *d = name_dir_find(ino);
+    if (d != NULL) {
+        if (!present)
+            name_slot_drop(d, hash);
+        else if (!name_slot_add(d, hash, 1))
+            name_dir_end(d);  /* no memory: Python answers every LOOKUP there */
+    }
+    pthread_mutex_unlock(&names_lock);
+    Py_RETURN_NONE;
+}
+
+/* ino: the front answers no LOOKUP of that directory any more. */
+static PyObject *absent_names_end(PyObject *self, PyObject *arg)
+{
+    unsigned long long ino = PyLong_AsUnsignedLongLong(arg);
+    if (ino == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (__atomic_load_n(&name_dir_count, __ATOMIC_RELAXED) == 0)
+        Py_RETURN_NONE;
+    pthread_mutex_lock(&names_lock);
+    struct name_dir *d = name_dir_find(ino);
+    if (d != NULL)
+        name_dir_end(d);
+    pthread_mutex_unlock(&names_lock);
+    Py_RETURN_NONE;
+}
+
+/* (LOOKUPs the front answered ENOENT, directories it answers, names they hold). */
+static PyObject *absent_state(PyObject *self, PyObject *unused)
+{
+    size_t names = 0;
+    pthread_mutex_lock(&names_lock);
+    unsigned dirs = name_dir_count;
+    for (unsigned i = 0; i < dirs; i++)
+        names += name_dirs[i].used;
+    pthread_mutex_unlock(&names_lock);
+    return Py_BuildValue("(KIn)", __atomic_load_n(&front_lookups, __ATOMIC_RELAXED), dirs, (Py_ssize_t)names);
+}
+
 static PyMethodDef methods[] = {
     {"interposed", interposed, METH_NOARGS,
      "Whether pyfuse3's fuse_reply_open and fuse_session_new calls will come here."},
@@ -1891,6 +2168,14 @@ static PyMethodDef methods[] = {
     {"collected_size", collected_size, METH_O,
      "fh: the bytes collected so far for that handle (it collects on), or None if it is not collecting."},
     {"collect_state", collect_state, METH_NOARGS, "(WRITEs collected so far, handles collecting, bytes held)."},
+    {"absent_names", absent_names, METH_VARARGS,
+     "(ino, names): the front answers LOOKUPs in directory ino of names it does not hold ENOENT; it holds "
+     "`names` (bytes) and what name_counted adds; False: it does not (no room, no front)."},
+    {"name_counted", name_counted, METH_VARARGS,
+     "(ino, name, present): directory ino holds name once more (True) or once less."},
+    {"absent_names_end", absent_names_end, METH_O, "ino: the front answers no LOOKUP in that directory any more."},
+    {"absent_state", absent_state, METH_NOARGS,
+     "(LOOKUPs answered ENOENT by the front, directories it answers, names they hold)."},
     {"take_released", take_released, METH_NOARGS, "The handles whose RELEASE the front answered since the last call."},
     {"take_writes", take_writes, METH_NOARGS,
      "((ns_id, number, text), ...): the `priorities` WRITEs the front answered since the last call, in order, "
@@ -1930,6 +2215,8 @@ PyMODINIT_FUNC PyInit__interpose(void)
         PyErr_SetString(PyExc_ImportError, "libfuse3's fuse_reply_open or fuse_session_new not found");
         return NULL;
     }
+    if (getrandom(&name_seed, sizeof(name_seed), GRND_NONBLOCK) != (ssize_t)sizeof(name_seed))
+        name_seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddObject(m, "NOFLUSH_FH", PyLong_FromUnsignedLongLong(NOFLUSH_FH)) < 0) {
         Py_DECREF(m);

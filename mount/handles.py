@@ -268,6 +268,7 @@ class EntryWriter(StagingWriter):
         self.ticket = ticket
         self.admit = admit
         self.collecting = False  # the library's front keeps what is written (collect)
+        self.named = False  # its inode's name is counted in the front's names of the directory
 
     def collect(self) -> None:
         """Have the library's front take this writer's WRITEs (mount/interpose.py

@@ -28,6 +28,9 @@
   until Python's first request of that handle takes them (`take_collected`): an insert's
   WRITEs never reach Python, its close's FLUSH commits what the front kept (and a later
   close of the same open file, np.save's second, is the front's: `flush_free`).
+  And it answers a LOOKUP ENOENT in a directory whose names Python gave it
+  (`absent_names`, kept by `name_counted`) when the name is not among them: the LOOKUP
+  the kernel sends before every create of a new entry.
   And a request the front has queued already is taken by pyfuse3's loop without waiting
   for its fd again (`take_queued_without_waiting`; DISTOREFS_QUEUED_WAIT=0 leaves it off).
   The front's thread (`distorefs-front`) runs at nice -10 where the daemon may
@@ -49,6 +52,7 @@ import errno
 import logging
 import os
 import sys
+from typing import Iterable
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,7 @@ if _library is not None and os.environ.get("DISTOREFS_PASSTHROUGH", "1") == "0":
     _library.use_passthrough(False)
 _MARK = _library.NOFLUSH_FH if _library is not None else 0
 _collect = os.environ.get("DISTOREFS_COLLECT", "1") != "0"
+_absent = os.environ.get("DISTOREFS_ABSENT", "1") != "0"
 
 
 def noflush(fh: int) -> int:
@@ -120,6 +125,35 @@ def forget_attributes(ino: int) -> None:
     opens (`answer_opens`)."""
     if _library is not None:
         _library.hold_attributes(ino, False)
+
+
+def forget_inode(ino: int) -> None:
+    """`ino` left the inode table: what the front keeps for it goes (`forget_attributes`,
+    `absent_names`)."""
+    if _library is not None:
+        _library.hold_attributes(ino, False)
+        _library.absent_names_end(ino)
+
+
+def absent_names(ino: int, names: Iterable[bytes]) -> bool:
+    """The front answers a LOOKUP in directory `ino` of a name it does not hold ENOENT
+    itself; it holds `names`, and each name as often as `name_counted` says since (a name
+    held is never answered there: Python answers it). DISTOREFS_ABSENT=0 in the daemon's
+    environment leaves every LOOKUP to Python (for comparisons). False: it does not (no
+    front, or no room), until `forget_inode(ino)` or the next call."""
+    return _library is not None and _absent and bool(_library.absent_names(ino, names))
+
+
+def name_counted(ino: int, name: bytes, present: bool) -> None:
+    """Directory `ino` (see `absent_names`) holds `name` once more (`present`) or once less."""
+    if _library is not None:
+        _library.name_counted(ino, name, present)
+
+
+def absent_state() -> tuple[int, int, int]:
+    """(LOOKUPs the front answered ENOENT so far, directories it answers them in, names they
+    hold)."""
+    return _library.absent_state() if _library is not None else (0, 0, 0)
 
 
 def flush_free(fh: int, free: bool) -> None:

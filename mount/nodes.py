@@ -696,6 +696,33 @@ class EntriesDir(Node):
         super().__init__(fs)
         self.buf = buf
         self._private = itertools.count()
+        # Whether the front holds this directory's names (interpose.absent_names), asked at
+        # its first lookup or create (its inode number is known then): the ring's keys,
+        # kept by the ring's watcher, and one count per writer of an inode made here (a
+        # create's is found by name before it commits), so that the front answers the
+        # LOOKUP the kernel sends before each create of a new entry.
+        self.names_held: bool | None = None
+
+    def _hold_names(self) -> None:
+        self.names_held = interpose.absent_names(self.ino, self.buf.ring.by_key)
+        if self.names_held:
+            self.buf.ring.watch_names(self._name_changed)
+
+    def _name_changed(self, key: bytes, present: bool) -> None:
+        interpose.name_counted(self.ino, key, present)
+
+    def writer_named(self, name: bytes) -> bool:
+        """A writer of an inode named `name` here began: the front holds the name while it
+        writes (its create's inode is found by that name before it commits). True: counted,
+        to be given back with `writer_unnamed` when it ends."""
+        if self.names_held is None:
+            self._hold_names()
+        if self.names_held:
+            interpose.name_counted(self.ino, name, True)
+        return bool(self.names_held)
+
+    def writer_unnamed(self, name: bytes) -> None:
+        interpose.name_counted(self.ino, name, False)
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         # They change only with the namespace's owner (RingDir.setattr forgets them first).
@@ -731,6 +758,8 @@ class EntriesDir(Node):
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
         check_name(name)
+        if self.names_held is None:
+            self._hold_names()
         pid = ctx.pid if ctx is not None else 0
         meta = self.buf.ring.by_key.get(name)
         if self.fs.redirected(self.name_key(name), pid):
@@ -875,6 +904,7 @@ class EntryNode(Node):
         if self.writers:
             self.cowritten = True
         self.writers.append(w)
+        w.named = self.parent.writer_named(self.name)
         return w
 
     async def commit(self, data: bytes, owner: Owner) -> None:
@@ -918,6 +948,8 @@ class EntryNode(Node):
     def writer_closed(self, w: EntryWriter) -> None:
         if w in self.writers:
             self.writers.remove(w)
+            if w.named:
+                self.parent.writer_unnamed(self.name)
 
     async def open(self, flags: int, ctx) -> Handle:
         if wants_write(flags):

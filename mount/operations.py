@@ -75,7 +75,7 @@ class Filesystem(pyfuse3.Operations):
     def __init__(self, store: Store) -> None:
         super().__init__()
         self.store = store
-        self.inodes = InodeTable(on_drop=interpose.forget_attributes)
+        self.inodes = InodeTable(on_drop=interpose.forget_inode)
         self.handles: dict[int, Handle] = {}
         self._listed: dict[int, list[Node]] = {}  # per listed directory: the nodes its last reply listed, to tell
         self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
@@ -159,6 +159,9 @@ class Filesystem(pyfuse3.Operations):
             requests["open"] += opens
         if releases:
             requests["release"] += releases
+        absent, absent_dirs, absent_names = interpose.absent_state()
+        if absent:
+            requests["lookup"] += absent  # answered ENOENT by the library's thread
         ioctls = interpose.ioctl_replies()
         if ioctls:
             requests["ioctl"] = ioctls  # likewise: isatty() at every open
@@ -180,6 +183,8 @@ class Filesystem(pyfuse3.Operations):
                       "priority_log_trims": log_trims,
                       "writes_collected": writes_collected, "writers_collecting": collecting,
                       "collected_bytes": collected_bytes,
+                      "lookups_answered_absent": absent, "absent_dirs": absent_dirs,
+                      "absent_names_held": absent_names,
                       "names_listed": self.names.listed if self.names else 0,
                       "gc": self.collector.stats() if self.collector is not None else None}
         if self.pusher is not None:

@@ -427,6 +427,39 @@ def test_the_weight_of_a_drawn_entry_whose_priority_is_0_now_is_0(tmp_path):
     run(tmp_path / "s", body)
 
 
+def test_a_rings_name_watcher_hears_every_key_come_and_go_and_is_held_weakly(tmp_path):
+    """Ring.watch_names: the watcher's count of each name equals the ring's keys through
+    inserts, rewrites, evictions, renames and deletes (the mount's front answers LOOKUPs
+    from that count); a watcher nobody else holds is dropped."""
+    class Names:
+        def __init__(self) -> None:
+            self.count: dict[bytes, int] = {}
+
+        def changed(self, key: bytes, present: bool) -> None:
+            self.count[key] = self.count.get(key, 0) + (1 if present else -1)
+            assert self.count[key] in (0, 1)
+
+        def held(self) -> set[bytes]:
+            return {k for k, n in self.count.items() if n}
+
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"capacity": 5}')
+        ring = buf.ring
+        names = Names()
+        ring.watch_names(names.changed)
+        await fill(buf, 8)  # three evicted
+        assert names.held() == set(ring.by_key) == {b"k3", b"k4", b"k5", b"k6", b"k7"}
+        await buf.insert(b"k5", npy(50), OWNER)  # a rewrite: the name stays, once
+        await ring.rename(b"k6", b"moved")
+        await ring.delete(b"k7")
+        assert names.held() == set(ring.by_key) == {b"k3", b"k4", b"k5", b"moved"}
+        del names
+        await fill(buf, 1, start=20)
+        assert ring._name_watchers == []
+    run(tmp_path / "s", body)
+
+
 def test_the_ring_knows_which_values_the_memory_tier_holds_and_presampling_reads_ahead_the_others(tmp_path):
     """Ring.slot_cached follows the memory tier through inserts, evictions from the tier,
     reads, rewrites, renames and deletes; a presampled draw hands the prefetcher exactly
