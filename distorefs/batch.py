@@ -61,6 +61,23 @@ class Batch:
     # number is one more object to fetch, cold in the CPU's caches in the daemon.
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     seqs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # the names of `metas`, in order, from the ring's name table (Ring.names_of; a bytes
+    # array), None: read from `metas` (a name the table does not hold, or not drawn from one)
+    names: np.ndarray | None = None
+
+    def keys(self) -> list[bytes]:
+        """The names of `metas`, in order."""
+        if self.names is not None and len(self.names) == len(self.metas):
+            return self.names.tolist()
+        return [m.key for m in self.metas]
+
+    def key_strings(self) -> np.ndarray:
+        """The names of `metas` as a str array (keys.npy; bytes that are not UTF-8 as
+        surrogates), as wide as the longest."""
+        if self.names is not None and len(self.names) == len(self.metas) and len(self.names):
+            return self.names.astype(f"U{max(1, int(np.char.str_len(self.names).max()))}")  # (ASCII)
+        keys = [m.key.decode("utf-8", "surrogateescape") for m in self.metas]
+        return np.array(keys) if keys else np.zeros(0, dtype="<U1")
 
     def entry_seqs(self) -> np.ndarray:
         """The sequence numbers of `metas`, in order (int64)."""
@@ -71,7 +88,7 @@ class Batch:
     def manifest(self) -> bytes:
         """One line per entry: KEY SEQ PROBABILITY WEIGHT (KEY escaped: names.escape_key)."""
         return b"".join([b"%s %d %.9g %.9g\n" % line for line in zip(
-            escape_keys([m.key for m in self.metas]), self.entry_seqs().tolist(), self.probabilities.tolist(),
+            escape_keys(self.keys()), self.entry_seqs().tolist(), self.probabilities.tolist(),
             self.weights.tolist())])
 
 
@@ -336,8 +353,7 @@ def batch_file(batch: Batch, values: Sequence[bytes] | None, layout: Layout | No
                                            crcs[:, j], joined))
     elif values:
         members.extend(_raw_members(batch.metas, values))
-    keys = [m.key.decode("utf-8", "surrogateescape") for m in batch.metas]
-    members.append(_array_member("keys.npy", np.array(keys) if keys else np.zeros(0, dtype="<U1")))
+    members.append(_array_member("keys.npy", batch.key_strings()))
     members.append(_array_member("seqs.npy", batch.entry_seqs()))
     return _file(members + _draw_members(batch))
 

@@ -415,7 +415,7 @@ class Buffer(RingNamespace):
             batch = Batch([ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
                           [ring.slot_meta[s] for s in spent.tolist()],  # type: ignore[misc]
                           self.places.take(slots) if self.layout is not None and len(slots) else None,
-                          self.rows.of(slots), slots=slots, seqs=ring.slot_seq[slots])
+                          self.rows.of(slots), slots=slots, seqs=ring.slot_seq[slots], names=ring.names_of(slots))
         self.counters["batches"] += 1
         self.counters["sampled_entries"] += len(batch.metas)
         self._record_sampled(batch.slots, batch.seqs)
@@ -929,7 +929,8 @@ class BuiltAhead:
         are those of the distribution it is drawn from now."""
         probs, weights = buf.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
         return Batch([buf.ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
-                     [], buf.places.take(slots), rows, slots=slots, seqs=buf.ring.slot_seq[slots])
+                     [], buf.places.take(slots), rows, slots=slots, seqs=buf.ring.slot_seq[slots],
+                     names=buf.ring.names_of(slots))
 
     def held(self, buf: "Buffer") -> np.ndarray:
         """For each entry, whether its slot still holds the version it was built from."""

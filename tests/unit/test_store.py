@@ -427,6 +427,53 @@ def test_the_weight_of_a_drawn_entry_whose_priority_is_0_now_is_0(tmp_path):
     run(tmp_path / "s", body)
 
 
+def test_the_rings_name_table_holds_each_slots_name_and_draws_read_their_keys_from_it(tmp_path):
+    """Ring.slot_name follows the ring through inserts (past 1,024 slots, names growing
+    past the table's first width), renames (to a long name, a non-ASCII one and back) and
+    deletes; a draw's keys, manifest and keys.npy are those of its entries, from the table
+    when it holds them all, from the entries otherwise, with the same dtype either way."""
+    def consistent(ring) -> None:
+        live = [m for m in ring.slot_meta if m is not None]
+        named = [bool(ring.slot_named[m.slot]) for m in live]
+        assert named == [len(m.key) <= 64 and m.key.isascii() for m in live]
+        assert [ring.slot_name[m.slot] for m in live if ring.slot_named[m.slot]] == \
+            [m.key for m in live if ring.slot_named[m.slot]]
+
+    def draws_match(buf) -> None:
+        from_table = 0
+        for _ in range(20):
+            batch = buf._draw(32, presample=False)
+            from_table += batch.names is not None
+            assert batch.keys() == [m.key for m in batch.metas]
+            expected = np.array([m.key.decode("utf-8", "surrogateescape") for m in batch.metas])
+            got = batch.key_strings()
+            assert got.dtype == expected.dtype and got.tolist() == expected.tolist()
+            lines = batch.manifest().splitlines()
+            assert [line.split(b" ")[1] for line in lines] == [b"%d" % m.seq for m in batch.metas]
+        assert from_table
+
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        ring = buf.ring
+        for i in range(1100):  # the slot tables grow past 1,024
+            await buf.insert(b"k%d" % i, npy(i), OWNER)
+        consistent(ring)
+        await buf.insert(b"a-name-longer-than-sixteen-bytes", npy(1), OWNER)  # the table widens
+        assert ring.slot_name.dtype.itemsize > 16
+        consistent(ring)
+        await ring.rename(b"k5", b"x" * 70)  # too long for the table: from its entry
+        await ring.rename(b"k6", "caf\u00e9".encode())  # not ASCII: likewise
+        consistent(ring)
+        draws_match(buf)
+        await ring.delete(b"x" * 70)
+        await ring.rename("caf\u00e9".encode(), b"k6")  # back in the table
+        await ring.delete(b"k7")
+        consistent(ring)
+        assert ring.names_of(np.array([ring.get(b"k6").slot, ring.get(b"k8").slot])).tolist() == [b"k6", b"k8"]
+        draws_match(buf)
+    run(tmp_path / "s", body)
+
+
 def test_a_rings_name_watcher_hears_every_key_come_and_go_and_is_held_weakly(tmp_path):
     """Ring.watch_names: the watcher's count of each name equals the ring's keys through
     inserts, rewrites, evictions, renames and deletes (the mount's front answers LOOKUPs
