@@ -94,6 +94,63 @@ def test_place_against_a_layout():
         place(layout, npy(np.zeros(3)))
 
 
+def _zipped(members: dict, when: tuple, descriptor: bool = False) -> bytes:
+    """An .npz as np.savez writes it, its members stamped `when`; `descriptor`: written
+    through a stream that cannot seek, so each member is followed by a data descriptor."""
+    class Unseekable(io.RawIOBase):
+        def __init__(self) -> None:
+            self.out = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            self.out += b
+            return len(b)
+
+    sink = Unseekable() if descriptor else io.BytesIO()
+    with zipfile.ZipFile(sink, "w") as z:  # type: ignore[arg-type]
+        for name, a in members.items():
+            with z.open(zipfile.ZipInfo(name + ".npy", date_time=when), "w") as f:
+                np.lib.format.write_array(f, np.asarray(a))
+    return bytes(sink.out) if descriptor else sink.getvalue()
+
+
+def test_an_entry_like_the_last_one_placed_is_placed_from_its_skeleton(monkeypatch):
+    """Entries of a layout that differ from the last one placed only in their arrays and in
+    what np.savez stamps anew (times, dates, CRC-32s) are placed without a parse, at the
+    same offsets; one whose headers differ (a field renamed or retyped at the same size)
+    is parsed and refused as before; one with data descriptors is parsed every time."""
+    def members(i: int, name: str = "obs", dtype=np.float32) -> dict:
+        return {name: np.full(8, i, dtype=dtype), "action": np.int64(i), "done": np.bool_(i % 2)}
+
+    first = _zipped(members(0), (2026, 1, 1, 0, 0, 0))
+    layout, offsets = parse(first)
+    assert place(layout, first) == offsets
+    parses = []
+    real_parse = parse
+
+    def counted(data, unread=None):
+        parses.append(len(data))
+        return real_parse(data, unread)
+    monkeypatch.setattr("distorefs.layout.parse", counted)
+    for i in range(1, 6):
+        later = _zipped(members(i), (2026, 11, 30, 12, i, 2 * i))
+        assert later != first and len(later) == len(first)
+        assert place(layout, later) == offsets == real_parse(later)[1]
+    assert parses == []
+    for other in (members(1, name="obz"), members(1, dtype=np.int32)):  # same size, other headers
+        with pytest.raises(NotStackable):
+            place(layout, _zipped(other, (2026, 1, 1, 0, 0, 0)))
+    assert len(parses) == 2
+    streamed = [_zipped(members(i), (2026, 1, 1, 0, 0, 2 * i), descriptor=True) for i in range(3)]
+    s_layout, s_offsets = real_parse(streamed[0])
+    assert s_layout == layout
+    for data in streamed:
+        assert place(layout, data) == real_parse(data)[1]
+    assert len(parses) == 2 + len(streamed)
+
+
 def test_schema_json_and_validation():
     layout, _ = parse(npz(**transition(0)))
     assert Layout.from_json(layout.to_json()) == layout
