@@ -110,3 +110,43 @@ def test_names_held_before_a_remount_are_found_after_it(fresh_mount):
     assert found == [i >= 60 for i in range(260)]  # the 60 oldest evicted
     assert answered(m) - before >= 59  # (the first LOOKUP hands the names over)
     assert (d / "n259").read_bytes() == b"v259"
+
+
+def _insert_and_tell(d: str, prefix: str, n: int, done) -> None:
+    for i in range(n):
+        path = os.path.join(d, f"{prefix}{i}")
+        with open(path, "wb") as f:
+            f.write(b"x" * (100 + i))
+        done.put(path)  # after close() returned
+    done.put(None)
+
+
+def test_an_entry_is_found_by_others_as_soon_as_its_close_returned(uncached):
+    """Writers in three processes insert while this one stats each name the moment its
+    writer's close() returned (close-to-open: the name is the front's before the FLUSH is
+    answered), and names that were never created are answered by the front meanwhile."""
+    import multiprocessing
+
+    d = uncached.mnt / "buffers" / "b" / "entries"
+    (d / "first").write_bytes(b"x")
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.Queue()
+    writers = [ctx.Process(target=_insert_and_tell, args=(str(d), f"w{k}-", 200, done)) for k in range(3)]
+    for w in writers:
+        w.start()
+    seen = ended = 0
+    before = answered(uncached)
+    try:
+        while ended < len(writers):
+            path = done.get(timeout=120)
+            if path is None:
+                ended += 1
+                continue
+            assert os.stat(path).st_size >= 100, path
+            assert not exists(path + ".never")
+            seen += 1
+    finally:
+        for w in writers:
+            w.join(timeout=60)
+    assert seen == 600 and all(w.exitcode == 0 for w in writers)
+    assert answered(uncached) - before >= 600  # the misses (and the creates' LOOKUPs), the front's
