@@ -193,7 +193,8 @@ def _zip_members(buf: memoryview, unread: list[tuple[int, int]] | None = None
         if flags & 1:
             raise NotStackable(f"{name}: encrypted")
         if unread is not None:
-            unread.append((pos - clen - elen - nlen - _CDIR.size + 12, pos - clen - elen - nlen - _CDIR.size + 20))
+            record = pos - (_CDIR.size + nlen + elen + clen)  # (this member's, read above)
+            unread.append((record + 12, record + 20))
             unread.append((lho + 10, lho + 18))
             if flags & 8:
                 unread.append((-1, -1))

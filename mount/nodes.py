@@ -703,10 +703,13 @@ class EntriesDir(Node):
         # LOOKUP the kernel sends before each create of a new entry.
         self.names_held: bool | None = None
 
-    def _hold_names(self) -> None:
-        self.names_held = interpose.absent_names(self.ino, self.buf.ring.by_key)
-        if self.names_held:
-            self.buf.ring.watch_names(self._name_changed)
+    def _holding_names(self) -> bool:
+        """Whether the front holds this directory's names (handed over at the first ask)."""
+        if self.names_held is None:
+            self.names_held = interpose.absent_names(self.ino, self.buf.ring.by_key)
+            if self.names_held:
+                self.buf.ring.watch_names(self._name_changed)
+        return self.names_held
 
     def _name_changed(self, key: bytes, present: bool) -> None:
         interpose.name_counted(self.ino, key, present)
@@ -715,11 +718,10 @@ class EntriesDir(Node):
         """A writer of an inode named `name` here began: the front holds the name while it
         writes (its create's inode is found by that name before it commits). True: counted,
         to be given back with `writer_unnamed` when it ends."""
-        if self.names_held is None:
-            self._hold_names()
-        if self.names_held:
-            interpose.name_counted(self.ino, name, True)
-        return bool(self.names_held)
+        if not self._holding_names():
+            return False
+        interpose.name_counted(self.ino, name, True)
+        return True
 
     def writer_unnamed(self, name: bytes) -> None:
         interpose.name_counted(self.ino, name, False)
@@ -758,8 +760,7 @@ class EntriesDir(Node):
 
     async def lookup(self, name: bytes, ctx=None) -> Node:
         check_name(name)
-        if self.names_held is None:
-            self._hold_names()
+        self._holding_names()
         pid = ctx.pid if ctx is not None else 0
         meta = self.buf.ring.by_key.get(name)
         if self.fs.redirected(self.name_key(name), pid):
