@@ -130,8 +130,8 @@ def forget_attributes(ino: int) -> None:
 def forget_inode(ino: int) -> None:
     """`ino` left the inode table: what the front keeps for it goes (`forget_attributes`,
     `absent_names`)."""
+    forget_attributes(ino)
     if _library is not None:
-        _library.hold_attributes(ino, False)
         _library.absent_names_end(ino)
 
 
