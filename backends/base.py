@@ -89,6 +89,14 @@ class ValueBackend(ABC):
         location never change until it is freed."""
         return self.get(loc)
 
+    resident_reads = False  # get_resident can say without reading whether a value is in memory
+
+    def get_resident(self, loc: bytes) -> bytes | None:
+        """The value at ``loc`` if reading it cannot wait for the disk (every page of it in
+        memory already), else None (absent, not in memory, or the tier cannot tell: see
+        ``resident_reads``). For a caller that must not block (an event loop)."""
+        return None
+
     def get_checked(self, loc: bytes) -> tuple[bytes, int | None]:
         """The value at ``loc`` and the CRC-32 the tier verified it against (None if the
         tier keeps no checksum of its own): a caller holding the same checksum need not

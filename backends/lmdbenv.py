@@ -148,9 +148,10 @@ class LmdbEnv:
     """Owns one ``lmdb.Environment`` in directory ``path`` (created 0700)."""
 
     def __init__(self, path: str | os.PathLike[str], map_size: int = DEFAULT_MAP_SIZE, *,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, readahead: bool = True) -> None:
         """`readonly`: open an existing environment for reading only (write() raises
-        ReadOnly, sync() does nothing): nothing of the file is changed."""
+        ReadOnly, sync() does nothing): nothing of the file is changed. `readahead` False:
+        a page that faults is read alone (MADV_RANDOM; see below why the store does not)."""
         self.path = Path(path)
         self.readonly = readonly
         if readonly:
@@ -172,7 +173,7 @@ class LmdbEnv:
                 # it (MADV_RANDOM) a cold 10 KB value was three reads one after another: a
                 # cold shuffled epoch read through the mount, 4 readers, went from 1,657 to
                 # 2,219 items/s with it (2,390-2,410 warm, either way).
-                readahead=True,
+                readahead=readahead,
                 max_readers=256,
                 lock=True,
                 mode=0o600,

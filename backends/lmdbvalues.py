@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 from .base import TierUsage, Txn, ValueBackend, capacity_of
 from .errors import BadRequest, Missing
 from .lmdbenv import LmdbEnv
+from .resident import in_memory
 
 DB_VALUES = b"values"
 DB_TIERMETA = b"tiermeta"
@@ -64,6 +65,16 @@ class LmdbValues(ValueBackend):
                 view = txn.get(loc, db=DB_VALUES) if 0 < len(loc) <= _MAX_KEY else None
                 out.append(None if view is None else bytes(view))  # copies out of the map
             return out
+        return self.env.read(fn)
+
+    resident_reads = True
+
+    def get_resident(self, loc: bytes) -> bytes | None:
+        # The lookup's own pages (the values database's branch and leaf pages) are not
+        # asked about: every lookup touches them, as the catalog's lookups on the loop do.
+        def fn(txn: Txn) -> bytes | None:
+            view = txn.get(loc, db=DB_VALUES) if 0 < len(loc) <= _MAX_KEY else None
+            return None if view is None or not in_memory(view) else bytes(view)
         return self.env.read(fn)
 
     def get_in(self, txn: Txn, loc: bytes) -> bytes:

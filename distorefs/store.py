@@ -642,7 +642,8 @@ class Store:
         tiers = self.values.tier_stats()
         on_disk = sum(t["used_bytes"] for t in tiers.values())
         live = sum(t["live_bytes"] for t in tiers.values())
-        counters = {k: v for k, v in self.values.counters.items() if k != "read_batches"}
+        reads = ("read_batches", "inline_reads", "inline_backoffs")
+        counters = {k: v for k, v in self.values.counters.items() if k not in reads}
         buffers = {name: b.stats() for name, b in sorted(self.buffers.items())}
         totals = {k: sum(b.get(k, 0) for b in buffers.values())
                   for k in ("entries", "bytes", "stored_bytes", "inserts", "rewrites", "deletes", "evictions",
@@ -661,7 +662,10 @@ class Store:
             "memory": {**self.memory.as_dict(), "held_bytes": self.memory_held(), "cache": self.values.cache.stats()},
             "commits": {"groups": self.committer.groups, "changes": self.committer.changes,
                         "failures": self.committer.failures, "rejected": self.committer.rejected},
-            "reads": {"batches": self.values.counters["read_batches"]},
+            # batches: hand-offs to worker threads; inline: small values in memory read on the
+            # loop; inline_backoffs: times reads on the loop stopped a while (one found the disk)
+            "reads": {"batches": self.values.counters["read_batches"], "inline": self.values.counters["inline_reads"],
+                      "inline_backoffs": self.values.counters["inline_backoffs"]},
             **counters,
             **self.counters,
             "buffers": buffers,

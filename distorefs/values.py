@@ -10,8 +10,9 @@ Namespaces are built with the value layer and never reach a tier themselves:
 - they put and delete values inside a commit's transaction (`put`, `delete`: the tiers'
   accounting commits or aborts with the records that point at the value);
 - they read values through `fetch` (memory tier first; what is missing is read, decoded
-  and verified in worker threads, many requests to one thread hand-off: see `_Reads`),
-  or `read` when already in a worker thread.
+  and verified in worker threads, many requests to one thread hand-off: see `_Reads`;
+  one or two small values whose pages are in memory already, on the loop), or `read`
+  when already in a worker thread.
 
 A read that fails is either a race (the value was replaced or removed after its record
 was taken: NotFound, or CorruptValue of a location since reused) or damage: the caller,
@@ -24,6 +25,7 @@ from __future__ import annotations
 import builtins
 import logging
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence, TypeAlias
 
@@ -125,6 +127,18 @@ class WarmResult:
 
 
 WARM_GROUP_BYTES = 64 << 20  # values read per hand-off while warming: bounds what is held at once
+# A fetch that misses at most this many values, each at most INLINE_READ_BYTES decoded and
+# all in memory already (a tier that can tell: `resident_reads`), reads them on the loop: a
+# copy and a decode of a few KB cost less of the loop's time than the thread hand-off (a
+# dataset item's open: the hand-off was about 40 % of the daemon's CPU for it). The tier's
+# lookup may itself touch the value's first page before it can tell (LMDB checks an
+# overflow page's header), a disk read on the loop if that page was not in memory: so a
+# value found not in memory, or a lookup slower than INLINE_SLOW_S, stops reads on the loop
+# for INLINE_BACKOFF_S (a cold epoch then costs the loop one such read a half second).
+INLINE_READ_VALUES = 2
+INLINE_READ_BYTES = 16 << 10
+INLINE_SLOW_S = 200e-6
+INLINE_BACKOFF_S = 0.5
 
 
 class ValueLayer:
@@ -138,9 +152,10 @@ class ValueLayer:
         self.tiers: dict[int, ValueBackend] = {TIER_LMDB: self.lmdb, TIER_NVME: self.nvme}
         self.cache = ValueCache(0)  # sized by the store's memory plan
         self.counters = {"corrupt_reads": 0, "disk_reads": 0, "disk_read_bytes": 0, "segment_bytes_freed": 0,
-                         "read_batches": 0}
+                         "read_batches": 0, "inline_reads": 0, "inline_backoffs": 0}
         self._gen = 0
         self._reads = _Reads(self)
+        self._inline_after = 0.0  # (monotonic) no read on the loop before this: one found the disk
 
     def attach_cluster(self, backend: ValueBackend) -> None:
         """A shared store: values of its shared namespaces live in the cluster's tier."""
@@ -317,7 +332,7 @@ class ValueLayer:
                     cache: bool = True) -> list[Fetched]:
         """The decoded content of each (cache key, value, what): from the memory tier, else
         read in a worker thread (all misses of this call, and of calls waiting meanwhile,
-        in one hand-off). Each result is the bytes or the DistorefsError of that read;
+        in one hand-off), or here when they are few, small and in memory (INLINE_READ_*). Each result is the bytes or the DistorefsError of that read;
         values read are kept in the memory tier (`cache`)."""
         out: list = [None] * len(items)
         missing = []
@@ -329,12 +344,43 @@ class ValueLayer:
             else:
                 out[i] = data
         if missing:
-            results = await self._reads.read([(items[i][1], items[i][2]) for i in missing])
-            for i, result in zip(missing, results):
+            if len(missing) <= INLINE_READ_VALUES:
+                inline = [(i, self._read_inline(items[i][1], items[i][2])) for i in missing]
+                missing = [i for i, result in inline if result is None]
+                read = [(i, result) for i, result in inline if result is not None]
+            else:
+                read = []
+            if missing:
+                read += zip(missing, await self._reads.read([(items[i][1], items[i][2]) for i in missing]))
+            for i, result in read:
                 out[i] = result
                 if cache and isinstance(result, bytes) and items[i][0] is not None:
                     self.cache.put(items[i][0], result)
         return out
+
+    def _read_inline(self, value: StoredValue, what: str) -> "bytes | DistorefsError | None":
+        """A small value whose bytes are all in memory here, read on the loop (the bytes,
+        or the DistorefsError of the read); None: it is for a worker thread."""
+        backend = self.tiers.get(value.tier)
+        if value.size > INLINE_READ_BYTES or backend is None or not backend.resident_reads:
+            return None
+        start = time.monotonic()
+        if start < self._inline_after:
+            return None
+        try:
+            stored = backend.get_resident(value.loc)
+            if stored is None or time.monotonic() - start > INLINE_SLOW_S:
+                self._inline_after = time.monotonic() + INLINE_BACKOFF_S
+                self.counters["inline_backoffs"] += 1
+                if stored is None:
+                    return None
+            data: bytes | DistorefsError = self.read(value, what, stored)
+        except BackendError:
+            return None  # (failed again, and said, by the worker thread's read)
+        except DistorefsError as exc:
+            data = exc
+        self.counters["inline_reads"] += 1
+        return data
 
     async def fetch_one(self, key: Hashable, value: StoredValue, what: str, *, must_exist: bool = True) -> bytes:
         """One value (see `fetch`); a failure raises. `must_exist`: the caller knows the

@@ -406,18 +406,19 @@ def test_a_read_of_a_file_rewritten_before_each_of_its_reads_still_reads_it(tmp_
     """Under writers that rewrite an unsealed file without pause, each read of a chunk may
     find it rewritten since its record was taken, however often it is retried. The read
     after a mismatch takes the record and its chunk in one snapshot, so no rewrite comes
-    between them: it returns the file as some version had it, and never EIO."""
+    between them: it returns the file as some version had it, and never EIO. (The file is
+    larger than the value layer reads on the loop: each read goes to a worker thread.)"""
     from distorefs.config import DatasetConfig
 
     async def go(store):
         ds = await store.create("datasets", "d", OWNER, DatasetConfig(compression="none"))
-        item = await ds.put(ROOT_DIR, b"f", b"v0" * 3000, FOWNER)
+        item = await ds.put(ROOT_DIR, b"f", b"v0" * 9000, FOWNER)
         reads = ds.values._reads
         read, n = reads.read, [0]
 
         async def rewritten_first(wanted):
             n[0] += 1
-            await ds.put(ROOT_DIR, b"f", b"v%d" % n[0] * 3000, FOWNER)
+            await ds.put(ROOT_DIR, b"f", b"v%d" % n[0] * 9000, FOWNER)
             return await read(wanted)
 
         reads.read = rewritten_first
@@ -425,7 +426,7 @@ def test_a_read_of_a_file_rewritten_before_each_of_its_reads_still_reads_it(tmp_
             value = await ds.read_item(item)
         finally:
             reads.read = read
-        assert value in [b"v%d" % i * 3000 for i in range(1, n[0] + 1)]
+        assert value in [b"v%d" % i * 9000 for i in range(1, n[0] + 1)]
         return ds.values.counters["corrupt_reads"]
 
     assert run(tmp_path / "store", go, config={"cache_bytes": 0}) == 0

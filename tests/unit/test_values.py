@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from distorefs.backends.segments import HEADER, LOCATION, SegmentDir
 from distorefs.config import StoreConfig
 from distorefs.errors import CorruptValue, NotFound
 from distorefs.placement import TIER_LMDB, TIER_NVME
-from distorefs.values import StoredValue, ValueLayer
+from distorefs.values import INLINE_BACKOFF_S, INLINE_READ_BYTES, StoredValue, ValueLayer
 
 try:
     from .backend_conformance import BackendConformance
@@ -215,7 +216,7 @@ def test_fetch_hands_concurrent_reads_to_few_thread_calls(layer):
     layer.cache.resize(64 * MiB)
     values = {}
     for i in range(200):
-        raw = _compressible(8 << 10, i)
+        raw = _compressible(20 << 10, i)  # (over INLINE_READ_BYTES: one alone is not read on the loop)
         values[i] = (raw, _put(layer, b"v%d" % i, raw))
     results: dict[int, bytes] = {}
 
@@ -236,6 +237,53 @@ def test_fetch_hands_concurrent_reads_to_few_thread_calls(layer):
     # now in the memory tier: no hand-off at all
     trio.run(main)
     assert layer.counters["read_batches"] - before == batches
+
+
+def test_a_small_value_in_memory_is_read_on_the_loop_and_one_on_disk_in_a_worker_thread(tmp_path):
+    config = _config(segment_threshold=64 << 10, lmdb_bytes=64 * MiB)
+    layer = _layer(tmp_path, config)
+    # In one transaction, between half a megabyte of others each side: in pages of their
+    # own, none the kernel reads after the file's first at open or that a lookup touches.
+    # Three pages each, incompressible: a lookup touches the first (LMDB checks its header).
+    raw, other = os.urandom(12 << 10), os.urandom(12 << 10)
+    big_raw = _compressible(INLINE_READ_BYTES + 1, 1)
+
+    def fill(txn) -> list[StoredValue]:
+        put = [layer.put(txn, b"fill%d" % i, codec.encode(os.urandom(16 << 10), "none")) for i in range(32)]
+        put += [layer.put(txn, key, codec.encode(data, "none"))
+                for key, data in ((b"s", raw), (b"o", other), (b"b", big_raw))]
+        return put + [layer.put(txn, b"fill-%d" % i, codec.encode(os.urandom(16 << 10), "none")) for i in range(32)]
+    v, w, big = layer.lmdb.env.write(fill)[32:35]
+    assert v.tier == w.tier == big.tier == TIER_LMDB
+    layer.lmdb.sync()
+    layer.close()
+    layer.lmdb.env.close()  # (a page this process maps stays in the page cache)
+    fd = os.open(tmp_path / "meta" / "data.mdb", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (this test's own file)
+    finally:
+        os.close(fd)
+    # The store reads around a page that faults: this test's file would be read whole at
+    # the first lookup. Here a lookup brings in the B-tree's pages and the value's first.
+    layer = ValueLayer(LmdbEnv(tmp_path / "meta", readahead=False), config, [SegmentDir(tmp_path / "nvme")])
+
+    async def fetch(*values):
+        return await layer.fetch([(None, value, "v") for value in values], cache=False)
+
+    counts = lambda: (layer.counters["inline_reads"], layer.counters["read_batches"])  # noqa: E731
+    assert trio.run(fetch, v) == [raw] and counts() == (0, 1)  # not in memory: a worker thread read it
+    assert trio.run(fetch, v) == [raw] and counts() == (0, 2)  # in memory now, but the loop backs off a while
+    time.sleep(INLINE_BACKOFF_S)
+    assert trio.run(fetch, v) == [raw] and counts() == (1, 2)  # read here
+    assert trio.run(fetch, big) == [big_raw] and counts() == (1, 3)  # too large to read here
+    assert trio.run(fetch, v, v, v) == [raw] * 3 and counts() == (1, 4)  # too many to read here
+    # damage found here is the read's result, as a worker thread's would be
+    layer.lmdb.env.write(lambda txn: txn.put(b"s", raw[:-1] + bytes([raw[-1] ^ 1]), db=b"values"))
+    out = trio.run(fetch, v)
+    assert isinstance(out[0], CorruptValue) and counts() == (2, 4)
+    assert trio.run(fetch, w) == [other] and counts() == (2, 5)  # not in memory: backs off again
+    layer.close()
+    layer.lmdb.env.close()
 
 
 def test_fetch_reports_each_failure_alone(layer):
