@@ -30,6 +30,9 @@ class Txn(Protocol):
 
     def put(self, key: bytes, value: Any, db: bytes, overwrite: bool = True) -> bool: ...
 
+    def put_many(self, items: Sequence[tuple[bytes, Any]], db: bytes) -> None:
+        """`put` of each (key, value), overwriting, in one call (keys in order cost least)."""
+
     def replace(self, key: bytes, value: Any, db: bytes) -> Any: ...
 
     def delete(self, key: bytes, db: bytes) -> bool: ...

@@ -134,6 +134,9 @@ class LmdbTxn:
     def put(self, key: bytes, value, db: bytes, overwrite: bool = True) -> bool:
         return self._txn.put(key, value, db=self._db(db), overwrite=overwrite)
 
+    def put_many(self, items, db: bytes) -> None:
+        self._txn.cursor(db=self._db(db)).putmulti(items)
+
     def replace(self, key: bytes, value, db: bytes):
         return self._txn.replace(key, value, db=self._db(db))
 

@@ -35,7 +35,7 @@ import trio
 
 from .batch import Batch, BatchFile, SequenceBatch, batch_file
 from . import priojournal, priowal
-from .catalog import DB_SAMPLED, EntryMeta, entry_key, pack_u32
+from .catalog import DB_SAMPLED, EntryMeta, entry_key, entry_keys, pack_u32, pack_u32s
 from .committer import Change, Overlay
 from .config import MAX_PRIORITY, BufferConfig, RingConfig, check_priority, priority_text
 from .errors import DistorefsError, InvalidArgument, InvalidConfig, NotFound, TooLarge, WouldBlock
@@ -851,14 +851,15 @@ class RecordSampled(Change):
         ring = self.buffer.ring
         removed = overlay.ring(ring.ns_id).removed
         live = ring.slot_seq[self.slots] == self.seqs  # still in the slot it was drawn from
-        times = self.buffer.sampler.times[self.slots[live]]
-        self.rows = [(seq, count) for seq, count in zip(self.seqs[live].tolist(), times.tolist())
-                     if seq not in removed]
+        seqs, times = self.seqs[live], self.buffer.sampler.times[self.slots[live]]
+        if removed:
+            kept = np.fromiter((seq not in removed for seq in seqs.tolist()), dtype=bool, count=len(seqs))
+            seqs, times = seqs[kept], times[kept]
+        self.written, self.times = seqs, times
 
     def txn(self, txn) -> None:
-        ns = self.buffer.ns_id
-        for seq, count in self.rows:
-            txn.put(entry_key(ns, seq), pack_u32(count), db=DB_SAMPLED)
+        # (in key order: np.unique sorted the sequence numbers, and a ring's keys are big-endian)
+        txn.put_many(list(zip(entry_keys(self.buffer.ns_id, self.written), pack_u32s(self.times))), db=DB_SAMPLED)
 
 
 class SetTimesSampled(Change):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from .values import StoredValue
 
 DB_META = b"meta"
@@ -39,6 +41,25 @@ _U32 = struct.Struct("<I")
 
 def entry_key(ns_id: int, seq: int) -> bytes:
     return _KEY.pack(ns_id, seq)
+
+
+_KEY_ARRAY = np.dtype([("ns", ">u4"), ("seq", ">u8")])  # entry_key's bytes, as an array's record
+
+
+def entry_keys(ns_id: int, seqs: np.ndarray) -> list[bytes]:
+    """`entry_key` of each of `seqs` (one array's bytes cut up, not a pack per key)."""
+    keys = np.empty(len(seqs), dtype=_KEY_ARRAY)
+    keys["ns"], keys["seq"] = ns_id, seqs
+    return _cut(keys.tobytes(), _KEY.size)
+
+
+def pack_u32s(values: np.ndarray) -> list[bytes]:
+    """`pack_u32` of each of `values`."""
+    return _cut(np.asarray(values, dtype="<u4").tobytes(), _U32.size)
+
+
+def _cut(data: bytes, width: int) -> list[bytes]:
+    return [data[i:i + width] for i in range(0, len(data), width)]
 
 
 def split_entry_key(key: bytes) -> tuple[int, int]:

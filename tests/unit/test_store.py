@@ -135,6 +135,32 @@ def test_everything_persists(tmp_path):
     run(tmp_path / "s", read, config={"cache_bytes": 0})
 
 
+def test_times_sampled_counts_are_written_for_every_entry_drawn_and_none_deleted(tmp_path):
+    from distorefs.catalog import entry_key, entry_keys, pack_u32, pack_u32s
+    seqs = np.array([0, 1, 255, 256, 2**40 + 7], dtype=np.int64)
+    assert entry_keys(9, seqs) == [entry_key(9, int(s)) for s in seqs]
+    assert pack_u32s(np.array([0, 5, 2**32 - 1])) == [pack_u32(0), pack_u32(5), pack_u32(2**32 - 1)]
+
+    async def write(store):
+        buf = await store.create_buffer("rb", DIR)
+        await store.configure_buffer("rb", b'{"presample_batches": 0}')
+        await fill(buf, 300)
+        for _ in range(20):
+            buf.release(await buf.sample(64))
+        await buf.ring.delete(b"k3")  # drawn, most likely, and gone before the counts are written
+        await buf.ring.delete(b"k4")
+        return {m.key: int(buf.sampler.times[m.slot]) for m in buf.ring.oldest()}
+
+    times = run(tmp_path / "s", write)
+    assert sum(times.values()) > 1000 and b"k3" not in times
+
+    async def read(store):
+        buf = store.buffer("rb")
+        return {m.key: int(buf.sampler.times[m.slot]) for m in buf.ring.oldest()}
+
+    assert run(tmp_path / "s", read) == times
+
+
 def test_second_open_is_refused(tmp_path):
     store = Store(tmp_path / "s")
     try:
