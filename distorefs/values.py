@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 import struct
 import time
 from dataclasses import dataclass
@@ -135,7 +136,7 @@ WARM_GROUP_BYTES = 64 << 20  # values read per hand-off while warming: bounds wh
 # overflow page's header), a disk read on the loop if that page was not in memory: so a
 # value found not in memory, or a lookup slower than INLINE_SLOW_S, stops reads on the loop
 # for INLINE_BACKOFF_S (a cold epoch then costs the loop one such read a half second).
-INLINE_READ_VALUES = 2
+INLINE_READ_VALUES = 0 if os.environ.get("DISTOREFS_INLINE_READS") == "0" else 2  # (0: none on the loop)
 INLINE_READ_BYTES = 16 << 10
 INLINE_SLOW_S = 200e-6
 INLINE_BACKOFF_S = 0.5
