@@ -135,11 +135,13 @@ WARM_GROUP_BYTES = 64 << 20  # values read per hand-off while warming: bounds wh
 # lookup may itself touch the value's first page before it can tell (LMDB checks an
 # overflow page's header), a disk read on the loop if that page was not in memory: so a
 # value found not in memory, or a lookup slower than INLINE_SLOW_S, stops reads on the loop
-# for INLINE_BACKOFF_S (a cold epoch then costs the loop one such read a half second).
+# for INLINE_BACKOFF_S, twice as long after each such read up to INLINE_BACKOFF_MAX_S, half
+# as long after each read here again (a cold epoch costs the loop a few such reads).
 INLINE_READ_VALUES = 0 if os.environ.get("DISTOREFS_INLINE_READS") == "0" else 2  # (0: none on the loop)
 INLINE_READ_BYTES = 16 << 10
 INLINE_SLOW_S = 200e-6
 INLINE_BACKOFF_S = 0.5
+INLINE_BACKOFF_MAX_S = 8.0
 
 
 class ValueLayer:
@@ -157,6 +159,7 @@ class ValueLayer:
         self._gen = 0
         self._reads = _Reads(self)
         self._inline_after = 0.0  # (monotonic) no read on the loop before this: one found the disk
+        self._inline_backoff = INLINE_BACKOFF_S
 
     def attach_cluster(self, backend: ValueBackend) -> None:
         """A shared store: values of its shared namespaces live in the cluster's tier."""
@@ -371,10 +374,13 @@ class ValueLayer:
         try:
             stored = backend.get_resident(value.loc)
             if stored is None or time.monotonic() - start > INLINE_SLOW_S:
-                self._inline_after = time.monotonic() + INLINE_BACKOFF_S
+                self._inline_after = time.monotonic() + self._inline_backoff
+                self._inline_backoff = min(2 * self._inline_backoff, INLINE_BACKOFF_MAX_S)
                 self.counters["inline_backoffs"] += 1
                 if stored is None:
                     return None
+            else:
+                self._inline_backoff = max(INLINE_BACKOFF_S, self._inline_backoff / 2)
             data: bytes | DistorefsError = self.read(value, what, stored)
         except BackendError:
             return None  # (failed again, and said, by the worker thread's read)

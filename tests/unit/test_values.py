@@ -239,7 +239,9 @@ def test_fetch_hands_concurrent_reads_to_few_thread_calls(layer):
     assert layer.counters["read_batches"] - before == batches
 
 
-def test_a_small_value_in_memory_is_read_on_the_loop_and_one_on_disk_in_a_worker_thread(tmp_path):
+def test_a_small_value_in_memory_is_read_on_the_loop_and_one_on_disk_in_a_worker_thread(tmp_path, monkeypatch):
+    from distorefs import values as values_module
+    monkeypatch.setattr(values_module, "INLINE_SLOW_S", 60.0)  # (a busy machine: no lookup counts as slow)
     config = _config(segment_threshold=64 << 10, lmdb_bytes=64 * MiB)
     layer = _layer(tmp_path, config)
     # In one transaction, between half a megabyte of others each side: in pages of their
