@@ -25,6 +25,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import resource
 import struct
 import time
 from dataclasses import dataclass
@@ -133,15 +134,20 @@ WARM_GROUP_BYTES = 64 << 20  # values read per hand-off while warming: bounds wh
 # copy and a decode of a few KB cost less of the loop's time than the thread hand-off (a
 # dataset item's open: the hand-off was about 40 % of the daemon's CPU for it). The tier's
 # lookup may itself touch the value's first page before it can tell (LMDB checks an
-# overflow page's header), a disk read on the loop if that page was not in memory: so a
-# value found not in memory, or a lookup slower than INLINE_SLOW_S, stops reads on the loop
-# for INLINE_BACKOFF_S, twice as long after each such read up to INLINE_BACKOFF_MAX_S, half
-# as long after each read here again (a cold epoch costs the loop a few such reads).
+# overflow page's header), a disk read on the loop if that page was not in memory (a major
+# fault of the loop's thread, counted by the kernel): so a value found not in memory, or a
+# lookup that faulted, stops reads on the loop for INLINE_BACKOFF_S, twice as long after each
+# such read up to INLINE_BACKOFF_MAX_S, half as long after each read here again (a cold epoch
+# costs the loop a few such reads).
 INLINE_READ_VALUES = 0 if os.environ.get("DISTOREFS_INLINE_READS") == "0" else 2  # (0: none on the loop)
 INLINE_READ_BYTES = 16 << 10
-INLINE_SLOW_S = 200e-6
 INLINE_BACKOFF_S = 0.5
 INLINE_BACKOFF_MAX_S = 8.0
+
+
+def _major_faults() -> int:
+    """Page faults of this thread that waited for the disk, so far."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
 
 
 class ValueLayer:
@@ -368,12 +374,12 @@ class ValueLayer:
         backend = self.tiers.get(value.tier)
         if value.size > INLINE_READ_BYTES or backend is None or not backend.resident_reads:
             return None
-        start = time.monotonic()
-        if start < self._inline_after:
+        if time.monotonic() < self._inline_after:
             return None
         try:
+            faults = _major_faults()
             stored = backend.get_resident(value.loc)
-            if stored is None or time.monotonic() - start > INLINE_SLOW_S:
+            if stored is None or _major_faults() != faults:
                 self._inline_after = time.monotonic() + self._inline_backoff
                 self._inline_backoff = min(2 * self._inline_backoff, INLINE_BACKOFF_MAX_S)
                 self.counters["inline_backoffs"] += 1
