@@ -96,8 +96,9 @@ class ValueBackend(ABC):
 
     def get_resident(self, loc: bytes) -> bytes | None:
         """The value at ``loc`` if reading it cannot wait for the disk (every page of it in
-        memory already), else None (absent, not in memory, or the tier cannot tell: see
-        ``resident_reads``). For a caller that must not block (an event loop)."""
+        memory already), else None (not in memory, or the tier cannot tell: see
+        ``resident_reads``); raises ``Missing`` if absent. For a caller that must not block
+        (an event loop)."""
         return None
 
     def get_checked(self, loc: bytes) -> tuple[bytes, int | None]:

@@ -74,7 +74,9 @@ class LmdbValues(ValueBackend):
         # asked about: every lookup touches them, as the catalog's lookups on the loop do.
         def fn(txn: Txn) -> bytes | None:
             view = txn.get(loc, db=DB_VALUES) if 0 < len(loc) <= _MAX_KEY else None
-            return None if view is None or not in_memory(view) else bytes(view)
+            if view is None:
+                raise Missing(f"no value at location {loc.hex()}")
+            return bytes(view) if in_memory(view) else None
         return self.env.read(fn)
 
     def get_in(self, txn: Txn, loc: bytes) -> bytes:

@@ -342,8 +342,9 @@ class ValueLayer:
                     cache: bool = True) -> list[Fetched]:
         """The decoded content of each (cache key, value, what): from the memory tier, else
         read in a worker thread (all misses of this call, and of calls waiting meanwhile,
-        in one hand-off), or here when they are few, small and in memory (INLINE_READ_*). Each result is the bytes or the DistorefsError of that read;
-        values read are kept in the memory tier (`cache`)."""
+        in one hand-off), or here when they are few, small and in memory (INLINE_READ_*).
+        Each result is the bytes or the DistorefsError of that read; values read are kept
+        in the memory tier (`cache`)."""
         out: list = [None] * len(items)
         missing = []
         get = self.cache.get
@@ -388,7 +389,7 @@ class ValueLayer:
             else:
                 self._inline_backoff = max(INLINE_BACKOFF_S, self._inline_backoff / 2)
             data: bytes | DistorefsError = self.read(value, what, stored)
-        except BackendError:
+        except BackendError:  # (absent, say: no wait for the disk, no back-off)
             return None  # (failed again, and said, by the worker thread's read)
         except DistorefsError as exc:
             data = exc

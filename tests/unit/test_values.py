@@ -300,6 +300,8 @@ def test_fetch_reports_each_failure_alone(layer):
 
     out = trio.run(main)
     assert isinstance(out[0], bytes) and isinstance(out[1], NotFound)
+    # an absent value made no read on the loop back off (nothing waited for the disk)
+    assert layer.counters["inline_backoffs"] == 0 and layer.counters["inline_reads"] == 1
 
 
 def test_relocate_moves_the_stored_bytes(layer):
