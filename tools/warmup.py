@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..backends.resident import page_flags
 from .inspection import walk_tree, is_dataset_dir, is_namespace_dir, mount_root
 
 WARM_XATTR = "user.distorefs.warm"
@@ -110,7 +111,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -125,13 +125,13 @@ def resident_bytes(fd: int, size: int) -> int | None:
     try:
         page = mmap.PAGESIZE
         pages = (size + page - 1) // page
-        vec = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(addr, size, vec) != 0:
+        flags = page_flags(addr, size)
+        if flags is None:
             return None
-        resident = sum(b & 1 for b in bytes(vec))
+        resident = sum(b & 1 for b in flags)
         if resident == pages:
             return size
-        return resident * page - (page - size % page if vec[pages - 1] & 1 and size % page else 0)
+        return resident * page - (page - size % page if flags[pages - 1] & 1 and size % page else 0)
     finally:
         _libc.munmap(addr, size)
 
