@@ -265,7 +265,9 @@ static int front_ended, front_result;
 static unsigned long long front_passed;  /* requests handed to pyfuse3 */
 
 /* What Python leaves to the front, guarded by held_lock. */
-static struct held { uint64_t ino; int valid; struct stat attr; double timeout; } held[HELD_MAX];
+/* `once`: given by Python with an answer it made (give_attributes) for the GETATTR that
+   follows it; answered once, and only until `until` (CLOCK_MONOTONIC seconds). */
+static struct held { uint64_t ino; int valid; int once; double until; struct stat attr; double timeout; } held[HELD_MAX];
 static unsigned held_count;
 /* Handles whose FLUSH the front answers: nothing to do at close once `pending` commits
    Python queued for them are done (flush_pending, flush_committed); a FLUSH that comes
@@ -407,6 +409,34 @@ static struct held *held_find(uint64_t ino)  /* with held_lock held */
         if (held[i].ino == ino)
             return &held[i];
     return NULL;
+}
+
+static double monotonic_now(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+/* A slot for `ino`'s attributes (with held_lock held): its own, a free one, or the one of
+   the hold given once that ends first (a GETATTR that never came: the kernel held them
+   still); NULL: the table is full of lasting holds. */
+static struct held *held_slot(uint64_t ino)
+{
+    struct held *h = held_find(ino), *first = NULL;
+    if (h != NULL)
+        return h;
+    if (held_count < HELD_MAX) {
+        h = &held[held_count++];
+        *h = (struct held){.ino = ino};
+        return h;
+    }
+    for (unsigned i = 0; i < held_count; i++)
+        if (held[i].once && (first == NULL || held[i].until < first->until))
+            first = &held[i];
+    if (first != NULL)
+        *first = (struct held){.ino = ino};
+    return first;
 }
 
 static int number_at(const uint64_t *numbers, unsigned count, uint64_t n)  /* its index or -1 */
@@ -1182,11 +1212,15 @@ static int answered_in_c(const char *mem, size_t size)
         memcpy(&ino, mem + IN_NODEID_OFFSET, sizeof(ino));
         pthread_mutex_lock(&held_lock);
         struct held *h = held_count ? held_find(ino) : NULL;
-        if (h != NULL && h->valid) {
+        if (h != NULL && h->once && monotonic_now() > h->until) {
+            *h = held[--held_count];  /* given for a GETATTR that did not come in time */
+        } else if (h != NULL && h->valid) {
             front_answer.opcode = OPCODE_GETATTR;
             front_answer.attr = h->attr;
             front_answer.timeout = h->timeout;
             found = 1;
+            if (h->once)
+                *h = held[--held_count];
         }
         pthread_mutex_unlock(&held_lock);
         return found || getattr_collected_here(ino);
@@ -1521,10 +1555,10 @@ static PyObject *hold_attributes(PyObject *self, PyObject *args)
     pthread_mutex_lock(&held_lock);
     struct held *h = held_find(ino);
     if (on && h == NULL) {
-        if (held_count < HELD_MAX)
-            held[held_count++] = (struct held){.ino = ino, .valid = 0};
-        else
+        if (held_slot(ino) == NULL)
             done = 0;
+    } else if (on) {
+        h->once = 0;  /* (one given once lasts now, from the next reply) */
     } else if (!on && h != NULL) {
         *h = held[--held_count];
     }
@@ -1532,6 +1566,49 @@ static PyObject *hold_attributes(PyObject *self, PyObject *args)
         mark_drop(ino);
     pthread_mutex_unlock(&held_lock);
     return PyBool_FromLong(done);
+}
+
+/* Attributes Python answers with but does not send: the front answers the GETATTR that
+   follows with them (once: that one only, within ONCE_SECONDS; else as hold_attributes,
+   until forgotten or replaced by the next reply). */
+#define ONCE_SECONDS 1.0
+static PyObject *give_attributes(PyObject *self, PyObject *args)
+{
+    unsigned long long ino, nlink;
+    unsigned int mode, uid, gid;
+    long long size, blocks, blksize, atime_ns, mtime_ns, ctime_ns;
+    double timeout;
+    int once;
+    if (!PyArg_ParseTuple(args, "KIKIILLLLLLdp", &ino, &mode, &nlink, &uid, &gid, &size, &blocks, &blksize,
+                          &atime_ns, &mtime_ns, &ctime_ns, &timeout, &once))
+        return NULL;
+    struct stat attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.st_ino = (ino_t)ino;
+    attr.st_mode = (mode_t)mode;
+    attr.st_nlink = (nlink_t)nlink;
+    attr.st_uid = (uid_t)uid;
+    attr.st_gid = (gid_t)gid;
+    attr.st_size = (off_t)size;
+    attr.st_blocks = (blkcnt_t)blocks;
+    attr.st_blksize = (blksize_t)blksize;
+    attr.st_atim = (struct timespec){(time_t)(atime_ns / 1000000000), (long)(atime_ns % 1000000000)};
+    attr.st_mtim = (struct timespec){(time_t)(mtime_ns / 1000000000), (long)(mtime_ns % 1000000000)};
+    attr.st_ctim = (struct timespec){(time_t)(ctime_ns / 1000000000), (long)(ctime_ns % 1000000000)};
+    pthread_mutex_lock(&held_lock);
+    struct held *h = held_find(ino);
+    int lasting = h != NULL && !h->once;  /* a lasting hold stays one */
+    if (h == NULL)
+        h = held_slot(ino);
+    if (h != NULL) {
+        h->attr = attr;
+        h->timeout = timeout;
+        h->valid = 1;
+        h->once = once && !lasting;
+        h->until = monotonic_now() + ONCE_SECONDS;
+    }
+    pthread_mutex_unlock(&held_lock);
+    return PyBool_FromLong(h != NULL);
 }
 
 static PyObject *answer_opens(PyObject *self, PyObject *args)
@@ -2147,6 +2224,9 @@ static PyMethodDef methods[] = {
     {"front_queued", front_queued, METH_NOARGS, "How many requests the front queued for pyfuse3 now (a hint)."},
     {"front_tables", front_tables, METH_NOARGS, "How full the front's tables are (each holds at most 64 but "
      "marks, 262144, release_free and released, 1024, and notices, 4096)."},
+    {"give_attributes", give_attributes, METH_VARARGS,
+     "(ino, mode, nlink, uid, gid, size, blocks, blksize, atime_ns, mtime_ns, ctime_ns, timeout, once): the "
+     "front answers the next GETATTR of ino with these (once: that one only, within a second); False: no room."},
     {"answer_opens", answer_opens, METH_VARARGS,
      "(ino, accmode, flags[, pid[, tag]]): the front answers opens of ino with that access mode itself (by "
      "thread pid alone if given, 0: anyone's), with a handle number of its own (flags: 1 keep_cache, 2 noflush, "

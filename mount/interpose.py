@@ -14,7 +14,8 @@
   kinds itself, without the GIL or the trio loop; pyfuse3 waits on an eventfd and takes
   the rest from its queue (`front()`). It also answers GETATTR of an inode whose
   attributes Python holds there (`hold_attributes`: they change only by an act of Python's,
-  which forgets them first) and FLUSH of a handle with nothing to do at close
+  which forgets them first; `give_attributes`: ones Python made at an OPEN and sends in
+  no reply, for the GETATTR that follows) and FLUSH of a handle with nothing to do at close
   (`flush_free`), and RELEASE of a handle whose release is bookkeeping only (`release_free`,
   `take_released`). It answers the OPEN of an inode Python marks (`answer_opens`: a
   write-only open of `priorities`; the next open of a sealed item already in the page
@@ -52,7 +53,10 @@ import errno
 import logging
 import os
 import sys
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:  # (never imported here at run time: this module must load before pyfuse3)
+    import pyfuse3
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +122,20 @@ def hold_attributes(ino: int) -> None:
     until `forget_attributes(ino)`. For attributes that change only by an act of ours."""
     if _library is not None:
         _library.hold_attributes(ino, True)
+
+
+def give_attributes(attrs: "pyfuse3.EntryAttributes", once: bool) -> bool:
+    """The front answers the next GETATTR of `attrs.st_ino` with `attrs`, which Python made
+    but sends in no reply: the size of a batch just opened, the attributes of a sealed
+    item whose OPEN dropped the kernel's. `once`: that GETATTR only, if it comes within a
+    second (the kernel may hold attributes still and ask nothing); otherwise as
+    `hold_attributes`, until forgotten. False: no front, or its table is full."""
+    if _library is None:
+        return False
+    a = attrs
+    return bool(_library.give_attributes(a.st_ino, a.st_mode, a.st_nlink, a.st_uid, a.st_gid, a.st_size,
+                                         a.st_blocks, a.st_blksize, a.st_atime_ns, a.st_mtime_ns,
+                                         a.st_ctime_ns, a.attr_timeout, once))
 
 
 def forget_attributes(ino: int) -> None:

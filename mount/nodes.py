@@ -557,17 +557,21 @@ class DrawFile(Node):
         self.pid = pid
         self.directory = directory
         self.size = 0  # of the batch opened last
-        self.kernel_size: int | None = None  # the size in this inode's last attributes reply
+        # the size in this inode's last attributes reply, or given to the front for the next
+        self.kernel_size: int | None = None
         self.ahead: Reservation | None = None  # the batch in the page cache for the front's next open
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
-        o = self.buf.owner
         self.kernel_size = self.size  # every caller replies with them (LOOKUP, GETATTR)
         if self.size >= PASSTHROUGH_MIN:
             # The kernel asks for them after every read of a passed-through file (the reads
             # mark its atime stale) and the reader's fstat waits: the library's front answers,
             # until a batch of another size drops them (_new_size).
             interpose.hold_attributes(self.ino)
+        return self._attrs()
+
+    def _attrs(self) -> pyfuse3.EntryAttributes:
+        o = self.buf.owner
         # Cached until an open of another size drops them (below): np.load's stat and seeks
         # cost one GETATTR per batch at most, not one each.
         return make_attrs(self.ino, stat.S_IFREG | (o.mode & 0o444), self.size, o.uid, o.gid, self.buf.ctime_ns,
@@ -625,11 +629,19 @@ class DrawFile(Node):
     def _new_size(self, size: int) -> None:
         """The batch opened now is `size` bytes: if the kernel holds another size, it is
         made to ask again (while this OPEN is pending: the next stat or seek asks), and the
-        front forgets the attributes it answered with."""
+        front is given the new attributes to answer with (if its table has no room, it
+        forgets the ones it held and Python answers)."""
         self.size = size
+        # The stat or seek that follows this OPEN asks for them where the size changed (a
+        # `sample/N`'s changes with the digits of its lines), or a READ of the batch before
+        # marked the atime stale: the front answers it, not a trip through Python per draw.
+        given = interpose.give_attributes(self._attrs(), once=True)
         if size != self.kernel_size:
-            interpose.forget_attributes(self.ino)
             drop_attributes(self.ino)
+            if given:
+                self.kernel_size = size
+            else:
+                interpose.forget_attributes(self.ino)
 
     def large_batches(self) -> "backing.LargeBatches | None":
         """This process's stream of large batch files of this size (None: passthrough

@@ -175,6 +175,7 @@ class Filesystem(pyfuse3.Operations):
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),
                       "foreign_xattrs_answered": foreign, "front": front, "front_passed": passed,
+                      "front_getattrs": getattrs,
                       "taken_without_waiting": interpose.taken_without_waiting(),
                       "front_tables": interpose.front_tables(), "parallel_dirops": interpose.parallel_dirops(),
                       "passthrough": interpose.passthrough(), "passthrough_opens": interpose.passthrough_replies(),

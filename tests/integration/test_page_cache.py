@@ -852,3 +852,35 @@ def test_the_fronts_thread_runs_ahead_of_the_daemons_other_threads(fs):
         nice.setdefault(name, set()).add(int(fields[16]))
     assert nice.get("distorefs-front") == {-10}, nice
     assert all(v == {0} for k, v in nice.items() if k != "distorefs-front"), nice
+
+
+def python_getattrs_during(fs, fn) -> int:
+    """GETATTRs that reached Python while `fn` ran (those the front answered left out)."""
+    def count(fn) -> int:
+        before = mount_stats(fs)
+        fn()
+        after = mount_stats(fs)
+        return ((after["requests"]["getattr"] - after["front_getattrs"])
+                - (before["requests"]["getattr"] - before["front_getattrs"]))
+    return count(fn) - count(lambda: None)
+
+
+def test_a_sample_file_of_a_new_size_is_stated_by_the_front(fs, buf):
+    """sample/N's size changes from draw to draw (keys and numbers of several widths): the
+    stat after each open is answered by the front with the new batch's size, which Python
+    gave it at the OPEN, and every stat agrees with what the read returns."""
+    for i in range(60):
+        np.save(buf / "entries" / (("k" * (1 + i % 9)) + f"{i}.npy"), np.full(2, i, dtype=np.int32))
+    sizes: set[int] = set()
+
+    def draw_all() -> None:
+        for _ in range(30):
+            with open(buf / "sample" / "4", "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                data = f.read()
+            assert size == len(data) and len(data.splitlines()) == 4
+            sizes.add(size)
+    draw_all()
+    assert python_getattrs_during(fs, draw_all) == 0
+    assert len(sizes) > 3  # the sizes did change
+

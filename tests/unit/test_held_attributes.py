@@ -1,0 +1,45 @@
+"""The front's table of attributes it answers GETATTR with (mount/_interpose.c `held`): holds
+Python keeps (hold_attributes) stay until forgotten; ones given once at an OPEN
+(give_attributes) make room for others when the table is full, and never push a lasting
+hold out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.setdlopenflags(sys.getdlopenflags() | os.RTLD_GLOBAL)
+    from distorefs.mount import _interpose as lib
+
+    def give(ino, once):
+        return lib.give_attributes(ino, 0o100444, 1, 0, 0, 10 + ino, 1, 4096, 0, 0, 0, 60.0, once)
+
+    def held():
+        return lib.front_tables()["held"]
+
+    MAX = 64
+    assert all(give(i, True) for i in range(1, MAX + 1)) and held() == MAX
+    assert give(MAX + 1, True) and held() == MAX  # the first given made room
+    assert lib.hold_attributes(1000, True) and held() == MAX  # so does a lasting hold
+    for ino in range(2000, 2000 + MAX - 2):
+        assert lib.hold_attributes(ino, True)
+    assert held() == MAX  # 63 lasting holds (1000 and these), one given once
+    assert give(3000, True)  # takes the place of the last one given once
+    assert lib.hold_attributes(3001, True)  # and a lasting hold takes its place
+    assert not give(3002, True)  # lasting holds are never pushed out
+    assert not lib.hold_attributes(3003, True)
+    assert give(2000, True)  # a lasting hold given new attributes stays one
+    assert not give(3002, True)
+    lib.hold_attributes(2000, False)
+    assert give(3002, True)  # the room it left
+    assert held() == MAX
+    print("done", flush=True)
+""")
+
+
+def test_attributes_given_once_make_room_and_lasting_holds_stay():
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=40)
+    assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
