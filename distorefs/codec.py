@@ -54,6 +54,19 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dec
 
 
+class Compressibility:
+    """What the last value of one stream (a ring's entries) did under compression. A
+    stream whose values compress skips the probe (a second compressor call, on the commit's
+    critical path, for each value): a value that then does not compress costs one full
+    attempt, and the probe is back for the next. Read and written from several threads
+    without a lock: a stale answer costs one probe more or less, nothing else."""
+
+    __slots__ = ("compresses",)
+
+    def __init__(self) -> None:
+        self.compresses = False
+
+
 @dataclass(frozen=True)
 class Encoded:
     """A value as stored: its stored bytes, the codec used, raw size and checksum."""
@@ -171,11 +184,12 @@ def checksums(data: bytes | memoryview, regions: list[tuple[int, int]]) -> tuple
 
 
 def encode(raw: bytes | bytearray | memoryview, compression: str = "zstd", level: int = 1,
-           crc: int | None = None, copy: bool = True) -> Encoded:
+           crc: int | None = None, copy: bool = True, stream: Compressibility | None = None) -> Encoded:
     """Encode `raw` for storage (`crc`: its CRC-32, when known already). Runs in a worker
     thread for large values. `copy=False`: the caller keeps `raw` unchanged while the result
     is used, so a value stored raw is not copied into bytes first (its `stored` is then a
-    view of `raw`)."""
+    view of `raw`). `stream`: what the values before it in its stream did (a large value
+    of a stream that compresses is compressed whole, without a probe first), updated."""
     plain: bytes | memoryview
     if isinstance(raw, bytes):
         plain = raw
@@ -186,12 +200,15 @@ def encode(raw: bytes | bytearray | memoryview, compression: str = "zstd", level
     size = len(view)
     if compression == "zstd" and size >= MIN_COMPRESS_BYTES:
         comp = _compressor(level)
-        if size > 4 * PROBE_BYTES:
+        if size > 4 * PROBE_BYTES and (stream is None or not stream.compresses):
             probe = comp.compress(view[:PROBE_BYTES])
             if len(probe) > PROBE_BYTES * (1 - MIN_SAVING):
                 return Encoded(plain, RAW, size, crc)
         packed = comp.compress(view)
-        if len(packed) <= size * (1 - MIN_SAVING):
+        compresses = len(packed) <= size * (1 - MIN_SAVING)
+        if stream is not None:
+            stream.compresses = compresses
+        if compresses:
             return Encoded(packed, ZSTD, size, crc)
     return Encoded(plain, RAW, size, crc)
 

@@ -96,6 +96,7 @@ class Ring:
                  make_remover: Callable[[RingConfig], Remover] = ring_remover) -> None:
         self.values = services.values
         self.committer = services.committer
+        self.compressibility = codec.Compressibility()  # of its entries' values, as they are encoded
         self._collect = services.collect
         self._entry_changed = services.entry_changed
         self._hot_value_added = services.hot_value_added
@@ -479,7 +480,7 @@ class Ring:
         config = self.config
 
         def append() -> list[bytes]:
-            encs, places = zip(*(encode_entry(it.data, it.regions, config) for it in batch))
+            encs, places = zip(*(encode_entry(it.data, it.regions, config, self.compressibility) for it in batch))
             values = self.values.put_shared_many(encs)
             now = time.time_ns()
             return shared.log.insert(self.kind, self.name, [
@@ -811,15 +812,15 @@ def value_size(data: "bytes | SpooledEntry") -> int:
     return data.value.size if isinstance(data, SpooledEntry) else len(data)
 
 
-def encode_entry(raw: bytes, regions: list[tuple[int, int]] | None,
-                 config: RingConfig) -> tuple[codec.Encoded, bytes]:
+def encode_entry(raw: bytes, regions: list[tuple[int, int]] | None, config: RingConfig,
+                 stream: codec.Compressibility | None = None) -> tuple[codec.Encoded, bytes]:
     """An entry's stored form and its packed places (the arrays' offsets and CRCs, b"" for
-    none): the arrays' CRCs and the whole's in one pass."""
+    none): the arrays' CRCs and the whole's in one pass. `stream`: its ring's (codec.encode)."""
     crc, places = None, b""
     if regions:
         crc, crcs = codec.checksums(raw, regions)
         places = pack_places([off for off, _ in regions], crcs)
-    return codec.encode(raw, config.compression, config.compression_level, crc=crc), places
+    return codec.encode(raw, config.compression, config.compression_level, crc=crc, stream=stream), places
 
 
 class _SharedInsert:
@@ -947,7 +948,7 @@ class InsertEntry(Change):
             if self.regions:
                 self.places = pack_places([off for off, _ in self.regions], list(self.spooled.crcs))
         elif self.enc is None and self.raw is not None:  # kept across a rerun of the transaction
-            self.enc, self.places = encode_entry(self.raw, self.regions, self.ring.config)
+            self.enc, self.places = encode_entry(self.raw, self.regions, self.ring.config, self.ring.compressibility)
 
     def txn(self, txn) -> None:
         ring, values = self.ring, self.ring.values

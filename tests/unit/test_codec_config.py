@@ -34,6 +34,39 @@ def test_incompressible_is_stored_raw():
     assert enc.stored == raw
 
 
+def test_a_stream_whose_values_compress_skips_the_probe(monkeypatch):
+    """A ring's values that compress are compressed whole at once (one compressor call, not
+    a probe first); one that does not is stored raw all the same, and brings the probe back
+    for the next. The stored forms are those encode gives without the stream."""
+    calls = []
+    real = codec._compressor
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def compress(self, data):
+            calls.append(len(data))
+            return self.inner.compress(data)
+
+    monkeypatch.setattr(codec, "_compressor", lambda level: Counting(real(level)))
+    compressible = (np.arange(40_000) % 251).astype(np.uint8).tobytes() * 4
+    noise = os.urandom(len(compressible))
+    stream = codec.Compressibility()
+
+    def encode(data, stream):
+        calls.clear()
+        return codec.encode(data, stream=stream), len(calls)
+
+    assert encode(compressible, stream)[1] == 2 and stream.compresses  # probed: nothing known yet
+    enc, n = encode(compressible, stream)
+    assert n == 1 and enc == encode(compressible, None)[0] and enc.codec == codec.ZSTD
+    enc, n = encode(noise, stream)
+    assert n == 1 and enc.codec == codec.RAW and enc == encode(noise, None)[0] and not stream.compresses
+    assert encode(noise, stream)[1] == 1  # the probe alone, again
+    assert encode(compressible, stream)[1] == 2 and stream.compresses
+
+
 def test_compression_off_and_small_values():
     assert codec.encode(frames(), "none").codec == codec.RAW
     enc = codec.encode(b"x" * 10, "zstd")
