@@ -439,6 +439,70 @@ static struct held *held_slot(uint64_t ino)
     return first;
 }
 
+/* Attributes of inodes whose attributes change only by an act Python sees (a sealed
+   dataset's items, Python's keep_attributes): the front answers their GETATTRs, until Python
+   forgets them. The kernel may hold such inodes from before they were sealed, with attributes
+   it may not cache: the permission check of every first open asked Python again. Open
+   addressing by inode number (linear probing, deletion by shifting back); made at the
+   first keep; at most KEPT_MAX of them. With held_lock held. */
+#define KEPT_SLOTS (1u << 14)
+#define KEPT_MAX (KEPT_SLOTS / 2)
+static struct kept { uint64_t ino; struct stat attr; double timeout; } *kept;  /* ino 0: free */
+static unsigned kept_count;
+
+static unsigned kept_home(uint64_t ino)
+{
+    return (unsigned)((ino * 0x9E3779B97F4A7C15ull) >> 50) & (KEPT_SLOTS - 1);
+}
+
+static struct kept *kept_find(uint64_t ino)
+{
+    if (kept_count == 0 || ino == 0)
+        return NULL;
+    for (unsigned i = kept_home(ino);; i = (i + 1) & (KEPT_SLOTS - 1)) {
+        if (kept[i].ino == ino)
+            return &kept[i];
+        if (kept[i].ino == 0)
+            return NULL;
+    }
+}
+
+static struct kept *kept_slot(uint64_t ino)  /* NULL: no room */
+{
+    struct kept *k = kept_find(ino);
+    if (k != NULL)
+        return k;
+    if (ino == 0 || kept_count >= KEPT_MAX)
+        return NULL;
+    if (kept == NULL && (kept = calloc(KEPT_SLOTS, sizeof(*kept))) == NULL)
+        return NULL;
+    unsigned i = kept_home(ino);
+    while (kept[i].ino != 0)
+        i = (i + 1) & (KEPT_SLOTS - 1);
+    kept[i].ino = ino;
+    kept_count++;
+    return &kept[i];
+}
+
+static void kept_drop(uint64_t ino)
+{
+    struct kept *k = kept_find(ino);
+    if (k == NULL)
+        return;
+    unsigned hole = (unsigned)(k - kept);
+    kept[hole].ino = 0;
+    kept_count--;
+    /* Shift back the entries after it that the hole would cut off from their home slot. */
+    for (unsigned i = (hole + 1) & (KEPT_SLOTS - 1); kept[i].ino != 0; i = (i + 1) & (KEPT_SLOTS - 1)) {
+        unsigned home = kept_home(kept[i].ino);
+        if (((hole - home) & (KEPT_SLOTS - 1)) < ((i - home) & (KEPT_SLOTS - 1))) {  /* the hole is on its way */
+            kept[hole] = kept[i];
+            kept[i].ino = 0;
+            hole = i;
+        }
+    }
+}
+
 static int number_at(const uint64_t *numbers, unsigned count, uint64_t n)  /* its index or -1 */
 {
     for (unsigned i = 0; i < count; i++)
@@ -544,19 +608,24 @@ static void held_remember(const struct stat *attr, double timeout)
         h->timeout = timeout;
         h->valid = 1;
     }
+    struct kept *k = kept_find((uint64_t)attr->st_ino);
+    if (k != NULL) {
+        k->attr = *attr;
+        k->timeout = timeout;
+    }
     pthread_mutex_unlock(&held_lock);
 }
 
 int fuse_reply_attr(fuse_req_t req, const struct stat *attr, double attr_timeout)
 {
-    if (held_count)  /* unlocked peek: a hold made now applies from the next reply */
+    if (held_count || kept_count)  /* unlocked peek: a hold made now applies from the next reply */
         held_remember(attr, attr_timeout);
     return libfuse_reply_attr(req, attr, attr_timeout);
 }
 
 int fuse_reply_entry(fuse_req_t req, const struct fuse_entry_param *e)
 {
-    if (held_count && e->ino != 0)
+    if ((held_count || kept_count) && e->ino != 0)
         held_remember(&e->attr, e->attr_timeout);
     return libfuse_reply_entry(req, e);
 }
@@ -1221,6 +1290,14 @@ static int answered_in_c(const char *mem, size_t size)
             found = 1;
             if (h->once)
                 *h = held[--held_count];
+        } else {
+            struct kept *k = kept_find(ino);
+            if (k != NULL) {
+                front_answer.opcode = OPCODE_GETATTR;
+                front_answer.attr = k->attr;
+                front_answer.timeout = k->timeout;
+                found = 1;
+            }
         }
         pthread_mutex_unlock(&held_lock);
         return found || getattr_collected_here(ino);
@@ -1562,6 +1639,8 @@ static PyObject *hold_attributes(PyObject *self, PyObject *args)
     } else if (!on && h != NULL) {
         *h = held[--held_count];
     }
+    if (!on)
+        kept_drop(ino);
     if (!on && marks_count)  /* and its opens reach Python again, until answer_opens */
         mark_drop(ino);
     pthread_mutex_unlock(&held_lock);
@@ -1572,16 +1651,17 @@ static PyObject *hold_attributes(PyObject *self, PyObject *args)
    follows with them (once: that one only, within ONCE_SECONDS; else as hold_attributes,
    until forgotten or replaced by the next reply). */
 #define ONCE_SECONDS 1.0
-static PyObject *give_attributes(PyObject *self, PyObject *args)
+
+/* (ino, mode, nlink, uid, gid, size, blocks, blksize, atime_ns, mtime_ns, ctime_ns, timeout[,
+   flag]) into a struct stat; 0: a Python error is set. */
+static int attributes_from(PyObject *args, struct stat *out, double *timeout, int *flag)
 {
     unsigned long long ino, nlink;
     unsigned int mode, uid, gid;
     long long size, blocks, blksize, atime_ns, mtime_ns, ctime_ns;
-    double timeout;
-    int once;
-    if (!PyArg_ParseTuple(args, "KIKIILLLLLLdp", &ino, &mode, &nlink, &uid, &gid, &size, &blocks, &blksize,
-                          &atime_ns, &mtime_ns, &ctime_ns, &timeout, &once))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "KIKIILLLLLLd|p", &ino, &mode, &nlink, &uid, &gid, &size, &blocks, &blksize,
+                          &atime_ns, &mtime_ns, &ctime_ns, timeout, flag))
+        return 0;
     struct stat attr;
     memset(&attr, 0, sizeof(attr));
     attr.st_ino = (ino_t)ino;
@@ -1595,6 +1675,18 @@ static PyObject *give_attributes(PyObject *self, PyObject *args)
     attr.st_atim = (struct timespec){(time_t)(atime_ns / 1000000000), (long)(atime_ns % 1000000000)};
     attr.st_mtim = (struct timespec){(time_t)(mtime_ns / 1000000000), (long)(mtime_ns % 1000000000)};
     attr.st_ctim = (struct timespec){(time_t)(ctime_ns / 1000000000), (long)(ctime_ns % 1000000000)};
+    *out = attr;
+    return 1;
+}
+
+static PyObject *give_attributes(PyObject *self, PyObject *args)
+{
+    struct stat attr;
+    double timeout;
+    int once = 0;
+    if (!attributes_from(args, &attr, &timeout, &once))
+        return NULL;
+    uint64_t ino = (uint64_t)attr.st_ino;
     pthread_mutex_lock(&held_lock);
     struct held *h = held_find(ino);
     int lasting = h != NULL && !h->once;  /* a lasting hold stays one */
@@ -1609,6 +1701,25 @@ static PyObject *give_attributes(PyObject *self, PyObject *args)
     }
     pthread_mutex_unlock(&held_lock);
     return PyBool_FromLong(h != NULL);
+}
+
+/* Attributes the front answers every GETATTR of ino with, until forgotten (hold_attributes
+   off) or replaced by Python's next reply for it. */
+static PyObject *keep_attributes(PyObject *self, PyObject *args)
+{
+    struct stat attr;
+    double timeout;
+    int unused = 0;
+    if (!attributes_from(args, &attr, &timeout, &unused))
+        return NULL;
+    pthread_mutex_lock(&held_lock);
+    struct kept *k = kept_slot((uint64_t)attr.st_ino);
+    if (k != NULL) {
+        k->attr = attr;
+        k->timeout = timeout;
+    }
+    pthread_mutex_unlock(&held_lock);
+    return PyBool_FromLong(k != NULL);
 }
 
 static PyObject *answer_opens(PyObject *self, PyObject *args)
@@ -1968,12 +2079,12 @@ static PyObject *front_queued(PyObject *self, PyObject *unused)
 static PyObject *front_tables(PyObject *self, PyObject *unused)
 {
     pthread_mutex_lock(&held_lock);
-    unsigned counts[7] = {held_count, marks_count, opened_count, flushing_count, release_free_count,
-                          released_count, notices_count};
+    unsigned counts[8] = {held_count, marks_count, opened_count, flushing_count, release_free_count,
+                          released_count, notices_count, kept_count};
     pthread_mutex_unlock(&held_lock);
-    return Py_BuildValue("{sIsIsIsIsIsIsI}", "held", counts[0], "opens_answered", counts[1], "opened", counts[2],
+    return Py_BuildValue("{sIsIsIsIsIsIsIsI}", "held", counts[0], "opens_answered", counts[1], "opened", counts[2],
                          "flushing", counts[3], "release_free", counts[4], "released", counts[5],
-                         "opened_noted", counts[6]);
+                         "opened_noted", counts[6], "kept", counts[7]);
 }
 
 /* (fh, limit, ino, mode, uid, gid, timeout): the front collects the WRITEs of handle fh (a
@@ -2227,6 +2338,9 @@ static PyMethodDef methods[] = {
     {"give_attributes", give_attributes, METH_VARARGS,
      "(ino, mode, nlink, uid, gid, size, blocks, blksize, atime_ns, mtime_ns, ctime_ns, timeout, once): the "
      "front answers the next GETATTR of ino with these (once: that one only, within a second); False: no room."},
+    {"keep_attributes", keep_attributes, METH_VARARGS,
+     "(ino, mode, nlink, uid, gid, size, blocks, blksize, atime_ns, mtime_ns, ctime_ns, timeout): the front "
+     "answers every GETATTR of ino with these, until hold_attributes(ino, False); False: no room."},
     {"answer_opens", answer_opens, METH_VARARGS,
      "(ino, accmode, flags[, pid[, tag]]): the front answers opens of ino with that access mode itself (by "
      "thread pid alone if given, 0: anyone's), with a handle number of its own (flags: 1 keep_cache, 2 noflush, "

@@ -20,8 +20,8 @@ import pyfuse3
 import trio
 
 from distorefs.dataset import DIR, FILE, LINK, ROOT_DIR, SEALED, Dataset, DirRec, Item
-from distorefs.errors import (AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted,
-                              ReadOnly, TooLarge)
+from distorefs.errors import (AlreadyExists, CrossDevice, DistorefsError, InvalidArgument, IsADirectory, NotFound,
+                              NotPermitted, ReadOnly, TooLarge)
 from distorefs.fileattrs import apply_setattr, dir_nlink
 from distorefs.names import check_name
 from distorefs.owner import Owner
@@ -112,6 +112,30 @@ class DatasetDir(Node):
         if value.strip() not in (b"1", b"true", b"yes"):
             raise InvalidArgument("a dataset is sealed with the value 1; it cannot be unsealed")
         await self.ds.seal()
+        await self._keep_sealed_attributes()
+
+    async def _keep_sealed_attributes(self) -> None:
+        """The kernel may hold inodes of this dataset's items and directories from before the
+        seal, with attributes it was told not to cache (they could change then): the
+        permission check of each one's next open asked Python for them again. Sealed, they
+        change only by a chmod or chown that Python answers: the front answers those
+        GETATTRs now, as many as its table holds. (Not on a shared store: another node's
+        chmod would not reach them.)"""
+        if self.ds.shared is not None:
+            return
+        nodes = [self] + [n for n in self.fs.inodes.nodes()
+                          if isinstance(n, (ItemNode, ItemsDir)) and n.ds is self.ds]
+        for i, node in enumerate(nodes):
+            if isinstance(node, ItemNode) and (node.removed or node.writers or node.item_id is None):
+                continue
+            try:
+                attrs = node.attributes()
+            except DistorefsError:  # gone meanwhile
+                continue
+            if not interpose.keep_attributes(attrs):
+                return
+            if i % 512 == 511:  # the loop serves requests between
+                await trio.sleep(0)
 
 
 class ItemsDir(Node):

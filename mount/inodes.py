@@ -70,6 +70,10 @@ class InodeTable:
             raise NotFound(f"stale inode {ino}")
         return node
 
+    def nodes(self) -> list:
+        """Every node in the table now (a copy: the caller may await between them)."""
+        return list(self._nodes.values())
+
     def get_or_none(self, ino: int):
         return self._nodes.get(ino)
 

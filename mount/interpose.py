@@ -15,7 +15,8 @@
   the rest from its queue (`front()`). It also answers GETATTR of an inode whose
   attributes Python holds there (`hold_attributes`: they change only by an act of Python's,
   which forgets them first; `give_attributes`: ones Python made at an OPEN and sends in
-  no reply, for the GETATTR that follows) and FLUSH of a handle with nothing to do at close
+  no reply, for the GETATTR that follows; `keep_attributes`: a sealed dataset's items,
+  which the kernel may hold from before the seal) and FLUSH of a handle with nothing to do at close
   (`flush_free`), and RELEASE of a handle whose release is bookkeeping only (`release_free`,
   `take_released`). It answers the OPEN of an inode Python marks (`answer_opens`: a
   write-only open of `priorities`; the next open of a sealed item already in the page
@@ -130,12 +131,20 @@ def give_attributes(attrs: "pyfuse3.EntryAttributes", once: bool) -> bool:
     item whose OPEN dropped the kernel's. `once`: that GETATTR only, if it comes within a
     second (the kernel may hold attributes still and ask nothing); otherwise as
     `hold_attributes`, until forgotten. False: no front, or its table is full."""
-    if _library is None:
-        return False
-    a = attrs
-    return bool(_library.give_attributes(a.st_ino, a.st_mode, a.st_nlink, a.st_uid, a.st_gid, a.st_size,
-                                         a.st_blocks, a.st_blksize, a.st_atime_ns, a.st_mtime_ns,
-                                         a.st_ctime_ns, a.attr_timeout, once))
+    return _library is not None and bool(_library.give_attributes(*_attribute_args(attrs), once))
+
+
+def _attribute_args(a: "pyfuse3.EntryAttributes") -> tuple:
+    return (a.st_ino, a.st_mode, a.st_nlink, a.st_uid, a.st_gid, a.st_size, a.st_blocks, a.st_blksize,
+            a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns, a.attr_timeout)
+
+
+def keep_attributes(attrs: "pyfuse3.EntryAttributes") -> bool:
+    """The front answers every GETATTR of `attrs.st_ino` with `attrs` (and with Python's
+    later replies for it), until `forget_attributes`: for inodes whose attributes change
+    only by an act Python answers (a sealed dataset's items, which the kernel may hold with
+    attributes it was told not to cache). False: no front, or no room (8,192 at most)."""
+    return _library is not None and bool(_library.keep_attributes(*_attribute_args(attrs)))
 
 
 def forget_attributes(ino: int) -> None:

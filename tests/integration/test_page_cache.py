@@ -884,3 +884,37 @@ def test_a_sample_file_of_a_new_size_is_stated_by_the_front(fs, buf):
     assert python_getattrs_during(fs, draw_all) == 0
     assert len(sizes) > 3  # the sizes did change
 
+
+
+def test_items_written_before_the_seal_are_stated_by_the_front_after_it(fs):
+    """Items written through the mount were given attributes not to be cached, so each
+    one's first open after the seal asked Python for them (the permission check). Sealed,
+    they are the front's to answer; a chmod of the dataset (Python's answer) reaches what
+    the front answers with."""
+    ds = fs.mnt / "datasets" / "sealedlater"
+    ds.mkdir()
+    (ds / "items" / "sub").mkdir()
+    payloads = {f"sub/s{i}.bin": os.urandom(3000 + 7 * i) for i in range(12)}
+    for name, data in payloads.items():
+        (ds / "items" / name).write_bytes(data)
+    os.setxattr(ds, "user.distorefs.sealed", b"1")
+
+    def read_all() -> None:
+        for name, data in payloads.items():
+            with open(ds / "items" / name, "rb") as f:
+                st = os.fstat(f.fileno())
+                assert (st.st_size, f.read()) == (len(data), data)
+                assert st.st_mode & 0o777 == 0o644
+    assert python_getattrs_during(fs, read_all) == 0
+
+    def mode_asked_again() -> str:  # statx(AT_STATX_FORCE_SYNC): a GETATTR whatever the kernel holds
+        return subprocess.run(["stat", "--cached=never", "-c", "%a", str(ds)], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    os.chmod(ds, 0o750)
+    try:
+        modes: list[str] = []
+        assert python_getattrs_during(fs, lambda: modes.append(mode_asked_again())) == 0
+        assert modes == ["750"]
+    finally:
+        os.chmod(ds, 0o755)
+    assert mode_asked_again() == "755"

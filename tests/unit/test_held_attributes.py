@@ -1,4 +1,4 @@
-"""The front's table of attributes it answers GETATTR with (mount/_interpose.c `held`): holds
+"""The front's tables of attributes it answers GETATTR with (mount/_interpose.c `held`, `kept`): holds
 Python keeps (hold_attributes) stay until forgotten; ones given once at an OPEN
 (give_attributes) make room for others when the table is full, and never push a lasting
 hold out."""
@@ -42,4 +42,36 @@ SCRIPT = textwrap.dedent("""
 
 def test_attributes_given_once_make_room_and_lasting_holds_stay():
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=40)
+    assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+KEPT_SCRIPT = textwrap.dedent("""
+    import os, random, sys
+    sys.setdlopenflags(sys.getdlopenflags() | os.RTLD_GLOBAL)
+    from distorefs.mount import _interpose as lib
+
+    def keep(ino):
+        return lib.keep_attributes(ino, 0o100444, 1, 0, 0, ino, 1, 4096, 0, 0, 0, 300.0)
+
+    def kept():
+        return lib.front_tables()["kept"]
+
+    rng = random.Random(7)
+    inos = rng.sample(range(1, 1 << 40), 8192)
+    assert all(keep(i) for i in inos) and kept() == 8192
+    assert not keep(1 << 41)  # full: the rest is Python's to answer
+    assert keep(inos[0]) and kept() == 8192  # one kept already is found, not added again
+    gone = set(rng.sample(inos, 4096))
+    for i in gone:
+        lib.hold_attributes(i, False)  # forgotten
+    assert kept() == 4096
+    # every one left is still found after the others' removal (none is kept twice)
+    assert all(keep(i) for i in inos if i not in gone) and kept() == 4096
+    assert all(keep(i) for i in gone) and kept() == 8192
+    print("done", flush=True)
+""")
+
+
+def test_kept_attributes_are_found_after_others_are_forgotten():
+    r = subprocess.run([sys.executable, "-c", KEPT_SCRIPT], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
