@@ -445,14 +445,15 @@ static struct held *held_slot(uint64_t ino)
    it may not cache: the permission check of every first open asked Python again. Open
    addressing by inode number (linear probing, deletion by shifting back); made at the
    first keep; at most KEPT_MAX of them. With held_lock held. */
-#define KEPT_SLOTS (1u << 14)
+#define KEPT_BITS 14
+#define KEPT_SLOTS (1u << KEPT_BITS)
 #define KEPT_MAX (KEPT_SLOTS / 2)
 static struct kept { uint64_t ino; struct stat attr; double timeout; } *kept;  /* ino 0: free */
 static unsigned kept_count;
 
 static unsigned kept_home(uint64_t ino)
 {
-    return (unsigned)((ino * 0x9E3779B97F4A7C15ull) >> 50) & (KEPT_SLOTS - 1);
+    return (unsigned)((ino * 0x9E3779B97F4A7C15ull) >> (64 - KEPT_BITS));  /* Fibonacci hashing */
 }
 
 static struct kept *kept_find(uint64_t ino)

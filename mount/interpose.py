@@ -16,9 +16,9 @@
   attributes Python holds there (`hold_attributes`: they change only by an act of Python's,
   which forgets them first; `give_attributes`: ones Python made at an OPEN and sends in
   no reply, for the GETATTR that follows; `keep_attributes`: a sealed dataset's items,
-  which the kernel may hold from before the seal) and FLUSH of a handle with nothing to do at close
-  (`flush_free`), and RELEASE of a handle whose release is bookkeeping only (`release_free`,
-  `take_released`). It answers the OPEN of an inode Python marks (`answer_opens`: a
+  which the kernel may hold from before the seal) and FLUSH of a handle with nothing to do
+  at close (`flush_free`), and RELEASE of a handle whose release is bookkeeping only
+  (`release_free`, `take_released`). It answers the OPEN of an inode Python marks (`answer_opens`: a
   write-only open of `priorities`; the next open of a sealed item already in the page
   cache, noted for `take_opened`), Python making the handle only when a request of it
   comes (`adopt_opened`); and it parks the FLUSH of a handle whose commits are still under
@@ -125,18 +125,17 @@ def hold_attributes(ino: int) -> None:
         _library.hold_attributes(ino, True)
 
 
-def give_attributes(attrs: "pyfuse3.EntryAttributes", once: bool) -> bool:
-    """The front answers the next GETATTR of `attrs.st_ino` with `attrs`, which Python made
-    but sends in no reply: the size of a batch just opened, the attributes of a sealed
-    item whose OPEN dropped the kernel's. `once`: that GETATTR only, if it comes within a
-    second (the kernel may hold attributes still and ask nothing); otherwise as
-    `hold_attributes`, until forgotten. False: no front, or its table is full."""
-    return _library is not None and bool(_library.give_attributes(*_attribute_args(attrs), once))
-
-
 def _attribute_args(a: "pyfuse3.EntryAttributes") -> tuple:
     return (a.st_ino, a.st_mode, a.st_nlink, a.st_uid, a.st_gid, a.st_size, a.st_blocks, a.st_blksize,
             a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns, a.attr_timeout)
+
+
+def give_attributes(attrs: "pyfuse3.EntryAttributes", once: bool) -> bool:
+    """The front answers the next GETATTR of `attrs.st_ino` with `attrs`, which Python made
+    but sends in no reply (the size of a batch just opened). `once`: that GETATTR only, if it
+    comes within a second (the kernel may hold attributes still and ask nothing); otherwise
+    as `hold_attributes`, until forgotten. False: no front, or its table is full."""
+    return _library is not None and bool(_library.give_attributes(*_attribute_args(attrs), once))
 
 
 def keep_attributes(attrs: "pyfuse3.EntryAttributes") -> bool:
