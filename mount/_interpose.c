@@ -1653,15 +1653,15 @@ static PyObject *hold_attributes(PyObject *self, PyObject *args)
    until forgotten or replaced by the next reply). */
 #define ONCE_SECONDS 1.0
 
-/* (ino, mode, nlink, uid, gid, size, blocks, blksize, atime_ns, mtime_ns, ctime_ns, timeout[,
-   flag]) into a struct stat; 0: a Python error is set. */
+/* (ino, mode, nlink, uid, gid, size, blocks, blksize, atime_ns, mtime_ns, ctime_ns, timeout,
+   and a flag when `flag` is not NULL) into a struct stat; 0: a Python error is set. */
 static int attributes_from(PyObject *args, struct stat *out, double *timeout, int *flag)
 {
     unsigned long long ino, nlink;
     unsigned int mode, uid, gid;
     long long size, blocks, blksize, atime_ns, mtime_ns, ctime_ns;
-    if (!PyArg_ParseTuple(args, "KIKIILLLLLLd|p", &ino, &mode, &nlink, &uid, &gid, &size, &blocks, &blksize,
-                          &atime_ns, &mtime_ns, &ctime_ns, timeout, flag))
+    if (!PyArg_ParseTuple(args, flag != NULL ? "KIKIILLLLLLdp" : "KIKIILLLLLLd", &ino, &mode, &nlink, &uid, &gid,
+                          &size, &blocks, &blksize, &atime_ns, &mtime_ns, &ctime_ns, timeout, flag))
         return 0;
     struct stat attr;
     memset(&attr, 0, sizeof(attr));
@@ -1684,7 +1684,7 @@ static PyObject *give_attributes(PyObject *self, PyObject *args)
 {
     struct stat attr;
     double timeout;
-    int once = 0;
+    int once;
     if (!attributes_from(args, &attr, &timeout, &once))
         return NULL;
     uint64_t ino = (uint64_t)attr.st_ino;
@@ -1710,8 +1710,7 @@ static PyObject *keep_attributes(PyObject *self, PyObject *args)
 {
     struct stat attr;
     double timeout;
-    int unused = 0;
-    if (!attributes_from(args, &attr, &timeout, &unused))
+    if (!attributes_from(args, &attr, &timeout, NULL))
         return NULL;
     pthread_mutex_lock(&held_lock);
     struct kept *k = kept_slot((uint64_t)attr.st_ino);
@@ -2335,7 +2334,7 @@ static PyMethodDef methods[] = {
     {"front_answers", front_answers, METH_NOARGS, "(GETATTRs, FLUSHes, OPENs, RELEASEs of handles Python never saw) the front answered itself."},
     {"front_queued", front_queued, METH_NOARGS, "How many requests the front queued for pyfuse3 now (a hint)."},
     {"front_tables", front_tables, METH_NOARGS, "How full the front's tables are (each holds at most 64 but "
-     "marks, 262144, release_free and released, 1024, and notices, 4096)."},
+     "marks, 262144, release_free and released, 1024, notices, 4096, and kept, 8192)."},
     {"give_attributes", give_attributes, METH_VARARGS,
      "(ino, mode, nlink, uid, gid, size, blocks, blksize, atime_ns, mtime_ns, ctime_ns, timeout, once): the "
      "front answers the next GETATTR of ino with these (once: that one only, within a second); False: no room."},
