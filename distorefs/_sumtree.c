@@ -156,9 +156,11 @@ fail:
     return NULL;
 }
 
-/* find(sums, branching, q, out): for each prefix q[i] (clamped into [0, total)), the slot
- * whose cumulative range holds it, into out[i] (int64); ValueError for a prefix that is not
- * finite, or a tree whose total is 0.
+/* find(sums, branching, q, out[, stride]): for each prefix q[i] (clamped into [0, total)), the
+ * slot whose cumulative range holds it, into out[i] (int64); ValueError for a prefix that is
+ * not finite, or a tree whose total is 0. With a stride, the prefixes are (i + q[i]) * stride:
+ * a stratified draw's, from its uniforms in [0, 1), without the three numpy calls (and their
+ * arrays) that make them, each costing a draw more than this descent on a busy daemon.
  * The numpy code's rules: a prefix at or past the total goes to the last positive top node;
  * within a row, the first child whose inclusive prefix sum exceeds q (the last child if
  * none does); a child of 0 reached through rounding is left for the nearest positive
@@ -172,7 +174,8 @@ static PyObject *find(PyObject *self, PyObject *args)
     Py_ssize_t lens[MAX_LEVELS];
     int levels;
     double *c = NULL;
-    if (!PyArg_ParseTuple(args, "OnOO", &sums_list, &b, &q_obj, &out_obj))
+    double stride = 0.0;
+    if (!PyArg_ParseTuple(args, "OnOO|d", &sums_list, &b, &q_obj, &out_obj, &stride))
         return NULL;
     if (take_levels(&v, sums_list, 0, sums, lens, &levels) < 0)
         goto fail;
@@ -201,6 +204,10 @@ static PyObject *find(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < ntop; i++)
         c[i + 1] = c[i] + top[i];
     double total = c[ntop];
+    if (!isfinite(stride) || stride < 0.0) {
+        PyErr_SetString(PyExc_ValueError, "_sumtree: bad stride");
+        goto fail;
+    }
     for (Py_ssize_t i = 0; i < nq; i++) {
         if (!isfinite(q[i])) {
             PyErr_SetString(PyExc_ValueError, "prefix values must be finite");
@@ -222,7 +229,9 @@ static PyObject *find(PyObject *self, PyObject *args)
     }
     Py_ssize_t last = lo - 1;
     for (Py_ssize_t i = 0; i < nq; i++) {
-        double x = q[i] > 0.0 ? q[i] : 0.0;
+        double x = stride > 0.0 ? ((double)i + q[i]) * stride : q[i];
+        if (!(x > 0.0))
+            x = 0.0;
         /* how many of c are <= x, less 1 */
         lo = 0;
         hi = ntop + 1;
@@ -285,7 +294,8 @@ static PyMethodDef methods[] = {
      "update(sums, mins, branching, capacity, slots, values): set leaves and their ancestors; "
      "False (nothing changed) for a bad slot or value."},
     {"find", find, METH_VARARGS,
-     "find(sums, branching, q, out): the slot holding each prefix q[i], into out[i]."},
+     "find(sums, branching, q, out[, stride]): the slot holding each prefix q[i] (with a stride: "
+     "(i + q[i]) * stride), into out[i]."},
     {NULL, NULL, 0, NULL},
 };
 

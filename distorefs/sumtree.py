@@ -345,4 +345,9 @@ class SumTree:
             raise ValueError("cannot sample: sum of priorities overflowed")
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        return self.find((np.arange(n) + rng.random(n)) * (total / n))
+        stride = total / n
+        if self._native is not None and stride > 0.0:  # the prefixes made in C from the uniforms
+            out = np.empty(n, dtype=np.int64)
+            self._native.find(self._sums, self._b, rng.random(n), out, stride)
+            return out
+        return self.find((np.arange(n) + rng.random(n)) * stride)

@@ -53,6 +53,21 @@ def test_the_c_loops_and_numpy_build_the_same_tree_and_find_the_same_slots():
         np.testing.assert_array_equal(native.find(prefix), plain.find(prefix))
 
 
+def test_a_stratified_draw_takes_the_slots_of_its_prefixes(code):
+    """sample() makes its prefixes (i + u_i) * total / n in C (find's stride) where the C
+    loops are built: the same slots as finding those prefixes made by numpy, from the same
+    uniforms (a seeded sampler draws what it drew before)."""
+    rng = np.random.default_rng(5)
+    for capacity, branching in SHAPES:
+        tree = SumTree(capacity, branching=branching)
+        tree.update(np.arange(capacity), rng.random(capacity) * (rng.random(capacity) >= 0.5))
+        for n in (1, 7, 64, 1000):
+            drawn = tree.sample(n, np.random.default_rng(n))
+            prefixes = (np.arange(n) + np.random.default_rng(n).random(n)) * (tree.total() / n)
+            np.testing.assert_array_equal(drawn, tree.find(prefixes))
+            assert drawn.dtype == np.int64 and (tree.get(drawn) > 0).all()
+
+
 def _depth(tree: SumTree) -> int:
     """Levels below the top (peeks at internals to keep SHAPES honest)."""
     return len(tree._sums) - 1
