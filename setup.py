@@ -1,6 +1,8 @@
-"""The compiled parts, both optional: mount/_interpose.c (see mount/interpose.py; without a C
-compiler or libfuse's headers the package installs and closes send FLUSH as before) and
-distorefs/_sumtree.c (see distorefs/sumtree.py; without it the sum tree runs on numpy alone)."""
+"""The compiled parts, all optional: mount/_interpose.c (see mount/interpose.py; without a C
+compiler or libfuse's headers the package installs and closes send FLUSH as before),
+distorefs/_sumtree.c (see distorefs/sumtree.py; without it the sum tree runs on numpy alone)
+and distorefs/_batchfill.c (see distorefs/batch.py; without it small batch files are made
+in Python)."""
 
 import subprocess
 
@@ -29,6 +31,11 @@ setup(ext_modules=[Extension(
 ), Extension(
     "distorefs._sumtree",
     sources=["distorefs/_sumtree.c"],
+    extra_compile_args=["-O2"],
+    optional=True,
+), Extension(
+    "distorefs._batchfill",
+    sources=["distorefs/_batchfill.c"],
     extra_compile_args=["-O2"],
     optional=True,
 )])

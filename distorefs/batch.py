@@ -37,7 +37,12 @@ from .catalog import EntryMeta
 from .codec import crc32_combine
 from .layout import Layout, batch_name
 from .names import escape_keys
-from .rows import field_columns
+from .rows import field_columns, row_spans
+
+try:  # a small batch file of rows made in one call (distorefs/_batchfill.c); in Python without it
+    from . import _batchfill  # type: ignore[attr-defined]
+except ImportError:
+    _batchfill = None
 
 # A stacked member up to this size is joined once and checksummed whole: cheaper than one CRC
 # combination per entry, and a READ of it is one slice. A whole file up to it is one buffer.
@@ -343,6 +348,9 @@ def batch_file(batch: Batch, values: Sequence[bytes] | None, layout: Layout | No
     members: list[Member] = []
     if values is None:
         assert layout is not None and batch.rows is not None
+        made = _rows_file(batch, layout)
+        if made is not None:
+            return made
         members.extend(_row_members(layout, batch.rows, False))
     elif layout is not None and batch.places is not None and values:
         offsets, crcs = batch.places
@@ -356,6 +364,45 @@ def batch_file(batch: Batch, values: Sequence[bytes] | None, layout: Layout | No
     members.append(_array_member("keys.npy", batch.key_strings()))
     members.append(_array_member("seqs.npy", batch.entry_seqs()))
     return _file(members + _draw_members(batch))
+
+
+_TAIL_NAMES = ("keys.npy", "seqs.npy", "probabilities.npy", "weights.npy")  # batch_file's order
+
+
+def _rows_file(batch: Batch, layout: Layout) -> "BatchFile | None":
+    """The file batch_file makes of a batch whose fields are its rows (the same bytes), made
+    in one call of distorefs/_batchfill.c: the fields gathered from the rows and every
+    member's CRC set in a copy of the file's image. None: not made so (no module, no
+    entries, a file past SMALL, an array not contiguous)."""
+    rows = batch.rows
+    if _batchfill is None or rows is None or not len(rows):
+        return None
+    tail = (batch.key_strings(), batch.entry_seqs(), np.asarray(batch.probabilities, dtype=np.float64),
+            np.asarray(batch.weights, dtype=np.float64))
+    made = _rows_image(layout, len(rows), tuple((a.dtype.str, a.shape) for a in tail))
+    if made is None:
+        return None
+    template, spans = made
+    try:
+        return BatchFile([Blob(_batchfill.fill(template.image, template.places, rows, spans, tail))])
+    except BufferError:
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_image(layout: Layout, n: int, tail: tuple[tuple[str, tuple[int, ...]], ...]
+                ) -> "tuple[_SmallZip, tuple[tuple[int, int], ...]] | None":
+    """The image of a small file of n entries' rows of `layout` followed by arrays of the
+    dtypes and shapes `tail` (keys, seqs, probabilities, weights), with each field's span in a
+    row; None where the file is not small (batch_file then builds its parts)."""
+    heads = tuple(npy_header(f.dtype, (n, *f.shape)) for f in layout.fields) + \
+        tuple(npy_header(dtype, shape) for dtype, shape in tail)
+    sizes = tuple(n * f.nbytes for f in layout.fields) + \
+        tuple(np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)) for dtype, shape in tail)
+    if sum(len(h) for h in heads) + sum(sizes) > SMALL:
+        return None
+    names = tuple(batch_name(f) + ".npy" for f in layout.fields) + _TAIL_NAMES
+    return _SmallZip.of(names, heads, sizes), tuple(row_spans(layout))
 
 
 def _row_members(layout: Layout, rows: np.ndarray, sequences: bool,

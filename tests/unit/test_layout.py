@@ -338,3 +338,51 @@ def test_a_small_batch_file_from_its_template_is_the_zip_built_record_by_record(
         with np.load(io.BytesIO(bytes(f))) as z:
             for name, a in arrays.items():
                 assert z[name].dtype == a.dtype and np.array_equal(z[name], a)
+
+
+def _rows_batch(ts: list[dict], named: bool) -> tuple[Batch, Layout]:
+    """A batch of npz entries as a buffer that keeps rows draws it: each entry's fields side
+    by side in a row (distorefs/rows.py), its names from the ring's table when `named`."""
+    entries = [npz(**t) for t in ts]
+    layout, _ = parse(entries[0])
+    batch, _ = _batch(entries, layout)
+    rows = np.zeros((len(entries), sum(f.nbytes for f in layout.fields)), dtype=np.uint8)
+    for i, data in enumerate(entries):
+        rows[i] = np.frombuffer(b"".join(data[o:o + f.nbytes] for o, f in zip(place(layout, data), layout.fields)),
+                                dtype=np.uint8)
+    batch.rows = rows
+    batch.seqs = np.array([m.seq for m in batch.metas], dtype=np.int64)
+    if named:
+        batch.names = np.array([m.key for m in batch.metas], dtype="S16")
+    return batch, layout
+
+
+def test_a_batch_of_rows_made_in_one_call_is_the_file_made_in_python(monkeypatch):
+    """The file of a batch drawn from rows, made by distorefs/_batchfill.c (the fields gathered
+    from the rows, each member's CRC set in a copy of the image): byte for byte the file
+    batch_file makes member by member in Python, for batches of several sizes, names from the
+    ring's table or from the entries, a field renamed; one past SMALL is left to Python."""
+    if batch_module._batchfill is None:
+        pytest.fail("distorefs/_batchfill.c is not built (make deps builds it)")
+    calls = []
+    fill = batch_module._batchfill.fill
+    monkeypatch.setattr(batch_module._batchfill, "fill", lambda *a: calls.append(1) or fill(*a))
+    for n, named in ((1, True), (64, True), (64, False), (300, True)):
+        ts = [{**transition(i), "keys": np.int64(100 + i), "frame": np.full((5, 7), i % 251, dtype=np.uint8)}
+              for i in range(n)]
+        batch, layout = _rows_batch(ts, named)
+        before = len(calls)
+        made = bytes(batch_file(batch, None, layout))
+        assert len(calls) == before + 1
+        with monkeypatch.context() as m:
+            m.setattr(batch_module, "_batchfill", None)
+            assert made == bytes(batch_file(batch, None, layout))
+        z = _load(BatchFile([Blob(made)]))
+        for name in ("obs", "action", "reward", "done", "frame"):
+            assert z[name].tobytes() == np.stack([np.asarray(t[name]) for t in ts]).tobytes()
+        assert list(z["entry_keys"]) == [100 + i for i in range(n)] and list(z["keys"])[-1] == f"key-{n - 1}"
+    big, layout = _rows_batch([{"x": np.full(4096, i, dtype=np.uint8)} for i in range(80)], True)
+    before = len(calls)
+    made = bytes(batch_file(big, None, layout))  # 320 KiB: past SMALL, parts as before
+    assert len(calls) == before
+    assert _load(BatchFile([Blob(made)]))["x"].shape == (80, 4096)

@@ -1,0 +1,177 @@
+/*
+ * A small batch/N.npz made in one call (distorefs/batch.py, `_rows_file`): a copy of the
+ * file's image (_SmallZip: every ZIP and .npy header in place) with each member's bytes
+ * written in and its CRC-32 set in its local and central headers.
+ *
+ * The leading members are a buffer's fields, gathered here from the drawn entries' rows
+ * (distorefs/rows.py: each entry's fields side by side), one column per field; the others
+ * (keys, seqs, probabilities, weights) are arrays given whole. In Python the same file is a
+ * contiguous copy and a bytes object per field, a bytes object per array, a CRC and two
+ * struct packs per member: some twenty calls whose cost on a busy daemon (cold caches) is
+ * several times the copying itself, paid for every batch a learner draws.
+ *
+ * Optional: without it (no compiler) batch.py makes the file in Python, the same bytes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+/* CRC-32 as zlib's (reflected, polynomial 0xEDB88320), eight bytes a step: the members' own,
+   which backends/crc.py computes for Python; linking zlib here would make its headers a
+   build dependency for a few hundred lines' worth. */
+static uint32_t crc_table[8][256];
+
+static void crc_init(void)
+{
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][n] = c;
+    }
+    for (uint32_t n = 0; n < 256; n++)
+        for (int t = 1; t < 8; t++)
+            crc_table[t][n] = (crc_table[t - 1][n] >> 8) ^ crc_table[0][crc_table[t - 1][n] & 0xFF];
+}
+
+/* zlib's crc32(crc, p, n): `crc` the CRC of what came before. */
+static uint32_t crc32_of(uint32_t crc, const unsigned char *p, size_t n)
+{
+    crc = ~crc;
+    while (n && ((uintptr_t)p & 7)) {
+        crc = crc_table[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+        n--;
+    }
+    while (n >= 8) {
+        uint32_t lo, hi;
+        memcpy(&lo, p, 4);
+        memcpy(&hi, p + 4, 4);
+        lo ^= crc;
+        crc = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^ crc_table[5][(lo >> 16) & 0xFF] ^
+              crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
+              crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        crc = crc_table[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+static void put_u32(unsigned char *at, uint32_t v)
+{
+    at[0] = (unsigned char)v;
+    at[1] = (unsigned char)(v >> 8);
+    at[2] = (unsigned char)(v >> 16);
+    at[3] = (unsigned char)(v >> 24);
+}
+
+/* One member's place in the image: (at, size, local CRC offset, central CRC offset, seed). */
+static int member_place(PyObject *places, Py_ssize_t i, Py_ssize_t image_len, Py_ssize_t *at, Py_ssize_t *size,
+                        Py_ssize_t *local, Py_ssize_t *central, uint32_t *seed)
+{
+    PyObject *p = PySequence_Fast_GET_ITEM(places, i);
+    unsigned long s;
+    if (!PyTuple_Check(p) || !PyArg_ParseTuple(p, "nnnnk", at, size, local, central, &s))
+        return -1;
+    if (*at < 0 || *size < 0 || *at > image_len - *size || *local < 0 || *local > image_len - 4 ||
+        *central < 0 || *central > image_len - 4 || s > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_ValueError, "_batchfill: a member's place is outside the image");
+        return -1;
+    }
+    *seed = (uint32_t)s;
+    return 0;
+}
+
+/* fill(image, places, rows, spans, bodies) -> bytes */
+static PyObject *fill(PyObject *self, PyObject *args)
+{
+    PyObject *image_obj, *places_obj, *rows_obj, *spans_obj, *bodies_obj;
+    if (!PyArg_ParseTuple(args, "OOOOO", &image_obj, &places_obj, &rows_obj, &spans_obj, &bodies_obj))
+        return NULL;
+    Py_buffer image = {0}, rows = {0};
+    PyObject *places = NULL, *spans = NULL, *bodies = NULL, *out = NULL;
+    if (PyObject_GetBuffer(image_obj, &image, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(rows_obj, &rows, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0)
+        goto done;
+    places = PySequence_Fast(places_obj, "_batchfill: places must be a sequence");
+    spans = places == NULL ? NULL : PySequence_Fast(spans_obj, "_batchfill: spans must be a sequence");
+    bodies = spans == NULL ? NULL : PySequence_Fast(bodies_obj, "_batchfill: bodies must be a sequence");
+    if (bodies == NULL)
+        goto done;
+    Py_ssize_t nfields = PySequence_Fast_GET_SIZE(spans), nbodies = PySequence_Fast_GET_SIZE(bodies);
+    if (rows.ndim != 2 || rows.itemsize != 1 || PySequence_Fast_GET_SIZE(places) != nfields + nbodies) {
+        PyErr_SetString(PyExc_ValueError, "_batchfill: rows must be (N, width) bytes, and a place given per member");
+        goto done;
+    }
+    Py_ssize_t n = rows.shape[0], width = rows.shape[1];
+    out = PyBytes_FromStringAndSize(image.buf, image.len);
+    if (out == NULL)
+        goto done;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    const unsigned char *r = rows.buf;
+    for (Py_ssize_t i = 0; i < nfields + nbodies; i++) {
+        Py_ssize_t at, size, local, central;
+        uint32_t seed;
+        if (member_place(places, i, image.len, &at, &size, &local, &central, &seed) < 0)
+            goto fail;
+        if (i < nfields) {  /* a field: its column of the rows */
+            Py_ssize_t start, len;
+            PyObject *s = PySequence_Fast_GET_ITEM(spans, i);
+            if (!PyTuple_Check(s) || !PyArg_ParseTuple(s, "nn", &start, &len))
+                goto fail;
+            if (start < 0 || len < 0 || start > width - len || len * n != size) {
+                PyErr_SetString(PyExc_ValueError, "_batchfill: a field's span does not fit its rows or its member");
+                goto fail;
+            }
+            for (Py_ssize_t k = 0; k < n; k++)
+                memcpy(o + at + k * len, r + k * width + start, (size_t)len);
+        } else {  /* an array given whole */
+            Py_buffer body;
+            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(bodies, i - nfields), &body, PyBUF_C_CONTIGUOUS) < 0)
+                goto fail;
+            int fits = body.len == size;
+            if (fits)
+                memcpy(o + at, body.buf, (size_t)size);
+            PyBuffer_Release(&body);
+            if (!fits) {
+                PyErr_SetString(PyExc_ValueError, "_batchfill: an array is not its member's size");
+                goto fail;
+            }
+        }
+        uint32_t crc = crc32_of(seed, o + at, (size_t)size);
+        put_u32(o + local, crc);
+        put_u32(o + central, crc);
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_XDECREF(places);
+    Py_XDECREF(spans);
+    Py_XDECREF(bodies);
+    if (rows.obj != NULL)
+        PyBuffer_Release(&rows);
+    PyBuffer_Release(&image);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"fill", fill, METH_VARARGS,
+     "fill(image, places, rows, spans, bodies): a copy of `image` with each member's bytes written "
+     "at its place (at, size, local CRC offset, central CRC offset, CRC seed) and its CRC-32 set: "
+     "member i < len(spans) the column spans[i] = (start, length) of every row of `rows` (N, width), "
+     "the rest `bodies`, one each."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_batchfill", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__batchfill(void)
+{
+    crc_init();
+    return PyModule_Create(&module);
+}
