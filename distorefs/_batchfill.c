@@ -19,8 +19,8 @@
 #include <string.h>
 
 /* CRC-32 as zlib's (reflected, polynomial 0xEDB88320), eight bytes a step: the members' own,
-   which backends/crc.py computes for Python; linking zlib here would make its headers a
-   build dependency for a few hundred lines' worth. */
+   which backends/crc.py computes for Python. Linking zlib instead would make its headers a
+   build dependency for the forty lines below. */
 static uint32_t crc_table[8][256];
 
 static void crc_init(void)

@@ -379,14 +379,13 @@ def _rows_file(batch: Batch, layout: Layout) -> "BatchFile | None":
         return None
     tail = (batch.key_strings(), batch.entry_seqs(), np.asarray(batch.probabilities, dtype=np.float64),
             np.asarray(batch.weights, dtype=np.float64))
+    if not (rows.flags.c_contiguous and all(a.flags.c_contiguous for a in tail)):
+        return None  # (a batch's own arrays are: a gather's, a cast's, the sampler's)
     made = _rows_image(layout, len(rows), tuple((a.dtype.str, a.shape) for a in tail))
     if made is None:
         return None
     template, spans = made
-    try:
-        return BatchFile([Blob(_batchfill.fill(template.image, template.places, rows, spans, tail))])
-    except BufferError:
-        return None
+    return BatchFile([Blob(_batchfill.fill(template.image, template.places, rows, spans, tail))])
 
 
 @functools.lru_cache(maxsize=256)

@@ -381,6 +381,12 @@ def test_a_batch_of_rows_made_in_one_call_is_the_file_made_in_python(monkeypatch
         for name in ("obs", "action", "reward", "done", "frame"):
             assert z[name].tobytes() == np.stack([np.asarray(t[name]) for t in ts]).tobytes()
         assert list(z["entry_keys"]) == [100 + i for i in range(n)] and list(z["keys"])[-1] == f"key-{n - 1}"
+    strided, layout = _rows_batch([transition(i) for i in range(9)], True)
+    strided.probabilities = np.linspace(0.1, 0.2, 18)[::2]  # not contiguous: made in Python
+    before = len(calls)
+    made = bytes(batch_file(strided, None, layout))
+    assert len(calls) == before
+    assert np.array_equal(_load(BatchFile([Blob(made)]))["probabilities"], strided.probabilities)
     big, layout = _rows_batch([{"x": np.full(4096, i, dtype=np.uint8)} for i in range(80)], True)
     before = len(calls)
     made = bytes(batch_file(big, None, layout))  # 320 KiB: past SMALL, parts as before
