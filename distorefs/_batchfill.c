@@ -159,12 +159,57 @@ done:
     return out;
 }
 
+/* ascii_keys(names) -> (width, bytes) or None: the keys.npy body of a batch whose names come
+ * from the ring's table (a 1-D bytes array, ASCII, NUL-padded): each name as `width` UCS-4
+ * code points, width the longest name's length (at least 1), as numpy's cast to str of that
+ * width makes it. None for a byte past ASCII (never in the table: Python casts then). */
+static PyObject *ascii_keys(PyObject *self, PyObject *arg)
+{
+    Py_buffer names;
+    if (PyObject_GetBuffer(arg, &names, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (names.ndim != 1 || names.itemsize < 1) {
+        PyErr_SetString(PyExc_ValueError, "_batchfill: names must be a 1-D bytes array");
+        goto done;
+    }
+    Py_ssize_t n = names.shape[0], item = names.itemsize, width = 1;
+    const unsigned char *p = names.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len = 0;
+        while (len < item && p[i * item + len] != 0) {
+            if (p[i * item + len] > 127) {
+                result = Py_NewRef(Py_None);
+                goto done;
+            }
+            len++;
+        }
+        if (len > width)
+            width = len;
+    }
+    PyObject *body = PyBytes_FromStringAndSize(NULL, n * width * 4);
+    if (body == NULL)
+        goto done;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(body);
+    memset(o, 0, (size_t)(n * width * 4));
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (Py_ssize_t k = 0; k < width && k < item && p[i * item + k] != 0; k++)
+            o[(i * width + k) * 4] = p[i * item + k];  /* little-endian: the code point's low byte */
+    result = Py_BuildValue("(nN)", width, body);
+done:
+    PyBuffer_Release(&names);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS,
      "fill(image, places, rows, spans, bodies): a copy of `image` with each member's bytes written "
      "at its place (at, size, local CRC offset, central CRC offset, CRC seed) and its CRC-32 set: "
      "member i < len(spans) the column spans[i] = (start, length) of every row of `rows` (N, width), "
      "the rest `bodies`, one each."},
+    {"ascii_keys", ascii_keys, METH_O,
+     "ascii_keys(names): (width, the UCS-4 bytes of the names as str of that width) for a 1-D "
+     "ASCII bytes array; None for a byte past ASCII."},
     {NULL, NULL, 0, NULL},
 };
 

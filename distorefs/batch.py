@@ -377,15 +377,27 @@ def _rows_file(batch: Batch, layout: Layout) -> "BatchFile | None":
     rows = batch.rows
     if _batchfill is None or rows is None or not len(rows):
         return None
-    tail = (batch.key_strings(), batch.entry_seqs(), np.asarray(batch.probabilities, dtype=np.float64),
-            np.asarray(batch.weights, dtype=np.float64))
-    if not (rows.flags.c_contiguous and all(a.flags.c_contiguous for a in tail)):
+    n, names = len(rows), batch.names
+    # keys.npy: from the ring's name table, its str cast made here (the cast, and the longest
+    # name's length it needs, are three numpy calls); else as Batch.key_strings makes it
+    keys = _batchfill.ascii_keys(names) if names is not None and len(names) == n and names.flags.c_contiguous \
+        else None
+    if keys is not None:
+        width, key_bytes = keys
+        key_spec: tuple[str, tuple[int, ...]] = (np.dtype(f"U{width}").str, (n,))
+        key_body: bytes | np.ndarray = key_bytes
+    else:
+        key_body = batch.key_strings()
+        key_spec = (key_body.dtype.str, key_body.shape)
+    arrays = (batch.entry_seqs(), np.asarray(batch.probabilities, dtype=np.float64),
+              np.asarray(batch.weights, dtype=np.float64))
+    if not (rows.flags.c_contiguous and all(a.flags.c_contiguous for a in arrays)):
         return None  # (a batch's own arrays are: a gather's, a cast's, the sampler's)
-    made = _rows_image(layout, len(rows), tuple((a.dtype.str, a.shape) for a in tail))
+    made = _rows_image(layout, n, (key_spec, *((a.dtype.str, a.shape) for a in arrays)))
     if made is None:
         return None
     template, spans = made
-    return BatchFile([Blob(_batchfill.fill(template.image, template.places, rows, spans, tail))])
+    return BatchFile([Blob(_batchfill.fill(template.image, template.places, rows, spans, (key_body, *arrays)))])
 
 
 @functools.lru_cache(maxsize=256)

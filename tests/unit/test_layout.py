@@ -359,9 +359,10 @@ def _rows_batch(ts: list[dict], named: bool) -> tuple[Batch, Layout]:
 
 def test_a_batch_of_rows_made_in_one_call_is_the_file_made_in_python(monkeypatch):
     """The file of a batch drawn from rows, made by distorefs/_batchfill.c (the fields gathered
-    from the rows, each member's CRC set in a copy of the image): byte for byte the file
-    batch_file makes member by member in Python, for batches of several sizes, names from the
-    ring's table or from the entries, a field renamed; one past SMALL is left to Python."""
+    from the rows, the names cast to str, each member's CRC set in a copy of the image): byte
+    for byte the file batch_file makes member by member in Python, for batches of several
+    sizes, names of several lengths from the ring's table or from the entries, a field
+    renamed; one past SMALL, or with an array not contiguous, is left to Python."""
     if batch_module._batchfill is None:
         pytest.fail("distorefs/_batchfill.c is not built (make deps builds it)")
     calls = []
@@ -387,6 +388,7 @@ def test_a_batch_of_rows_made_in_one_call_is_the_file_made_in_python(monkeypatch
     made = bytes(batch_file(strided, None, layout))
     assert len(calls) == before
     assert np.array_equal(_load(BatchFile([Blob(made)]))["probabilities"], strided.probabilities)
+    assert batch_module._batchfill.ascii_keys(np.array([b"k\xff"], dtype="S4")) is None  # (cast by numpy then)
     big, layout = _rows_batch([{"x": np.full(4096, i, dtype=np.uint8)} for i in range(80)], True)
     before = len(calls)
     made = bytes(batch_file(big, None, layout))  # 320 KiB: past SMALL, parts as before
