@@ -5,7 +5,8 @@
  *
  * The leading members are a buffer's fields, gathered here from the drawn entries' rows
  * (distorefs/rows.py: each entry's fields side by side), one column per field; the others
- * (keys, seqs, probabilities, weights) are arrays given whole. In Python the same file is a
+ * (keys, seqs, probabilities, weights) are arrays given whole, the keys cast to str here
+ * from the ring's name table (ascii_keys) where they come from it. In Python the same file is a
  * contiguous copy and a bytes object per field, a bytes object per array, a CRC and two
  * struct packs per member: some twenty calls whose cost on a busy daemon (cold caches) is
  * several times the copying itself, paid for every batch a learner draws.
