@@ -63,6 +63,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import struct
 import time
 from collections import Counter, deque
@@ -497,6 +498,7 @@ class Checkpoints:
         self._recheck = False  # a step was sealed: see whether it is complete
         self._unsealed: set[CStep] = set()
         self._sealed: set[CStep] = set()
+        self._sealer_wake = trio.Event()  # set when a step is unsealed: the sealer's ticks start
         self._held: dict[CFile, None] = {}  # files with chunks in memory
         self._removing: set[int] = set()
         self.counters = {"bytes_written": 0, "bytes_persisted": 0, "chunks_persisted": 0, "file_commits": 0,
@@ -644,8 +646,19 @@ class Checkpoints:
         return False
 
     async def _sealer(self) -> None:
+        """Every SEAL_TICK while a step is unsealed: the steps nobody wrote for `seal_after`
+        are sealed, and the pool lets go of buffers unused for its `idle_s`. With no step
+        unsealed it ticks only when the pool's buffers are due (a mount that writes no
+        checkpoint, or is between two, spends no wake-ups on it: each costs the event loop a
+        turn, 20 a second before)."""
         while True:
-            await trio.sleep(SEAL_TICK)
+            if not self._unsealed:
+                due = self.pool.last_used + self.pool.idle_s - time.monotonic() if self.pool.free else math.inf
+                with trio.move_on_after(max(due, SEAL_TICK)):
+                    await self._sealer_wake.wait()
+                self._sealer_wake = trio.Event()
+            else:
+                await trio.sleep(SEAL_TICK)
             self.pool.trim()
             after = self.config.seal_after
             if after <= 0:
@@ -654,6 +667,11 @@ class Checkpoints:
             for step in list(self._unsealed):
                 if step.writers == 0 and now - step.active >= after:
                     self._seal(step)
+
+    def _unseal(self, step: CStep) -> None:
+        """`step` is written (again): the sealer closes it once nobody writes it for `seal_after`."""
+        self._unsealed.add(step)
+        self._sealer_wake.set()
 
     def _seal(self, step: CStep) -> None:
         if step in self._unsealed:
@@ -937,7 +955,7 @@ class Checkpoints:
         if step.sealed:
             step.sealed = False
             self._sealed.discard(step)
-            self._unsealed.add(step)
+            self._unseal(step)
         if step.complete:
             await self.committer.submit(Reopen(self, step))
             self.counters["steps_reopened"] += 1
@@ -1573,7 +1591,7 @@ class MakeNode(_CkptChange):
                 sibling = tree.nodes[sibling_id]
                 if isinstance(sibling, CStep) and sibling is not node and sibling.writers == 0:
                     tree._seal(sibling)
-            tree._unsealed.add(node)
+            tree._unseal(node)
 
 
 class PersistChunk(_CkptChange):
