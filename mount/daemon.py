@@ -23,8 +23,10 @@ from .operations import Filesystem
 
 log = logging.getLogger(__name__)
 # How often the front's notes (handles it released, items it opened) are taken when no request
-# reaches Python to take them with: a reader's prefetch hits are counted that late at most.
+# reaches Python to take them with: a reader's prefetch hits are counted that late at most, or
+# FRONT_NOTES_IDLE_S late after a quiet spell (the wait grows to it while nothing is found).
 FRONT_NOTES_S = 0.1
+FRONT_NOTES_IDLE_S = 0.5
 
 
 class _Glibc:
@@ -146,7 +148,7 @@ async def _run(store: Store, fs: Filesystem, ready_fd: int | None, mountpoint: s
                 nursery.start_soon(_stop_on_signal, signalled, fs)
                 nursery.start_soon(_read_ahead_after_init, mountpoint, store.config.read_ahead_kb)
                 nursery.start_soon(glibc.trim_every, 2.0)
-                nursery.start_soon(fs.take_front_notes, FRONT_NOTES_S)
+                nursery.start_soon(fs.take_front_notes, FRONT_NOTES_S, FRONT_NOTES_IDLE_S)
                 if metrics_addr is not None:
                     try:
                         await nursery.start(serve_metrics, fs, *metrics_addr)

@@ -121,11 +121,14 @@ class Filesystem(pyfuse3.Operations):
             self.priority_log_on = False
             self._take_writes()
 
-    def _take_writes(self) -> None:
+    def _take_writes(self) -> bool:
         """Queue the commit of the `priorities` WRITEs the front took (before any request
-        that could read or change what they name: every request passes here)."""
-        for ns_id, number, text in interpose.take_writes():
+        that could read or change what they name: every request passes here). True: there
+        were some."""
+        writes = interpose.take_writes()
+        for ns_id, number, text in writes:
             self.store.commit_priority_record(ns_id, number, text)
+        return bool(writes)
 
     def stop_listing(self) -> None:
         """Blocking (a worker thread): end the daemon's own listings of the mount while it
@@ -471,43 +474,58 @@ class Filesystem(pyfuse3.Operations):
         await self.release_taken()
         await self._release(fh)
 
-    async def release_taken(self) -> None:
+    async def release_taken(self) -> bool:
         """Release the handles whose RELEASE the library's front answered since the last
         call (mount/interpose.py release_free), and tell the nodes it opened itself. And
-        commit the `priorities` writes it took."""
-        self._take_writes()
-        self._take_opened()
-        for fh in interpose.take_released():
+        commit the `priorities` writes it took. True: there was something of these."""
+        took = self._take_writes()
+        took |= self._take_opened()
+        released = interpose.take_released()
+        for fh in released:
             if fh not in self.handles:
                 self._take_opened()  # opened (and closed) after the look above
             await self._release(fh)
+        return took or bool(released)
 
-    def _take_opened(self) -> None:
-        for ino, fh in interpose.take_opened():
+    def _take_opened(self) -> bool:
+        opened = interpose.take_opened()
+        for ino, fh in opened:
             node = self.inodes.get_or_none(ino)
             if node is not None:
                 handle = node.opened_by_front()
                 if handle is not None:  # an `adopted` mark: the handle is ours from its open on
                     self._adopt(fh, node, handle)
+        return bool(opened)
 
-    async def take_front_notes(self, every: float) -> None:
+    async def take_front_notes(self, every: float, idle: float) -> None:
         """`release_taken` every `every` seconds too: reads the front answers alone (a
         dataset's items, pushed ahead) send Python no request to take them with. And at
         once when the front says so (interpose.notes_fd): a learner's batch the front opened
         (its draw is counted) or closed (the next one goes into the page cache while the
-        learner trains)."""
+        learner trains).
+
+        A look that finds nothing doubles the wait before the next, up to `idle` seconds: an
+        idle mount's event loop woke ten times a second for this, each turn of it costing a
+        few hundred microseconds of CPU on a busy machine's cold caches. Any request that
+        reaches Python takes the notes first anyway, and the front's tables hold more than
+        `idle` seconds of a reader's notes (past them its requests go to Python, which takes
+        them)."""
         fd = interpose.notes_fd()
+        wait = every
         while True:
+            woken = False
             if fd < 0:
-                await trio.sleep(every)
+                await trio.sleep(wait)
             else:
-                with trio.move_on_after(every):
+                with trio.move_on_after(wait):
                     await trio.lowlevel.wait_readable(fd)
                 try:
                     os.read(fd, 8)
+                    woken = True
                 except BlockingIOError:
                     pass
-            await self.release_taken()
+            took = await self.release_taken()
+            wait = every if took or woken else min(wait * 2, idle)
 
     async def _release(self, fh: int) -> None:
         self.requests["release"] += 1
