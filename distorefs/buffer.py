@@ -513,7 +513,8 @@ class Buffer(RingNamespace):
         taken was not drawn). Only where a draw needs no wait (no rate limiter,
         min_size_to_sample met). `on_void()` runs (on the event loop) when the batch stops
         being what an open would be given: an entry of it removed or replaced, the layout
-        or the configuration changed; the taker then uses it only if it was opened before."""
+        or the configuration changed; the taker then uses it only if it was opened before.
+        The queue it came from is the caller's to `refill` once its own work is done."""
         if (self.read_only or self.limiter.enabled or self.sequences.on or n not in self._npz_sizes
                 or self.sampler.drawable_count() < self.config.min_size_to_sample):
             return None
@@ -526,8 +527,7 @@ class Buffer(RingNamespace):
         queue.popleft()
         reservation = Reservation(n, hint, ahead, on_void)
         self._reserved.add(reservation)
-        self._schedule_presample(n)
-        return reservation
+        return reservation  # (the queue is refilled by the caller: `refill`)
 
     async def reserve_large(self, n: int) -> "Reservation | None":
         """`reserve_ahead` for a batch too large to be built while it waits in the queue
@@ -629,13 +629,32 @@ class Buffer(RingNamespace):
     def _order(self, kind: str):
         return self.ring.oldest() if kind == "fifo" else self.ring.newest()
 
+    def _presamples(self, n: int) -> bool:
+        """Whether batches of n are drawn ahead now (none being drawn already)."""
+        return (bool(self.config.presample_batches) and self.config.sampler in ("uniform", "prioritized")
+                and n not in self._refilling)
+
     def _schedule_presample(self, n: int) -> None:
-        if (self.config.presample_batches and self.config.sampler in ("uniform", "prioritized")
-                and n not in self._refilling):
+        if self._presamples(n):
             self._refilling.add(n)
             self.spawn(self._presample, n)
 
+    def refill(self, n: int, now: bool) -> None:
+        """Draw ahead what the queue of batches of n lacks, after `reserve_ahead`: `now`, in
+        this call, where nothing waits for the caller (a learner's loop takes one batch set
+        aside per step, and a task spawned for each refill, its spawn and first step, was a
+        tenth of the daemon's time per batch here); else in a task of its own, after the
+        caller's reply."""
+        if not now:
+            self._schedule_presample(n)
+        elif self._presamples(n):
+            self._refilling.add(n)
+            self._presample_now(n)
+
     async def _presample(self, n: int) -> None:
+        self._presample_now(n)
+
+    def _presample_now(self, n: int) -> None:
         try:
             queue = self._presampled.setdefault(n, deque())
             while len(queue) < self.config.presample_batches:

@@ -7,6 +7,7 @@ typed exceptions, turned into errno by `operations`.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import itertools
 import json
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 DIR_LONG = 3600.0
 NO_CACHE = 0.0
+# True in the task that takes the front's notes between requests (Filesystem.take_front_notes):
+# work done there delays no request's reply. A context variable: each trio task has its own.
+BETWEEN_REQUESTS: contextvars.ContextVar[bool] = contextvars.ContextVar("between_requests", default=False)
 PASSTHROUGH_MIN = 1 << 20  # a batch file at least this large is read by the kernel from a memfd (passthrough)
 LARGE_STREAMS = 64  # processes' streams of large batch files a batch directory keeps (the oldest goes)
 
@@ -680,8 +684,12 @@ class DrawFile(Node):
                 or not interpose.answer_opens(self.ino, os.O_RDONLY, keep_cache=True, noflush=True, once=True,
                                               adopted=True, pid=self.pid)):
             self.buf.put_back(reservation)
-            return
-        self.ahead = reservation
+        else:
+            self.ahead = reservation
+        # The batch after it is drawn and built with the page cache and the front's mark set
+        # already: the learner's next open waits for none of it. Between requests, now; in a
+        # request's handler (the learner's next open came first, and waits), after its reply.
+        self.buf.refill(self.n, now=BETWEEN_REQUESTS.get())
 
     def opened_by_front(self) -> Handle | None:
         reservation, self.ahead = self.ahead, None

@@ -32,7 +32,7 @@ from .cycles import CollectorPauses
 from .handles import EntryWriter, Handle
 from .inodes import InodeTable
 from .namewarmer import NameWarmer
-from .nodes import XATTR_PREFIX, EntryNode, Node, build_tree
+from .nodes import BETWEEN_REQUESTS, XATTR_PREFIX, EntryNode, Node, build_tree
 from .notify import Invalidator, PageCachePusher
 
 log = logging.getLogger(__name__)
@@ -510,6 +510,7 @@ class Filesystem(pyfuse3.Operations):
         reaches Python takes the notes first anyway, and the front's tables hold more than
         `idle` seconds of a reader's notes (past them its requests go to Python, which takes
         them)."""
+        BETWEEN_REQUESTS.set(True)  # (this task's own)
         fd = interpose.notes_fd()
         wait = every
         while True:

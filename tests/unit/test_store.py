@@ -320,7 +320,8 @@ def test_a_batch_set_aside_is_counted_when_taken_and_void_when_an_entry_of_it_go
         reservation = buf.reserve_ahead(32, lambda: voided.append(1))
         assert reservation is not None and reservation.file.size > 0
         counted = buf.counters["batches"], int(buf.sampler.times.sum())
-        await trio.sleep(0.05)  # its queue refills meanwhile
+        buf.refill(32, now=True)  # its queue refills (the taker's to ask, once its own work is done)
+        await trio.sleep(0.05)
         assert (buf.counters["batches"], int(buf.sampler.times.sum())) == counted
         batch = buf.take_ahead(reservation)
         assert buf.counters["batches"] == counted[0] + 1
@@ -339,6 +340,28 @@ def test_a_batch_set_aside_is_counted_when_taken_and_void_when_an_entry_of_it_go
         await buf.sample_npz(32)
         await trio.sleep(0.05)
         assert buf.reserve_ahead(32, lambda: None) is None  # a draw may have to wait: through sample_npz
+    run(tmp_path / "s", body)
+
+
+def test_a_batch_set_aside_is_drawn_again_by_its_taker_without_a_task(tmp_path):
+    """A learner takes one batch set aside per step (Buffer.reserve_ahead): the batch after
+    it is drawn and built by `refill`, in the taker's call, not by a task spawned for each
+    (a spawn and its first step were a tenth of the daemon's time per batch)."""
+    async def body(store):
+        buf = await building_ahead(store)
+        spawned: list[object] = []
+        real_spawn = buf.spawn
+        buf.spawn = lambda fn, *args: (spawned.append(fn), real_spawn(fn, *args))  # type: ignore[method-assign]
+        queued = len(buf._presampled[32])
+        for _ in range(5):
+            reservation = buf.reserve_ahead(32, lambda: None)
+            assert reservation is not None
+            assert len(buf._presampled[32]) == queued - 1
+            buf.refill(32, now=True)
+            assert len(buf._presampled[32]) == queued  # drawn and built in the call
+            assert buf._presampled[32][-1][1] is not None
+            buf.take_ahead(reservation)
+        assert spawned == []
     run(tmp_path / "s", body)
 
 
