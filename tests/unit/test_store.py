@@ -365,6 +365,28 @@ def test_a_batch_set_aside_is_drawn_again_by_its_taker_without_a_task(tmp_path):
     run(tmp_path / "s", body)
 
 
+def test_a_refill_that_fails_is_logged_and_the_next_one_draws(tmp_path, caplog):
+    """A failure while drawing ahead in the caller's call (a bug) is logged, not raised into
+    the release that asked; the next refill draws as before."""
+    async def body(store):
+        buf = await building_ahead(store)
+        reservation = buf.reserve_ahead(32, lambda: None)
+        assert reservation is not None
+        queued = len(buf._presampled[32])
+        real_draw = buf.sampler.draw
+
+        def broken(*args):
+            raise RuntimeError("a bug")
+        buf.sampler.draw = broken  # type: ignore[method-assign]
+        buf.refill(32, now=True)
+        assert "drawing batches of 32 ahead failed" in caplog.text
+        assert len(buf._presampled[32]) == queued
+        buf.sampler.draw = real_draw  # type: ignore[method-assign]
+        buf.refill(32, now=True)
+        assert len(buf._presampled[32]) == queued + 1
+    run(tmp_path / "s", body)
+
+
 def test_a_large_batch_reserved_ahead_is_counted_when_taken_and_void_when_an_entry_of_it_goes(tmp_path):
     """Buffer.reserve_large: the next batch of a size too large to be built while queued,
     drawn ahead and its file described (the mount writes it into a memfd for the next
