@@ -421,7 +421,7 @@ class Buffer(RingNamespace):
         self._record_sampled(batch.slots, batch.seqs)
         if presample:  # this daemon reads the batch's values (not a client beside it)
             ring.note_read(len(batch.metas))
-            self._schedule_presample(n)
+            self.refill(n, now=False)
         return batch
 
     def _draw_sequences(self, n: int, hint, valid) -> SequenceBatch:
@@ -554,7 +554,7 @@ class Buffer(RingNamespace):
         else:  # several learners took what was drawn ahead: drawn now, as the presampler does
             slots = self.sampler.draw(n, self._order)
             hint = (slots, ring.slot_seq[slots])
-        self._schedule_presample(n)
+        self.refill(n, now=False)
         slots, seqs = hint
         if not len(slots) or not (ring.slot_seq[slots] == seqs).all():
             return None  # an entry of it removed or replaced since: the open draws instead
@@ -629,29 +629,23 @@ class Buffer(RingNamespace):
     def _order(self, kind: str):
         return self.ring.oldest() if kind == "fifo" else self.ring.newest()
 
-    def _presamples(self, n: int) -> bool:
-        """Whether batches of n are drawn ahead now (none being drawn already)."""
-        return (bool(self.config.presample_batches) and self.config.sampler in ("uniform", "prioritized")
-                and n not in self._refilling)
-
-    def _schedule_presample(self, n: int) -> None:
-        if self._presamples(n):
-            self._refilling.add(n)
-            self.spawn(self._presample, n)
-
     def refill(self, n: int, now: bool) -> None:
-        """Draw ahead what the queue of batches of n lacks, after `reserve_ahead`: `now`, in
-        this call, where nothing waits for the caller (a learner's loop takes one batch set
-        aside per step, and a task spawned for each refill, its spawn and first step, cost
-        some 20 us of a batch's 300 here); else in a task of its own, after the caller's reply."""
+        """Draw ahead what the queue of batches of n lacks (after a draw took from it, or
+        `reserve_ahead`): `now`, in this call, where nothing waits for the caller (a learner's
+        loop takes one batch set aside per step, and a task spawned for each refill, its
+        spawn and first step, cost some 20 us of a batch's 300 here); else in a task of its
+        own, after the caller's reply."""
+        if (not self.config.presample_batches or self.config.sampler not in ("uniform", "prioritized")
+                or n in self._refilling):  # (none drawn ahead, or being drawn already)
+            return
+        self._refilling.add(n)
         if not now:
-            self._schedule_presample(n)
-        elif self._presamples(n):
-            self._refilling.add(n)
-            try:
-                self._presample_now(n)
-            except Exception:  # a bug must not fail the caller (the next open draws instead)
-                log.exception("buffers/%s: drawing batches of %d ahead failed", self.name, n)
+            self.spawn(self._presample, n)
+            return
+        try:
+            self._presample_now(n)
+        except Exception:  # a bug must not fail the caller (the next open draws instead)
+            log.exception("buffers/%s: drawing batches of %d ahead failed", self.name, n)
 
     async def _presample(self, n: int) -> None:
         self._presample_now(n)
