@@ -13,7 +13,7 @@ MNT := mnt
 
 deps: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py mount/_interpose.c distorefs/_sumtree.c distorefs/_batchfill.c scripts/system-deps.sh
+$(STAMP): pyproject.toml setup.py mount/_interpose.c distorefs/_sumtree.c distorefs/_batchfill.c distorefs/crc32.h scripts/system-deps.sh
 	./scripts/system-deps.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

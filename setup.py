@@ -23,6 +23,7 @@ libs = pkg_config("--libs") or ["-lfuse3"]
 setup(ext_modules=[Extension(
     "distorefs.mount._interpose",
     sources=["mount/_interpose.c"],
+    depends=["distorefs/crc32.h"],
     include_dirs=[f[2:] for f in cflags if f.startswith("-I")],
     extra_compile_args=[f for f in cflags if not f.startswith("-I")],
     library_dirs=[f[2:] for f in libs if f.startswith("-L")],
@@ -36,6 +37,7 @@ setup(ext_modules=[Extension(
 ), Extension(
     "distorefs._batchfill",
     sources=["distorefs/_batchfill.c"],
+    depends=["distorefs/crc32.h"],
     extra_compile_args=["-O2"],
     optional=True,
 )])

@@ -19,47 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* CRC-32 as zlib's (reflected, polynomial 0xEDB88320), eight bytes a step: the members' own,
-   which backends/crc.py computes for Python. Linking zlib instead would make its headers a
-   build dependency for the forty lines below. */
-static uint32_t crc_table[8][256];
-
-static void crc_init(void)
-{
-    for (uint32_t n = 0; n < 256; n++) {
-        uint32_t c = n;
-        for (int k = 0; k < 8; k++)
-            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[0][n] = c;
-    }
-    for (uint32_t n = 0; n < 256; n++)
-        for (int t = 1; t < 8; t++)
-            crc_table[t][n] = (crc_table[t - 1][n] >> 8) ^ crc_table[0][crc_table[t - 1][n] & 0xFF];
-}
-
-/* zlib's crc32(crc, p, n): `crc` the CRC of what came before. */
-static uint32_t crc32_of(uint32_t crc, const unsigned char *p, size_t n)
-{
-    crc = ~crc;
-    while (n && ((uintptr_t)p & 7)) {
-        crc = crc_table[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
-        n--;
-    }
-    while (n >= 8) {
-        uint32_t lo, hi;
-        memcpy(&lo, p, 4);
-        memcpy(&hi, p + 4, 4);
-        lo ^= crc;
-        crc = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^ crc_table[5][(lo >> 16) & 0xFF] ^
-              crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
-              crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
-        p += 8;
-        n -= 8;
-    }
-    while (n--)
-        crc = crc_table[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
-    return ~crc;
-}
+#include "crc32.h"  /* crc32_of: the members' CRC-32, as zlib computes it */
 
 static void put_u32(unsigned char *at, uint32_t v)
 {
@@ -218,6 +178,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_batchfill", NULL, -
 
 PyMODINIT_FUNC PyInit__batchfill(void)
 {
-    crc_init();
+    crc32_init();
     return PyModule_Create(&module);
 }

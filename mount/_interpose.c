@@ -146,6 +146,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../distorefs/crc32.h"  /* crc32_of: a priority log record's CRC-32, as zlib computes it */
+
 #define NOFLUSH_FH (UINT64_C(1) << 63)
 #define PASSTHROUGH_FH (UINT64_C(1) << 61)  /* (FRONT_FH is bit 62) */
 
@@ -1012,26 +1014,6 @@ static int release_here(uint64_t fh)
     if (wake)
         notes_due = 1;
     return 1;
-}
-
-/* CRC-32 as zlib's (reflected, 0xEDB88320), `crc` the value so far (0 to start). */
-static uint32_t crc32_of(uint32_t crc, const unsigned char *p, size_t n)
-{
-    static uint32_t table[256];
-    static int ready;
-    if (!__atomic_load_n(&ready, __ATOMIC_ACQUIRE)) {  /* (the same values if two threads race) */
-        for (uint32_t i = 0; i < 256; i++) {
-            uint32_t c = i;
-            for (int k = 0; k < 8; k++)
-                c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-            table[i] = c;
-        }
-        __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
-    }
-    crc = ~crc;
-    while (n--)
-        crc = table[(crc ^ *p++) & 0xFF] ^ (crc >> 8);
-    return ~crc;
 }
 
 /* Whether `text` is "KEY PRIORITY" lines that distorefs/names.py parse_priorities reads on its
