@@ -168,6 +168,15 @@ class WritebackBudget:
         self.used += n
         self.peak = max(self.peak, self.used)
 
+    def take_now(self, n: int) -> bool:
+        """Take n bytes if they fit now and no writer waits before them (no wait, no
+        exception for an empty budget)."""
+        if self.waiting or self.used + n > self.capacity:
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
     def give(self, n: int) -> None:
         self.used -= n
         self._freed.set()
@@ -482,6 +491,9 @@ class Checkpoints:
         self.budget = WritebackBudget(0)  # sized by the store's memory plan
         self.pool = BufferPool(self.budget)
         self.listeners: list[Callable[[CNode], None]] = []  # told of nodes the tree removes by itself
+        # called when a writer waits for the write-back budget: whoever holds buffers lent
+        # (`lend`) gives them back, filled or not
+        self.reclaimers: list[Callable[[], None]] = []
         # A shared store: steps complete here are shared with the other nodes, and theirs
         # applied here (set by the store). None on a node-local store.
         self.sharing: StepSharing | None = None
@@ -502,8 +514,8 @@ class Checkpoints:
         self._held: dict[CFile, None] = {}  # files with chunks in memory
         self._removing: set[int] = set()
         self.counters = {"bytes_written": 0, "bytes_persisted": 0, "chunks_persisted": 0, "file_commits": 0,
-                         "syncs": 0, "steps_completed": 0, "steps_removed": 0, "steps_reopened": 0,
-                         "chunk_reloads": 0, "evictions": 0, "persist_failures": 0, "steps_exported": 0,
+                         "chunks_filled_outside": 0, "syncs": 0, "steps_completed": 0, "steps_removed": 0,
+                         "steps_reopened": 0, "chunk_reloads": 0, "evictions": 0, "persist_failures": 0, "steps_exported": 0,
                          "exports_abandoned": 0, "steps_applied": 0, "applied_steps_removed": 0}
 
     # ----- loading -------------------------------------------------------------------
@@ -592,6 +604,13 @@ class Checkpoints:
                 return
             self._kick()
             await trio.sleep(0.02)
+
+    def _full(self) -> None:
+        """A writer waits for the budget: the persister looks for chunks to free, and the
+        buffers lent out come back."""
+        self._kick()
+        for reclaim in self.reclaimers:
+            reclaim()
 
     def _kick(self) -> None:
         self._wake.set()
@@ -1140,8 +1159,59 @@ class Checkpoints:
     async def _take(self, n: int) -> None:
         """Budget for `n` more bytes held (waits while full); free pooled buffers make room."""
         self.pool.shrink(self.budget.used + self.pool.free_bytes + n - self.budget.capacity)
-        await self.budget.take(n, self._kick)
+        await self.budget.take(n, self._full)
         self.pool.shrink(self.budget.used + self.pool.free_bytes - self.budget.capacity)
+
+    # Chunks filled outside the tree: a writer appending to a file has chunk buffers lent to
+    # whoever copies its writes (the library's front, mount/interpose.py chunks_arm), which
+    # hands each back filled, whole or in part, before anything else of the file happens.
+
+    def fillable_from(self, f: CFile) -> int | None:
+        """Where an appending writer's chunks may be filled outside the tree (`lend`,
+        `filled`): the file's end, when that is a chunk boundary with nothing of the file
+        held or stored from there on; None otherwise."""
+        if not f.attached or f.error is not None or f.size % f.chunk_bytes:
+            return None
+        first = f.size // f.chunk_bytes
+        if any(i >= first for i in f.mem) or any(i >= first for i in f.stored):
+            return None
+        return f.size
+
+    def lend(self, f: CFile) -> bytearray | None:
+        """A buffer of `f`'s chunk size, its bytes taken from the write-back budget, for a
+        chunk to be filled from its start; None when the budget has no room now (the writes
+        then come to `write`, which waits for it)."""
+        n = f.chunk_bytes
+        if not f.attached or f.error is not None:
+            return None
+        self.pool.shrink(self.budget.used + self.pool.free_bytes + n - self.budget.capacity)
+        if not self.budget.take_now(n):
+            return None
+        return self.pool.get(n) if n >= MIN_POOLED else bytearray(n)
+
+    def give_back(self, data: bytearray) -> None:
+        """A lent buffer that holds nothing of the file: its budget back, the buffer to the pool."""
+        self.budget.give(len(data))
+        if len(data) >= MIN_POOLED:
+            self.pool.put(data)
+
+    def filled(self, f: CFile, index: int, data: bytearray, length: int) -> None:
+        """Lent buffer `data` comes back as chunk `index` of `f`, `length` bytes written
+        from its start: held as writes of them would have left it (persisted at once when
+        whole). Given back instead when the file is gone or failed meanwhile, as a write then
+        would have been refused."""
+        if length == 0 or not f.attached or f.error is not None or index in f.mem or index in f.stored:
+            self.give_back(data)
+            return
+        buf = f.mem[index] = Buf(data, length)
+        self._held[f] = None
+        f.size = max(f.size, index * f.chunk_bytes + length)
+        f.dirty = True
+        modified(f)
+        self.counters["bytes_written"] += length
+        self.counters["chunks_filled_outside"] += 1
+        if length >= f.chunk_bytes:
+            self._queue_chunk(f, index, buf)
 
     async def _writable(self, f: CFile, index: int) -> Buf:
         """Chunk `index` of `f` in memory and not being persisted (loaded back if stored)."""

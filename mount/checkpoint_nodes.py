@@ -6,7 +6,10 @@
     checkpoints/RUN/latest                  symlink to the newest complete step (absent before one)
 
 Write handles bypass the page cache (direct_io) and hand every write to the core, which
-holds it in memory; close() returns once it is held. fsync of a file waits until that
+holds it in memory; close() returns once it is held. A write-only writer appending at a
+chunk boundary has its WRITEs copied by the library's front into chunk buffers the core
+lends (CheckpointWriter.arm), without Python; they are the file's before anything else of
+it is handled. fsync of a file waits until that
 file is durable, fsync of any directory here until everything written before it is (a
 step directory is closed by it too). A write handle's close from a dying process (the
 kernel closing a killed writer's files) marks the file cut short, so its step never
@@ -29,6 +32,7 @@ from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADir
 from distorefs.fileattrs import dir_nlink, without_privileges
 from distorefs.owner import Owner
 
+from . import interpose
 from .handles import Handle, wants_read, wants_write
 from .inodes import CHECKPOINT_DIR, CHECKPOINT_FILE, CHECKPOINT_LINK, stable_number
 from .nodes import DIR_LONG, NO_CACHE, Node, RenderedFile, _json, make_attrs
@@ -44,17 +48,85 @@ def _key(node: CNode) -> tuple:
     return ("ckdir", node.id) if isinstance(node, CDir) else ("ckfile", node.id)
 
 
+LEND_AHEAD = 3  # chunks lent to the front ahead of a writer (24 MiB at the default 8 MiB)
+
+
 class CheckpointWriter(Handle):
     """An open for writing: every write goes to the core's memory, close() hands it over.
     Write-only opens (torch.save, np.save) bypass the page cache (direct I/O: one copy
     less); read-write opens go through it, so a shared writable mmap works (it needs
-    O_RDWR, and FUSE refuses it on a direct-I/O file)."""
+    O_RDWR, and FUSE refuses it on a direct-I/O file).
+
+    A write-only writer appending at a chunk boundary is armed (`arm`): the library's
+    front copies its WRITEs into chunk buffers the core lends (budgeted, pooled) and
+    answers them; each chunk filled whole comes back through the front's notes
+    (`chunk_filled`) and is persisted as a written one. Before anything else of the file
+    reaches Python (this handle's requests, the file's attributes, opens, truncation,
+    reads), `settle` takes every chunk back, the partly filled ones too; a write Python
+    handles re-arms it once it ends on a chunk boundary."""
 
     def __init__(self, fs: "Filesystem", f: CFile, readable: bool, pid: int, uid: int = 0) -> None:
+        self.fs = fs
         self.tree, self.f, self.pid, self.uid = fs.store.checkpoints, f, pid, uid
         self.privileges_checked = False
         self.reader = FileReader(self.tree, f) if readable else None
         self.direct_io = not readable
+        self.armed = False
+        self.armed_at = 0  # where its WRITEs were to start when it was armed
+        self.next_lent = 0  # the chunk the next buffer lent is for
+        self.lent = 0  # buffers lent and not back
+
+    def opened(self) -> None:
+        self.arm()
+
+    def arm(self) -> None:
+        """Have the library's front take this writer's WRITEs from the file's end on, if
+        that is a chunk boundary with nothing of the file past it (mount/interpose.py
+        chunks_arm). Not a reader's (its writes go through the page cache), nor while a
+        setuid bit waits for the first write to drop it, nor beside another armed writer."""
+        f = self.f
+        if self.armed or self.fh is None or not self.direct_io or f.id in self.fs.chunk_writers:
+            return
+        if not self.privileges_checked and without_privileges(f.mode, self.uid) is not None:
+            return
+        pos = self.tree.fillable_from(f)
+        if pos is None or not interpose.chunks_arm(self.fh, pos, f.chunk_bytes, self.tree.config.max_file_bytes):
+            return
+        self.armed = True
+        self.fs.chunk_writers[f.id] = self
+        self.armed_at, self.next_lent, self.lent = pos, pos // f.chunk_bytes, 0
+        self._lend()
+
+    def _lend(self) -> None:
+        while self.armed and self.lent < LEND_AHEAD:
+            data = self.tree.lend(self.f)
+            if data is None:  # no budget now: the writes come to Python, which waits for it
+                return
+            if not interpose.chunks_lend(self.fh, self.next_lent, data):  # type: ignore[arg-type]
+                self.tree.give_back(data)
+                return
+            self.next_lent += 1
+            self.lent += 1
+
+    def chunk_filled(self, index: int, data: bytearray, filled: int) -> bool:
+        self.lent -= 1
+        self.tree.filled(self.f, index, data, filled)
+        self._lend()
+        return True
+
+    def settle(self, if_written: bool = False) -> None:
+        """Take back every chunk lent to the front (what it filled becomes the file's); it
+        takes no more of this writer's WRITEs until `arm`. `if_written`: only once the front
+        took a WRITE (the attributes of a file just created and armed need nothing of it)."""
+        if not self.armed or (if_written and interpose.chunks_pos(self.fh) == self.armed_at):  # type: ignore[arg-type]
+            return
+        self.armed = False
+        if self.fs.chunk_writers.get(self.f.id) is self:
+            del self.fs.chunk_writers[self.f.id]
+        got = interpose.chunks_stop(self.fh) if self.fh is not None else None
+        self.lent = 0
+        for index, data, filled in sorted(got[1] if got is not None else [], key=lambda t: t[0]):
+            self.tree.filled(self.f, index, data, filled)
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         if self.reader is None:
@@ -62,21 +134,44 @@ class CheckpointWriter(Handle):
         return await self.reader.read(off, size)
 
     async def write(self, off: int, buf: bytes) -> int:
+        self.settle()
         if self.direct_io and not self.privileges_checked:  # the kernel drops setuid only for cached writes
             self.privileges_checked = True
             change = without_privileges(self.f.mode, self.uid)
             if change is not None:
                 await self.tree.set_attrs(self.f, change)
-        return await self.tree.write(self.f, off, buf)
+        n = await self.tree.write(self.f, off, buf)
+        if off + n == self.f.size:
+            self.arm()
+        return n
 
     async def flush(self) -> None:
+        self.settle()
         self.tree.flushed(self.f)
 
     async def fsync(self) -> None:
+        self.settle()
         await self.tree.fsync(self.f)
+        self.arm()
 
     async def release(self) -> None:
+        self.settle()
         self.tree.released(self.f, write=True)
+
+
+def settle_all_writes(fs: "Filesystem") -> None:
+    """`settle_writes` of every file (a directory's fsync; a writer waiting for the budget)."""
+    for writer in list(fs.chunk_writers.values()):
+        if isinstance(writer, CheckpointWriter):
+            writer.settle()
+
+
+def settle_writes(fs: "Filesystem", f: CFile, if_written: bool = False) -> None:
+    """What the library's front holds of `f`'s writes becomes the file's (before a request
+    of the file that is not its armed writer's: its size, its bytes, a truncation)."""
+    writer = fs.chunk_writers.get(f.id)
+    if isinstance(writer, CheckpointWriter):
+        writer.settle(if_written)
 
 
 class CheckpointReader(Handle):
@@ -84,11 +179,12 @@ class CheckpointReader(Handle):
     streamed from their tier ahead of the reader."""
 
     def __init__(self, fs: "Filesystem", f: CFile) -> None:
-        self.tree, self.f = fs.store.checkpoints, f
+        self.fs, self.tree, self.f = fs, fs.store.checkpoints, f
         self.tree.open_read(f)
         self.reader = FileReader(self.tree, f)
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
+        settle_writes(self.fs, self.f)  # (a file read while it is written)
         return await self.reader.read(off, size)
 
     async def release(self) -> None:
@@ -236,6 +332,7 @@ class CheckpointsDir(Node):
         await self.tree.set_pinned(n, flag in (b"1", b"true", b"yes"))
 
     async def fsyncdir(self) -> None:
+        settle_all_writes(self.fs)  # (everything written before it)
         await self.tree.sync_dir(self.cnode())
 
 
@@ -292,6 +389,7 @@ class CheckpointFile(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         f = self.f
+        settle_writes(self.fs, f, if_written=True)  # (its size; a create's reply asks before any write)
         return stamp_attrs(self.ino, stat.S_IFREG | (f.mode & 0o7777), f.size, f, NO_CACHE,
                            nlink=1 if f.attached and not f.unlinked else 0, entry_timeout=DIR_LONG)
 
@@ -300,6 +398,7 @@ class CheckpointFile(Node):
             # removed or replaced since the kernel looked it up: it looks the name up again
             # (ENOENT if nothing has it now, else the file that does)
             raise Stale("the file was removed or replaced")
+        settle_writes(self.fs, self.f)
         if wants_write(flags):
             await self.tree.open_write(self.f, truncate=bool(flags & os.O_TRUNC))
             return CheckpointWriter(self.fs, self.f, wants_read(flags), ctx.pid if ctx is not None else 0,
@@ -307,6 +406,7 @@ class CheckpointFile(Node):
         return CheckpointReader(self.fs, self.f)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
+        settle_writes(self.fs, self.f)
         change = attr_change(attr, fields)
         if change.size is not None:
             await self.tree.truncate(self.f, change.size)
@@ -316,6 +416,7 @@ class CheckpointFile(Node):
 
     def xattrs(self, crc: int | None = -1) -> dict[bytes, bytes]:
         f, tree = self.f, self.tree
+        settle_writes(self.fs, f)
         attrs = {
             b"state": tree.state(f).encode(),
             b"seq": b"%d" % f.id,
@@ -330,6 +431,7 @@ class CheckpointFile(Node):
         return attrs
 
     async def read_xattrs(self) -> dict[bytes, bytes]:
+        settle_writes(self.fs, self.f)
         # The checksum combines one CRC per chunk (a 1 TB file has 131,072 of 8 MiB): a worker
         # thread computes it from a snapshot, so the mount never stalls on a big file.
         parts = self.tree.checksum_parts(self.f)
@@ -349,6 +451,7 @@ def checkpoints_root(fs: "Filesystem") -> tuple[tuple, Node]:
             fs.invalidator.entry(parent, node.name, ino or 0)
 
     fs.store.checkpoints.listeners.append(removed)
+    fs.store.checkpoints.reclaimers.append(lambda: settle_all_writes(fs))
     return ("ckdir", ROOT_ID), root
 
 

@@ -43,6 +43,15 @@ class Handle:
         """(flush_tracked handles) Whether flush() would do nothing now."""
         return False
 
+    def opened(self) -> None:
+        """Its number is given (`fh`), the open not yet answered: what of its requests the
+        library's front may take from here on."""
+
+    def chunk_filled(self, index: int, data: bytearray, filled: int) -> bool:
+        """A chunk buffer lent to the front for this handle came back filled whole (mount/
+        interpose.py chunks_full). False: not this handle's (the caller gives it back)."""
+        return False
+
     async def read(self, off: int, size: int) -> bytes | memoryview:
         raise NotPermitted("not open for reading")
 
@@ -270,7 +279,7 @@ class EntryWriter(StagingWriter):
         self.collecting = False  # the library's front keeps what is written (collect)
         self.named = False  # its inode's name is counted in the front's names of the directory
 
-    def collect(self) -> None:
+    def opened(self) -> None:
         """Have the library's front take this writer's WRITEs (mount/interpose.py
         collect_writes): an insert's bytes then reach Python with its close's FLUSH, one
         request, not one more per WRITE. Only a write-only writer with nothing written yet

@@ -87,6 +87,7 @@ if _library is not None and os.environ.get("DISTOREFS_PASSTHROUGH", "1") == "0":
     _library.use_passthrough(False)
 _MARK = _library.NOFLUSH_FH if _library is not None else 0
 _collect = os.environ.get("DISTOREFS_COLLECT", "1") != "0"
+_chunks = os.environ.get("DISTOREFS_CHUNKS", "1") != "0"
 _absent = os.environ.get("DISTOREFS_ABSENT", "1") != "0"
 
 
@@ -298,6 +299,43 @@ def collected_size(fh: int) -> int | None:
 def collect_state() -> tuple[int, int, int]:
     """(WRITEs the front collected so far, handles collecting now, bytes they hold)."""
     return _library.collect_state() if _library is not None else (0, 0, 0)
+
+
+def chunks_arm(fh: int, pos: int, chunk_bytes: int, limit: int) -> bool:
+    """The front copies handle `fh`'s WRITEs into chunk buffers lent to it (`chunks_lend`),
+    answering each, while they land one after the other from `pos` (a multiple of
+    `chunk_bytes`) and within `limit`; anything else goes to Python, which must stop the
+    handle (`chunks_stop`) before it handles any request of its file. A checkpoint file's
+    writer (distorefs/checkpoints.py lend). DISTOREFS_CHUNKS=0 in the daemon's environment
+    leaves every such WRITE to Python (for comparisons). False: not armed."""
+    return _library is not None and _chunks and bool(_library.chunks_arm(fh, pos, chunk_bytes, limit))
+
+
+def chunks_lend(fh: int, index: int, buffer: bytearray) -> bool:
+    """Lend `buffer` (chunk_bytes long) for chunk `index` of armed handle `fh`; the front
+    writes into it until it is given back (`chunks_full`, `chunks_stop`). False: not taken."""
+    return _library is not None and bool(_library.chunks_lend(fh, index, buffer))
+
+
+def chunks_full() -> list[tuple[int, tuple[int, bytearray, int]]]:
+    """The chunks the front filled whole since the last call: [(fh, (index, buffer, filled))]."""
+    return _library.chunks_full() if _library is not None else []
+
+
+def chunks_stop(fh: int) -> tuple[int, list[tuple[int, bytearray, int]]] | None:
+    """Disarm handle `fh`: (where its next WRITE would have landed, every chunk lent to it as
+    (index, buffer, bytes filled from its start), filled or not). None: it was not armed."""
+    return _library.chunks_stop(fh) if _library is not None else None
+
+
+def chunks_pos(fh: int) -> int | None:
+    """Where armed handle `fh`'s next WRITE would land (the front goes on); None: not armed."""
+    return _library.chunks_pos(fh) if _library is not None else None
+
+
+def chunks_state() -> tuple[int, int, int]:
+    """(WRITEs the front copied into chunks so far, chunks it filled, handles armed now)."""
+    return _library.chunks_state() if _library is not None else (0, 0, 0)
 
 
 def release_free(fh: int) -> None:

@@ -77,6 +77,9 @@ class Filesystem(pyfuse3.Operations):
         self.store = store
         self.inodes = InodeTable(on_drop=interpose.forget_inode)
         self.handles: dict[int, Handle] = {}
+        # per checkpoint file id: the writer whose WRITEs the library's front copies into chunks
+        # lent to it (mount/checkpoint_nodes.py CheckpointWriter.arm); one per file at most
+        self.chunk_writers: dict[int, Handle] = {}
         self._listed: dict[int, list[Node]] = {}  # per listed directory: the nodes its last reply listed, to tell
         self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
         self.collector: CollectorPauses | None = None  # the cycle collector's pauses (the daemon sets it)
@@ -174,6 +177,9 @@ class Filesystem(pyfuse3.Operations):
         writes_collected, collecting, collected_bytes = interpose.collect_state()
         if writes_collected:
             requests["write"] += writes_collected  # entry WRITEs the library kept
+        writes_chunked, chunks_filled, writers_chunked = interpose.chunks_state()
+        if writes_chunked:
+            requests["write"] += writes_chunked  # checkpoint WRITEs the library copied into chunks
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
                       "invalidations": self.invalidator.sent if self.invalidator else 0,
                       "requests": dict(requests), "opens_without_flush": interpose.replies(),
@@ -186,7 +192,8 @@ class Filesystem(pyfuse3.Operations):
                       "priority_log": self.priority_log_on, "priority_writes_taken": writes_taken,
                       "priority_log_trims": log_trims,
                       "writes_collected": writes_collected, "writers_collecting": collecting,
-                      "collected_bytes": collected_bytes,
+                      "collected_bytes": collected_bytes, "writes_chunked": writes_chunked,
+                      "chunks_filled": chunks_filled, "writers_chunked": writers_chunked,
                       "lookups_answered_absent": absent, "absent_dirs": absent_dirs,
                       "absent_names_held": absent_names,
                       "names_listed": self.names.listed if self.names else 0,
@@ -270,8 +277,7 @@ class Filesystem(pyfuse3.Operations):
         number = interpose.noflush(fh) if noflush else fh
         if handle.backing_id:  # the kernel reads its file itself (FUSE passthrough)
             number = interpose.passthrough_fh(number, handle.backing_id)
-        if isinstance(handle, EntryWriter):
-            handle.collect()  # its WRITEs are the library's front's to answer, their bytes Python's at its close
+        handle.opened()  # (an entry's or a checkpoint's writer: the library's front takes its WRITEs)
         return pyfuse3.FileInfo(fh=number, direct_io=handle.direct_io,
                                 keep_cache=handle.keep_cache, nonseekable=handle.nonseekable)
 
@@ -480,12 +486,23 @@ class Filesystem(pyfuse3.Operations):
         commit the `priorities` writes it took. True: there was something of these."""
         took = self._take_writes()
         took |= self._take_opened()
+        took |= self._take_full_chunks()
         released = interpose.take_released()
         for fh in released:
             if fh not in self.handles:
                 self._take_opened()  # opened (and closed) after the look above
             await self._release(fh)
         return took or bool(released)
+
+    def _take_full_chunks(self) -> bool:
+        """Chunks of checkpoint writers the library's front filled whole: the writers' to hold
+        and persist, and to lend the front the next ones (mount/checkpoint_nodes.py)."""
+        full = interpose.chunks_full()
+        for fh, (index, data, filled) in full:
+            handle = self.handles.get(fh)
+            if handle is None or not handle.chunk_filled(index, data, filled):
+                self.store.checkpoints.give_back(data)  # (its handle was stopped first: not reached)
+        return bool(full)
 
     def _take_opened(self) -> bool:
         opened = interpose.take_opened()
