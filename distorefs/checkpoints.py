@@ -64,6 +64,7 @@ import ctypes
 import json
 import logging
 import math
+import mmap
 import struct
 import time
 from collections import Counter, deque
@@ -187,30 +188,37 @@ class WritebackBudget:
         self.give(0)
 
 
+# A chunk's memory: an exact-size bytearray while small, else an anonymous mapping of the pool.
+Memory = bytearray | mmap.mmap
+
+
 class BufferPool:
     """Chunk buffers reused from one checkpoint to the next.
 
     Memory touched for the first time costs page faults (about 0.5 s per GiB on a VM,
     ten times the copy into it), so a persisted chunk's buffer goes back here for the
-    next writes instead of to the allocator. Free buffers count against the budget too
-    (held + free <= writeback_bytes) and are let go after `idle_s` without use."""
+    next writes instead of to the allocator. A new buffer is an anonymous mapping nobody
+    has touched (a bytearray is zeroed where it is made, the event loop): its pages fault
+    in where it is first written, in the library's front for the chunks lent to it. Free
+    buffers count against the budget too (held + free <= writeback_bytes) and are let go
+    after `idle_s` without use."""
 
     def __init__(self, budget: WritebackBudget, idle_s: float = 30.0) -> None:
         self.budget = budget
         self.idle_s = idle_s
-        self.free: dict[int, list[bytearray]] = {}
+        self.free: dict[int, list[Memory]] = {}
         self.free_bytes = 0
         self.last_used = 0.0
 
-    def get(self, size: int) -> bytearray:
+    def get(self, size: int) -> Memory:
         self.last_used = time.monotonic()
         stack = self.free.get(size)
         if stack:
             self.free_bytes -= size
             return stack.pop()
-        return bytearray(size)
+        return mmap.mmap(-1, size)
 
-    def put(self, buf: bytearray) -> None:
+    def put(self, buf: Memory) -> None:
         size = len(buf)
         if self.budget.used + self.free_bytes + size <= self.budget.capacity:
             self.free.setdefault(size, []).append(buf)
@@ -252,7 +260,7 @@ class Buf:
 
     __slots__ = ("data", "length", "queued", "busy", "pieces", "covered")
 
-    def __init__(self, data: bytearray, length: int = 0) -> None:
+    def __init__(self, data: Memory, length: int = 0) -> None:
         self.data = data
         self.length = length
         self.queued = False  # in the persist queue
@@ -303,7 +311,7 @@ class Buf:
 _memmove = ctypes.memmove  # a foreign call: it runs without the GIL
 
 
-def join_pieces(pieces: list, length: int, out: bytearray) -> memoryview:
+def join_pieces(pieces: list, length: int, out: Memory) -> memoryview:
     """The pieces at their offsets in `out`, zeros between them (worker thread); a view of
     the chunk's `length` bytes."""
     base = ctypes.addressof((ctypes.c_char * len(out)).from_buffer(out))
@@ -1148,6 +1156,7 @@ class Checkpoints:
 
     def _resize(self, buf: Buf, size: int) -> None:
         if size < MIN_POOLED:
+            assert isinstance(buf.data, bytearray)  # (small: never the pool's)
             buf.data.extend(bytes(size - len(buf.data)))
             return
         new = self.pool.get(size)
@@ -1177,7 +1186,7 @@ class Checkpoints:
             return None
         return f.size
 
-    def lend(self, f: CFile) -> bytearray | None:
+    def lend(self, f: CFile) -> Memory | None:
         """A buffer of `f`'s chunk size, its bytes taken from the write-back budget, for a
         chunk to be filled from its start; None when the budget has no room now (the writes
         then come to `write`, which waits for it)."""
@@ -1189,13 +1198,13 @@ class Checkpoints:
             return None
         return self.pool.get(n) if n >= MIN_POOLED else bytearray(n)
 
-    def give_back(self, data: bytearray) -> None:
+    def give_back(self, data: Memory) -> None:
         """A lent buffer that holds nothing of the file: its budget back, the buffer to the pool."""
         self.budget.give(len(data))
         if len(data) >= MIN_POOLED:
             self.pool.put(data)
 
-    def filled(self, f: CFile, index: int, data: bytearray, length: int) -> None:
+    def filled(self, f: CFile, index: int, data: Memory, length: int) -> None:
         """Lent buffer `data` comes back as chunk `index` of `f`, `length` bytes written
         from its start: held as writes of them would have left it (persisted at once when
         whole). Given back instead when the file is gone or failed meanwhile, as a write then

@@ -27,7 +27,7 @@ import pyfuse3
 import trio
 
 from distorefs.checkpoints import (CONTROL, LATEST, ROOT, ROOT_ID, RUN, CDir, CFile, CLink, CNode, CStep, FileReader,
-                                   checksum_of)
+                                   Memory, checksum_of)
 from distorefs.errors import AlreadyExists, CrossDevice, InvalidArgument, IsADirectory, NotFound, NotPermitted, Stale
 from distorefs.fileattrs import dir_nlink, without_privileges
 from distorefs.owner import Owner
@@ -108,7 +108,7 @@ class CheckpointWriter(Handle):
             self.next_lent += 1
             self.lent += 1
 
-    def chunk_filled(self, index: int, data: bytearray, filled: int) -> bool:
+    def chunk_filled(self, index: int, data: Memory, filled: int) -> bool:
         self.lent -= 1
         self.tree.filled(self.f, index, data, filled)
         self._lend()

@@ -23,6 +23,8 @@ from distorefs.waiting import Outcome
 from . import backing, interpose
 
 if TYPE_CHECKING:
+    from distorefs.checkpoints import Memory
+
     from .nodes import EntryNode, Node
 
 
@@ -47,7 +49,7 @@ class Handle:
         """Its number is given (`fh`), the open not yet answered: what of its requests the
         library's front may take from here on."""
 
-    def chunk_filled(self, index: int, data: bytearray, filled: int) -> bool:
+    def chunk_filled(self, index: int, data: Memory, filled: int) -> bool:
         """A chunk buffer lent to the front for this handle came back filled whole (mount/
         interpose.py chunks_full). False: not this handle's (the caller gives it back)."""
         return False

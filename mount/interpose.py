@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING, Iterable
 if TYPE_CHECKING:  # (never imported here at run time: this module must load before pyfuse3)
     import pyfuse3
 
+    from distorefs.checkpoints import Memory
+
 log = logging.getLogger(__name__)
 
 
@@ -311,18 +313,18 @@ def chunks_arm(fh: int, pos: int, chunk_bytes: int, limit: int) -> bool:
     return _library is not None and _chunks and bool(_library.chunks_arm(fh, pos, chunk_bytes, limit))
 
 
-def chunks_lend(fh: int, index: int, buffer: bytearray) -> bool:
+def chunks_lend(fh: int, index: int, buffer: Memory) -> bool:
     """Lend `buffer` (chunk_bytes long) for chunk `index` of armed handle `fh`; the front
     writes into it until it is given back (`chunks_full`, `chunks_stop`). False: not taken."""
     return _library is not None and bool(_library.chunks_lend(fh, index, buffer))
 
 
-def chunks_full() -> list[tuple[int, tuple[int, bytearray, int]]]:
+def chunks_full() -> list[tuple[int, tuple[int, Memory, int]]]:
     """The chunks the front filled whole since the last call: [(fh, (index, buffer, filled))]."""
     return _library.chunks_full() if _library is not None else []
 
 
-def chunks_stop(fh: int) -> tuple[int, list[tuple[int, bytearray, int]]] | None:
+def chunks_stop(fh: int) -> tuple[int, list[tuple[int, Memory, int]]] | None:
     """Disarm handle `fh`: (where its next WRITE would have landed, every chunk lent to it as
     (index, buffer, bytes filled from its start), filled or not). None: it was not armed."""
     return _library.chunks_stop(fh) if _library is not None else None
