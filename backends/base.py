@@ -107,6 +107,13 @@ class ValueBackend(ABC):
         compute it again."""
         return self.get(loc), None
 
+    def get_into(self, loc: bytes, out: Any) -> tuple[memoryview, int] | None:
+        """``get_checked`` into the writable buffer ``out`` (at least the value's size):
+        a view of the value's bytes there and the CRC-32 the tier verified them against.
+        None when this tier cannot read that value into a caller's buffer (the caller uses
+        ``get_checked``): the default."""
+        return None
+
     @abstractmethod
     def delete(self, txn: Txn, loc: bytes) -> None:
         """Drop the value at ``loc``; a missing location is a no-op."""

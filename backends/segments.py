@@ -80,7 +80,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from .base import TierUsage, Txn, ValueBackend
 from .crc import crc32
@@ -270,7 +270,7 @@ def read_record(fd: int, seg: int, off: int, size: int) -> tuple[bytes, int]:
     return data, _checked(seg, off, size, head, data)
 
 
-def _checked(seg: int, off: int, size: int, head: bytes | memoryview, data: bytes) -> int:
+def _checked(seg: int, off: int, size: int, head: bytes | memoryview, data: bytes | memoryview) -> int:
     """The CRC-32 of a record read whole (`head`: its header, `data`: its `size` bytes at
     `off`) once both are checked; Damaged otherwise."""
     magic, _klen, dlen, crc = HEADER.unpack(head)
@@ -281,10 +281,12 @@ def _checked(seg: int, off: int, size: int, head: bytes | memoryview, data: byte
     return crc
 
 
-def read_direct(fd: int, seg: int, off: int, size: int, stage: mmap.mmap) -> tuple[bytes, int]:
+def read_direct(fd: int, seg: int, off: int, size: int, stage: mmap.mmap,
+                out: Any = None) -> tuple[bytes | memoryview, int]:
     """`read_record` of a record written direct (it starts on a DIRECT_ALIGN boundary),
     through the O_DIRECT `fd` into the page-aligned `stage` (as large as the padded record):
-    no page cache filled on the way, as none was on the way in."""
+    no page cache filled on the way, as none was on the way in. `out`: a writable buffer
+    the data is copied into (a view of it is returned), not new bytes."""
     start = off - HEADER.size
     span = -(-(HEADER.size + size) // DIRECT_ALIGN) * DIRECT_ALIGN
     view = memoryview(stage)
@@ -292,7 +294,12 @@ def read_direct(fd: int, seg: int, off: int, size: int, stage: mmap.mmap) -> tup
         got = os.preadv(fd, [view[:span]], start)
         if got < HEADER.size + size:
             raise Damaged(f"segment {seg} offset {off}: short read ({got} of {HEADER.size + size})")
-        head, data = bytes(view[:HEADER.size]), bytes(view[HEADER.size:HEADER.size + size])
+        head = bytes(view[:HEADER.size])
+        if out is None:
+            data: bytes | memoryview = bytes(view[HEADER.size:HEADER.size + size])
+        else:
+            data = memoryview(out)[:size]
+            data[:] = view[HEADER.size:HEADER.size + size]
     finally:
         view.release()
     return data, _checked(seg, off, size, head, data)
@@ -622,6 +629,27 @@ class SegmentValues(ValueBackend):
         return self.get_checked(loc)[0]
 
     def get_checked(self, loc: bytes) -> tuple[bytes, int | None]:
+        got = self._get(loc, None)
+        assert isinstance(got[0], bytes)
+        return got[0], got[1]
+
+    def get_into(self, loc: bytes, out: Any) -> tuple[memoryview, int] | None:
+        """A record written direct, copied from the stage into `out`: no new memory for a
+        large value read again and again (a checkpoint's chunks into the pool's buffers)."""
+        try:
+            _seg, _off, size = LOCATION.unpack(loc)
+        except struct.error:
+            raise Damaged(f"malformed segment location {loc.hex()}") from None
+        if size > len(out):
+            return None
+        data, crc = self._get(loc, out)
+        if isinstance(data, bytes):  # read buffered
+            view = memoryview(out)[:size]
+            view[:] = data
+            return view, crc
+        return data, crc
+
+    def _get(self, loc: bytes, out: Any) -> tuple[bytes | memoryview, int]:
         try:
             seg, off, size = LOCATION.unpack(loc)
         except struct.error:
@@ -636,7 +664,7 @@ class SegmentValues(ValueBackend):
                     try:
                         if reader.dfd < 0:
                             reader.dfd = os.open(self._path(seg), os.O_RDONLY | os.O_DIRECT)
-                        return read_direct(reader.dfd, seg, off, size, stage)
+                        return read_direct(reader.dfd, seg, off, size, stage, out)
                     except OSError:
                         pass  # refused (or failing): the buffered read below says what is wrong
                     finally:

@@ -212,11 +212,17 @@ class BufferPool:
 
     def get(self, size: int) -> Memory:
         self.last_used = time.monotonic()
+        buf = self.take_free(size)
+        return buf if buf is not None else mmap.mmap(-1, size)
+
+    def take_free(self, size: int) -> Memory | None:
+        """A free buffer of `size` bytes, None if there is none (no new memory)."""
         stack = self.free.get(size)
-        if stack:
-            self.free_bytes -= size
-            return stack.pop()
-        return mmap.mmap(-1, size)
+        if not stack:
+            return None
+        self.last_used = time.monotonic()
+        self.free_bytes -= size
+        return stack.pop()
 
     def put(self, buf: Memory) -> None:
         size = len(buf)
@@ -1528,14 +1534,20 @@ class Checkpoints:
 class FileReader:
     """One open read handle of a checkpoint file: content still in memory is served from
     there, stored chunks are loaded (and verified) in worker threads, `AHEAD` of them
-    beyond the one being read at once, so a sequential read streams from disk."""
+    beyond the one being read at once, so a sequential read streams from disk.
+
+    A chunk is loaded into a free buffer of the pool when there is one (given back when
+    the reader moves past it), not into new bytes: after a checkpoint the pool holds its
+    chunks' buffers, and new memory, long free, is slow to touch on a VM (README)."""
 
     AHEAD = 2
 
     def __init__(self, tree: "Checkpoints", f: CFile) -> None:
         self.tree, self.f = tree, f
-        self.cache: dict[int, tuple[StoredValue, bytes]] = {}
+        # chunk index: (its value, its bytes, the pool's buffer they are in or None)
+        self.cache: dict[int, tuple[StoredValue, bytes | memoryview, Memory | None]] = {}
         self.loading: dict[int, trio.Event] = {}
+        self.closed = False  # (a load that lands after the close gives its buffer back)
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         f = self.f
@@ -1562,11 +1574,15 @@ class FileReader:
             if i == first:
                 self._ahead(i)
             data = await self._chunk(i, chunk)
-            piece = memoryview(data)[lo:hi]
-            parts.append(piece if len(piece) == hi - lo else bytes(piece) + bytes(hi - lo - len(piece)))
-        return parts[0] if len(parts) == 1 else b"".join(parts)  # pyfuse3 replies from any buffer
+            piece: bytes | memoryview = memoryview(data)[lo:hi]
+            if len(piece) < hi - lo or first < last:  # (a view kept across the next await: its buffer may go back)
+                piece = bytes(piece) + bytes(hi - lo - len(piece))
+            parts.append(piece)
+        # pyfuse3 replies from any buffer, before any other task runs: a view of a pooled
+        # buffer is not given back meanwhile
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _chunk(self, i: int, chunk: StoredValue) -> bytes:
+    async def _chunk(self, i: int, chunk: StoredValue) -> bytes | memoryview:
         while True:
             held = self.cache.get(i)
             if held is not None and held[0] is chunk:
@@ -1581,16 +1597,41 @@ class FileReader:
             return
         event = self.loading[i] = trio.Event()
         try:
-            data = await self.tree.values.fetch_one(None, chunk, self.tree._what(self.f, i))
+            data, buf = await self._load(i, chunk)
         finally:
             del self.loading[i]
             event.set()
-        self.cache[i] = (chunk, data)
+        self._forget(i)
+        self.cache[i] = (chunk, data, buf)
+        if self.closed:
+            self._forget(i)
+
+    async def _load(self, i: int, chunk: StoredValue) -> tuple[bytes | memoryview, Memory | None]:
+        what, values, pool = self.tree._what(self.f, i), self.tree.values, self.tree.pool
+        buf = pool.take_free(self.f.chunk_bytes)
+        if buf is not None:
+            try:
+                view = await trio.to_thread.run_sync(values.read_into, chunk, what, buf)
+            except (CorruptValue, NotFound) as exc:
+                pool.put(buf)
+                raise values.report_corrupt(exc) from None
+            except BaseException:
+                pool.put(buf)
+                raise
+            if view is not None:
+                return view, buf
+            pool.put(buf)
+        return await values.fetch_one(None, chunk, what), None
+
+    def _forget(self, i: int) -> None:
+        held = self.cache.pop(i, None)
+        if held is not None and held[2] is not None:
+            self.tree.pool.put(held[2])
 
     def _ahead(self, i: int) -> None:
         """Reading chunk i: forget those behind it, start loading the next ones."""
         for old in [k for k in self.cache if k < i - 1 or k > i + self.AHEAD]:
-            del self.cache[old]
+            self._forget(old)
         for j in range(i + 1, i + 1 + self.AHEAD):
             chunk = self.f.stored.get(j)
             if chunk is None or j in self.f.mem or j in self.cache or j in self.loading:
@@ -1605,7 +1646,9 @@ class FileReader:
             self.tree._spawn(load)
 
     def close(self) -> None:
-        self.cache.clear()
+        self.closed = True
+        for i in list(self.cache):
+            self._forget(i)
 
 
 # ----- changes -------------------------------------------------------------------------------

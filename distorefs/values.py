@@ -300,6 +300,32 @@ class ValueLayer:
         self.counters["disk_read_bytes"] += value.stored_size
         return data
 
+    def read_into(self, value: StoredValue, what: str, out: Any) -> memoryview | None:
+        """`read` of a value stored raw into the writable buffer `out` (worker thread): a
+        view of its content there, verified. None when its tier cannot read into a caller's
+        buffer or it is not stored raw (the caller uses `read`)."""
+        backend = self.tiers[value.tier]
+        if value.codec != codec.RAW or value.stored_size != value.size or len(out) < value.size:
+            return None
+        try:
+            got = backend.get_into(value.loc, out)
+            if got is None:
+                return None
+            view, tier_crc = got
+            if len(view) != value.size:
+                raise CorruptValue(f"stored size {len(view)}, expected {value.size}")
+            if tier_crc != value.checksum and codec.checksum(view) != value.checksum:
+                raise CorruptValue(f"checksum mismatch (stored {value.checksum:08x})")
+        except BackendError as exc:
+            mapped = from_backend(exc)
+            raise type(mapped)(f"{what}: {exc}") from None
+        except CorruptValue as exc:
+            message = str(exc) if str(exc).startswith(what) else f"{what}: {exc}"
+            raise CorruptValue(message) from None
+        self.counters["disk_reads"] += 1
+        self.counters["disk_read_bytes"] += value.stored_size
+        return view
+
     def read_in(self, txn: Txn, value: StoredValue, what: str) -> bytes:
         """`read` of a value whose record was read in `txn`, a read transaction (worker
         thread): its bytes as of that snapshot, so a location rewritten since (a value

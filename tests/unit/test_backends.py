@@ -5,6 +5,7 @@ growth limits, LmdbEnv locking rules)."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import struct
 import threading
@@ -481,6 +482,24 @@ class TestSegmentValues(BackendConformance):
             _flip_byte(backend, loc, where)
             with pytest.raises(Damaged):
                 backend.get(loc)
+        finally:
+            self.close(backend)
+
+    def test_a_direct_record_read_into_a_callers_buffer_lands_there_and_is_checked(self, tmp_path):
+        """get_into: the value's bytes in the caller's buffer (no new ones), its CRC as
+        get_checked gives it; a buffer too small gets None; a damaged record raises."""
+        backend = self.make_backend(tmp_path, segment_bytes=64 << 20)
+        try:
+            data = os.urandom(2 << 20)
+            loc = self._put_direct(backend, b"d", data)
+            out = mmap.mmap(-1, 3 << 20)
+            view, crc = backend.get_into(loc, out)
+            assert view.obj is out and bytes(view) == data and out[:len(data)] == data
+            assert crc == backend.get_checked(loc)[1]
+            assert backend.get_into(loc, bytearray(1 << 20)) is None
+            _flip_byte(backend, loc, lambda off: off + (1 << 20))
+            with pytest.raises(Damaged):
+                backend.get_into(loc, out)
         finally:
             self.close(backend)
 
