@@ -150,6 +150,14 @@ def _major_faults() -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
 
 
+def _named(exc: BackendError | CorruptValue, what: str) -> BaseException:
+    """A tier's or a decoder's failure of a read, as the error that names the value read."""
+    if isinstance(exc, CorruptValue):
+        return CorruptValue(str(exc) if str(exc).startswith(what) else f"{what}: {exc}")
+    mapped = from_backend(exc)
+    return type(mapped)(f"{what}: {exc}")
+
+
 class ValueLayer:
     def __init__(self, env: LmdbEnv, config: StoreConfig, dirs: Sequence[SegmentDir], *,
                  create_dirs: bool = True) -> None:
@@ -290,15 +298,14 @@ class ValueLayer:
             if len(stored) != value.stored_size:
                 raise CorruptValue(f"stored size {len(stored)}, expected {value.stored_size}")
             data = codec.decode(stored, value.codec, value.size, value.checksum, what, stored_crc=tier_crc)
-        except BackendError as exc:
-            mapped = from_backend(exc)
-            raise type(mapped)(f"{what}: {exc}") from None
-        except CorruptValue as exc:
-            message = str(exc) if str(exc).startswith(what) else f"{what}: {exc}"
-            raise CorruptValue(message) from None
+        except (BackendError, CorruptValue) as exc:
+            raise _named(exc, what) from None
+        self._count_read(value)
+        return data
+
+    def _count_read(self, value: StoredValue) -> None:
         self.counters["disk_reads"] += 1
         self.counters["disk_read_bytes"] += value.stored_size
-        return data
 
     def read_into(self, value: StoredValue, what: str, out: Any) -> memoryview | None:
         """`read` of a value stored raw into the writable buffer `out` (worker thread): a
@@ -316,14 +323,9 @@ class ValueLayer:
                 raise CorruptValue(f"stored size {len(view)}, expected {value.size}")
             if tier_crc != value.checksum and codec.checksum(view) != value.checksum:
                 raise CorruptValue(f"checksum mismatch (stored {value.checksum:08x})")
-        except BackendError as exc:
-            mapped = from_backend(exc)
-            raise type(mapped)(f"{what}: {exc}") from None
-        except CorruptValue as exc:
-            message = str(exc) if str(exc).startswith(what) else f"{what}: {exc}"
-            raise CorruptValue(message) from None
-        self.counters["disk_reads"] += 1
-        self.counters["disk_read_bytes"] += value.stored_size
+        except (BackendError, CorruptValue) as exc:
+            raise _named(exc, what) from None
+        self._count_read(value)
         return view
 
     def read_in(self, txn: Txn, value: StoredValue, what: str) -> bytes:
@@ -333,8 +335,7 @@ class ValueLayer:
         try:
             stored = self.tiers[value.tier].get_in(txn, value.loc)
         except BackendError as exc:
-            mapped = from_backend(exc)
-            raise type(mapped)(f"{what}: {exc}") from None
+            raise _named(exc, what) from None
         return self.read(value, what, stored)
 
     def read_all(self, wanted: Sequence[tuple[StoredValue, str]]) -> list:
