@@ -9,11 +9,11 @@ Write handles bypass the page cache (direct_io) and hand every write to the core
 holds it in memory; close() returns once it is held. A write-only writer appending at a
 chunk boundary has its WRITEs copied by the library's front into chunk buffers the core
 lends (CheckpointWriter.arm), without Python; they are the file's before anything else of
-it is handled. fsync of a file waits until that
-file is durable, fsync of any directory here until everything written before it is (a
-step directory is closed by it too). A write handle's close from a dying process (the
-kernel closing a killed writer's files) marks the file cut short, so its step never
-completes. Removals the core makes by itself (retention) are pushed to the kernel.
+it is handled. fsync of a file waits until that file is durable, fsync of any directory
+here until everything written before it is (a step directory is closed by it too). A
+write handle's close from a dying process (the kernel closing a killed writer's files)
+marks the file cut short, so its step never completes. Removals the core makes by itself
+(retention) are pushed to the kernel.
 """
 
 from __future__ import annotations
@@ -98,11 +98,11 @@ class CheckpointWriter(Handle):
         self._lend()
 
     def _lend(self) -> None:
-        while self.armed and self.lent < LEND_AHEAD:
+        while self.armed and self.fh is not None and self.lent < LEND_AHEAD:
             data = self.tree.lend(self.f)
             if data is None:  # no budget now: the writes come to Python, which waits for it
                 return
-            if not interpose.chunks_lend(self.fh, self.next_lent, data):  # type: ignore[arg-type]
+            if not interpose.chunks_lend(self.fh, self.next_lent, data):
                 self.tree.give_back(data)
                 return
             self.next_lent += 1
@@ -118,12 +118,13 @@ class CheckpointWriter(Handle):
         """Take back every chunk lent to the front (what it filled becomes the file's); it
         takes no more of this writer's WRITEs until `arm`. `if_written`: only once the front
         took a WRITE (the attributes of a file just created and armed need nothing of it)."""
-        if not self.armed or (if_written and interpose.chunks_pos(self.fh) == self.armed_at):  # type: ignore[arg-type]
+        fh = self.fh
+        if not self.armed or fh is None or (if_written and interpose.chunks_pos(fh) == self.armed_at):
             return
         self.armed = False
         if self.fs.chunk_writers.get(self.f.id) is self:
             del self.fs.chunk_writers[self.f.id]
-        got = interpose.chunks_stop(self.fh) if self.fh is not None else None
+        got = interpose.chunks_stop(fh)
         self.lent = 0
         for index, data, filled in sorted(got[1] if got is not None else [], key=lambda t: t[0]):
             self.tree.filled(self.f, index, data, filled)
