@@ -220,9 +220,9 @@ def decode(stored: bytes | memoryview, codec: int, size: int, expected_crc: int,
     value that is the content's checksum, so it is not computed twice)."""
     if codec == RAW:
         raw = bytes(stored)
-        if stored_crc is not None and stored_crc == expected_crc and len(raw) == size:
-            return raw
-    elif codec == ZSTD:
+        check_content(raw, size, expected_crc, what, stored_crc)
+        return raw
+    if codec == ZSTD:
         try:
             frame = zstandard.get_frame_parameters(stored)
             # A frame that records its content size is decoded to that size, whatever
@@ -234,13 +234,21 @@ def decode(stored: bytes | memoryview, codec: int, size: int, expected_crc: int,
             raw = _decompressor().decompress(stored, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise CorruptValue(f"{what}: zstd frame is corrupt ({exc})") from None
-        if verified and len(raw) == size:
-            return raw  # the frame's own content checksum was checked by decompress
-    else:
-        raise CorruptValue(f"{what}: unknown codec {codec}")
-    if len(raw) != size:
-        raise CorruptValue(f"{what}: decoded {len(raw)} bytes, expected {size}")
-    crc = checksum(raw)
+        # (a frame with a content checksum had it checked by decompress)
+        check_content(raw, size, expected_crc, what, expected_crc if verified else None)
+        return raw
+    raise CorruptValue(f"{what}: unknown codec {codec}")
+
+
+def check_content(data: bytes | memoryview, size: int, expected_crc: int, what: str = "value",
+                  known_crc: int | None = None) -> None:
+    """Raise CorruptValue unless `data` is a value's `size` bytes with CRC-32
+    `expected_crc`. `known_crc`: the CRC-32 of `data` as something verified it already (a
+    tier's record checksum), if it did: not computed twice."""
+    if len(data) != size:
+        raise CorruptValue(f"{what}: decoded {len(data)} bytes, expected {size}")
+    if known_crc is not None and known_crc == expected_crc:
+        return
+    crc = checksum(data)
     if crc != expected_crc:
         raise CorruptValue(f"{what}: checksum mismatch (stored {expected_crc:08x}, read {crc:08x})")
-    return raw

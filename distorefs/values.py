@@ -319,10 +319,7 @@ class ValueLayer:
             if got is None:
                 return None
             view, tier_crc = got
-            if len(view) != value.size:
-                raise CorruptValue(f"stored size {len(view)}, expected {value.size}")
-            if tier_crc != value.checksum and codec.checksum(view) != value.checksum:
-                raise CorruptValue(f"checksum mismatch (stored {value.checksum:08x})")
+            codec.check_content(view, value.size, value.checksum, what, tier_crc)
         except (BackendError, CorruptValue) as exc:
             raise _named(exc, what) from None
         self._count_read(value)
