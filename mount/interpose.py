@@ -335,9 +335,10 @@ def chunks_pos(fh: int) -> int | None:
     return _library.chunks_pos(fh) if _library is not None else None
 
 
-def chunks_state() -> tuple[int, int, int]:
-    """(WRITEs the front copied into chunks so far, chunks it filled, handles armed now)."""
-    return _library.chunks_state() if _library is not None else (0, 0, 0)
+def chunks_state() -> tuple[int, int, int, int]:
+    """(WRITEs the front took into chunks so far, chunks it filled, handles armed now, of
+    those WRITEs the ones read straight into their chunks)."""
+    return _library.chunks_state() if _library is not None else (0, 0, 0, 0)
 
 
 def release_free(fh: int) -> None:

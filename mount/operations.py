@@ -177,7 +177,7 @@ class Filesystem(pyfuse3.Operations):
         writes_collected, collecting, collected_bytes = interpose.collect_state()
         if writes_collected:
             requests["write"] += writes_collected  # entry WRITEs the library kept
-        writes_chunked, chunks_filled, writers_chunked = interpose.chunks_state()
+        writes_chunked, chunks_filled, writers_chunked, writes_landed = interpose.chunks_state()
         if writes_chunked:
             requests["write"] += writes_chunked  # checkpoint WRITEs the library copied into chunks
         s["mount"] = {"inodes": len(self.inodes), "open_handles": len(self.handles),
@@ -194,6 +194,7 @@ class Filesystem(pyfuse3.Operations):
                       "writes_collected": writes_collected, "writers_collecting": collecting,
                       "collected_bytes": collected_bytes, "writes_chunked": writes_chunked,
                       "chunks_filled": chunks_filled, "writers_chunked": writers_chunked,
+                      "writes_landed": writes_landed,
                       "lookups_answered_absent": absent, "absent_dirs": absent_dirs,
                       "absent_names_held": absent_names,
                       "names_listed": self.names.listed if self.names else 0,

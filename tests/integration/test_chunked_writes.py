@@ -63,6 +63,8 @@ def test_a_checkpoints_writes_reach_no_python(fs, request):
     writes = after["requests"].get("write", 0) - before["requests"].get("write", 0)
     chunked = after["writes_chunked"] - before["writes_chunked"]
     assert writes >= 21 and chunked == writes
+    # read straight into their chunks, all but the first (the writer was not streaming yet)
+    assert after["writes_landed"] - before["writes_landed"] >= writes - 1
     assert after["chunks_filled"] - before["chunks_filled"] == 2  # the tail comes back at the close
     assert during["writers_chunked"] - before["writers_chunked"] == 1 and after["writers_chunked"] == 0
     assert after["front_passed"] - before["front_passed"] <= small_passed  # nothing per WRITE
@@ -90,6 +92,43 @@ def test_the_files_size_and_bytes_show_while_the_front_fills_its_chunks(fs, requ
     # 16..30 MiB is past the next boundary: the front's again
     assert after["writes_chunked"] - before["writes_chunked"] >= 14
     assert path.read_bytes() == data
+
+
+def test_requests_that_come_while_a_writer_streams_land_whole_where_they_belong(fs, request):
+    """The front reads each request after a checkpoint WRITE with its payload landing in the
+    writer's chunks; other processes' requests meanwhile (1 MiB and small entry writes,
+    stats, listings, xattrs, a rewrite of another checkpoint file) are moved back whole.
+    Every file reads back as written."""
+    d = step_dir(fs, request.node.name)
+    buf = fs.buffer(request.node.name.replace("_", "-")[:40])
+    data = pattern(48 * MiB, salt=11)
+    script = (f"import os, sys\n"
+              f"entries, other = {str(buf / 'entries')!r}, {str(d / 'other.bin')!r}\n"
+              f"for i in range(40):\n"
+              f"    body = bytes([i % 251]) * ((1 << 20) + i * 4097 if i % 2 else 300 + i)\n"
+              f"    with open(os.path.join(entries, f'e{{i:03d}}'), 'wb') as f:\n"
+              f"        f.write(body)\n"
+              f"    os.listdir(entries)\n"
+              f"    os.stat(os.path.join(entries, f'e{{i:03d}}'))\n"
+              f"    os.listxattr(entries)\n"
+              f"    with open(other, 'wb') as f:\n"
+              f"        f.write(bytes([i]) * 70000)\n")
+    others = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(2)]
+    try:
+        before = mount_stats(fs)
+        fd = os.open(d / "model.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        write_in_pieces(fd, data)
+        os.close(fd)
+        after = mount_stats(fs)
+    finally:
+        codes = [p.wait(timeout=120) for p in others]
+    assert codes == [0, 0]
+    assert after["writes_landed"] > before["writes_landed"]
+    assert (d / "model.bin").read_bytes() == data
+    assert (d / "other.bin").read_bytes() == bytes([39]) * 70000
+    for i in range(40):
+        body = bytes([i % 251]) * ((1 << 20) + i * 4097 if i % 2 else 300 + i)
+        assert (buf / "entries" / f"e{i:03d}").read_bytes() == body, i
 
 
 def _as_locally(path, local, calls) -> None:
