@@ -505,6 +505,10 @@ class Checkpoints:
         self.budget = WritebackBudget(0)  # sized by the store's memory plan
         self.pool = BufferPool(self.budget)
         self.listeners: list[Callable[[CNode], None]] = []  # told of nodes the tree removes by itself
+        # told of directories whose attributes (times, link count) the tree changes by itself
+        # with no node removed: another node's step applied (the kernel caches directories'
+        # attributes; a removal's listeners drop the parent's with the name)
+        self.dir_listeners: list[Callable[[CDir], None]] = []
         # called when a writer waits for the write-back budget: whoever holds buffers lent
         # (`lend`) gives them back, filled or not
         self.reclaimers: list[Callable[[], None]] = []
@@ -713,6 +717,15 @@ class Checkpoints:
             self._sealed.add(step)
             self._recheck = True
             self._kick()
+
+    def dir_changed(self, d: CDir) -> None:
+        """The tree changed directory `d`'s attributes by itself (no request did): tell
+        `dir_listeners`."""
+        for listener in self.dir_listeners:
+            try:
+                listener(d)
+            except Exception:
+                log.exception("checkpoint directory listener failed")
 
     # ----- queries -------------------------------------------------------------------
 

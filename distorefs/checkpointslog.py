@@ -472,4 +472,7 @@ class ApplyStep(_CkptChange):
             tree.nodes[node.id] = node
             parent = tree.nodes[node.parent]
             parent.children[node.name] = node.id  # type: ignore[attr-defined]
-        modified(tree.nodes[self.made[0].parent], self.now)
+        parent = tree.nodes[self.made[0].parent]
+        modified(parent, self.now)
+        if isinstance(parent, CDir):
+            tree.dir_changed(parent)

@@ -209,7 +209,11 @@ class CheckpointsDir(Node):
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         n = self.cnode()
-        a = stamp_attrs(self.ino, stat.S_IFDIR | (n.mode & 0o7777), 0, n, NO_CACHE, entry_timeout=DIR_LONG,
+        # Cached: a path walk to a checkpoint file asks for every directory on the way (the
+        # kernel checks each one's permissions), 4 GETATTRs an open otherwise. The kernel
+        # drops them itself when it changes the directory (a create, mkdir, rename, unlink);
+        # the tree's own changes drop them through checkpoints_root's dir_listeners.
+        a = stamp_attrs(self.ino, stat.S_IFDIR | (n.mode & 0o7777), 0, n, DIR_LONG, entry_timeout=DIR_LONG,
                         nlink=dir_nlink(sum(1 for c in n.children.values() if isinstance(self.tree.nodes[c], CDir))))
         if n.kind == ROOT:
             a.st_uid, a.st_gid = self.fs.uid, self.fs.gid
@@ -442,7 +446,9 @@ class CheckpointFile(Node):
 
 def checkpoints_root(fs: "Filesystem") -> tuple[tuple, Node]:
     """checkpoints/ (its fixed inode key and node); the kernel is told of removals the core
-    makes by itself, so a retired step disappears from cached names at once."""
+    makes by itself, so a retired step disappears from cached names at once (and its
+    parent's attributes with it), and of directories whose attributes it changes otherwise
+    (another node's step applied)."""
     root = CheckpointsDir(fs, ROOT_ID)
 
     def removed(node: CNode) -> None:
@@ -451,7 +457,13 @@ def checkpoints_root(fs: "Filesystem") -> tuple[tuple, Node]:
         if fs.invalidator is not None and parent is not None:
             fs.invalidator.entry(parent, node.name, ino or 0)
 
+    def dir_changed(d: CDir) -> None:
+        ino = fs.inodes.ino_of(_key(d))
+        if fs.invalidator is not None and ino is not None:
+            fs.invalidator.attributes(ino)
+
     fs.store.checkpoints.listeners.append(removed)
+    fs.store.checkpoints.dir_listeners.append(dir_changed)
     fs.store.checkpoints.reclaimers.append(lambda: settle_all_writes(fs))
     return ("ckdir", ROOT_ID), root
 

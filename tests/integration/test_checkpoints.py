@@ -204,17 +204,23 @@ def test_keep_last_and_pinning(fresh_mount):
             fsync_dir(d)
             os.setxattr(d, "user.distorefs.pinned", b"1")
     fsync_dir(run / "s4")
+    assert os.stat(run).st_nlink >= 2 + 3  # (held by the kernel from here on)
     deadline = time.monotonic() + 10
     while sorted(os.listdir(run)) != ["latest", "s1", "s3", "s4"]:
         assert time.monotonic() < deadline, os.listdir(run)
         time.sleep(0.05)
+    # the run's attributes the kernel holds went with the steps retention removed
+    assert os.stat(run).st_nlink == 2 + 3
     assert os.readlink(run / "latest") == "s4"
     assert xattr(run / "s1", "pinned") == "1" and xattr(run / "s1", "state") == "durable"
     assert (run / "s1" / "w.bin").read_bytes() == bytes([1]) * 100_000
     os.setxattr(run / "s1", "user.distorefs.pinned", b"0")
+    before = os.stat(run)
     while "s1" in os.listdir(run):
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    after = os.stat(run)
+    assert after.st_nlink == 2 + 2 and after.st_mtime_ns > before.st_mtime_ns
     assert stats(m)["steps_removed"] == 3
     m.remount()
     assert sorted(os.listdir(run)) == ["latest", "s3", "s4"]
@@ -432,3 +438,26 @@ def test_fsync_is_a_promise_and_a_reopened_step_cut_short_goes_back(fresh_mount)
                          text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     m.mount()
+
+
+def test_a_checkpoint_files_open_asks_for_no_attributes_of_the_directories_above_its_step(fresh_mount):
+    """The kernel holds checkpoint directories' attributes: writing files into a step asks
+    for the step's own once per file (each create changes it) and for no other
+    directory's (Python's open also asks for the new file's, its fstat, and the close its
+    size); before, every open asked for checkpoints/, the run and the step (twice)."""
+    m = fresh_mount()
+    step = m.mnt / "checkpoints" / "run" / "s1"
+    step.mkdir(parents=True)
+
+    def getattrs() -> int:
+        return json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]["requests"].get("getattr", 0)
+
+    (step / "first.bin").write_bytes(b"x" * 1000)
+    before = getattrs()
+    for i in range(20):
+        with open(step / f"f{i}.bin", "wb") as f:
+            f.write(bytes([i]) * 100_000)
+    per_file = (getattrs() - before) / 20
+    assert per_file <= 3.5, per_file
+    for i in range(20):
+        assert (step / f"f{i}.bin").read_bytes() == bytes([i]) * 100_000

@@ -123,6 +123,21 @@ def test_retention_on_the_writer_removes_the_step_on_every_node(nodes):
     assert stats(b)["applied_steps_removed"] == 1
 
 
+def test_another_nodes_step_shows_in_the_runs_attributes_the_kernel_held(nodes):
+    """The kernel holds a checkpoint directory's attributes; a step another node shares
+    changes the run's link count and times here without a request: they are dropped."""
+    a, b = nodes(), nodes()
+    save_step(a, "held", "s1", seed=30, big=MiB)
+    run_b = b.mnt / "checkpoints" / "held"
+    assert wait_for(lambda: run_b.is_dir() and "s1" in os.listdir(run_b), 20.0)
+    before = os.stat(run_b)
+    assert before.st_nlink == 2 + 1
+    second = save_step(a, "held", "s2", seed=31, big=MiB)
+    assert wait_for(lambda: has_step(b, "held", "s2", second), 20.0)
+    after = os.stat(run_b)
+    assert after.st_nlink == 2 + 2 and after.st_mtime_ns > before.st_mtime_ns
+
+
 def test_a_node_that_joins_late_has_the_complete_steps(nodes):
     a = nodes()
     configure(a, seal_after=0)  # only an fsync closes a step
