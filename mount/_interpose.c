@@ -2430,6 +2430,8 @@ static PyObject *chunks_lend(PyObject *self, PyObject *args)
         if (!present) {
             c->slots[c->nslots++] = (struct chunk_slot){.view = view, .index = index, .filled = 0};
             done = 1;
+            if (index == c->pos / c->chunk_bytes)  /* a writer armed now: its first WRITE lands too */
+                landing_fh = fh;
         }
     }
     pthread_mutex_unlock(&chunk_lock);
