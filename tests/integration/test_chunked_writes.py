@@ -131,6 +131,26 @@ def test_requests_that_come_while_a_writer_streams_land_whole_where_they_belong(
         assert (buf / "entries" / f"e{i:03d}").read_bytes() == body, i
 
 
+def test_writers_streaming_at_once_each_get_their_own_bytes(fs, request):
+    """Three processes write checkpoint files at once in 1 MiB writes (and one in odd-sized
+    ones): the front reads for one writer at a time, so most WRITEs arrive while it reads
+    for another and are moved back, or land in their own chunks; every file is whole."""
+    d = step_dir(fs, request.node.name)
+    sizes = {"a.bin": (40 * MiB, MiB), "b.bin": (40 * MiB + 4097, MiB), "c.bin": (24 * MiB + 3, 65536 + 17)}
+    procs = []
+    for i, (name, (size, piece)) in enumerate(sizes.items()):
+        script = (f"import os, sys\n"
+                  f"sys.path.insert(0, {str(os.path.dirname(__file__))!r})\n"
+                  f"from test_chunked_writes import pattern, write_in_pieces\n"
+                  f"fd = os.open({str(d / name)!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)\n"
+                  f"write_in_pieces(fd, pattern({size}, salt={i + 20}), {piece})\n"
+                  f"os.close(fd)\n")
+        procs.append(subprocess.Popen([sys.executable, "-c", script]))
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    for i, (name, (size, _)) in enumerate(sizes.items()):
+        assert (d / name).read_bytes() == pattern(size, salt=i + 20), name
+
+
 def _as_locally(path, local, calls) -> None:
     for p in (path, local):
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
