@@ -308,8 +308,11 @@ def chunks_arm(fh: int, pos: int, chunk_bytes: int, limit: int) -> bool:
     answering each, while they land one after the other from `pos` (a multiple of
     `chunk_bytes`) and within `limit`; anything else goes to Python, which must stop the
     handle (`chunks_stop`) before it handles any request of its file. A checkpoint file's
-    writer (distorefs/checkpoints.py lend). DISTOREFS_CHUNKS=0 in the daemon's environment
-    leaves every such WRITE to Python (for comparisons). False: not armed."""
+    writer (distorefs/checkpoints.py lend). While such a writer streams, the front reads
+    each request with its payload landing in the writer's next chunk (one copy per byte:
+    `mount.writes_landed`; DISTOREFS_LANDING=0 leaves it off). DISTOREFS_CHUNKS=0 in the
+    daemon's environment leaves every such WRITE to Python (for comparisons). False: not
+    armed."""
     return _library is not None and _chunks and bool(_library.chunks_arm(fh, pos, chunk_bytes, limit))
 
 
