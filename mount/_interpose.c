@@ -392,8 +392,9 @@ static unsigned chunker_count;
 static struct { uint64_t fh; struct chunk_slot slot; } fulls[FULLS_MAX];
 static unsigned full_count;
 static unsigned long long chunked_writes, chunks_filled, writes_landed;
-/* The handle whose WRITE the front took last (0: none): the front reads the next request
-   with its payload landing where that handle's next WRITE would go (io_read). */
+/* The handle the front reads for (0: none): the one whose WRITE it took last, or whose
+   chunk was last lent where it writes next; the next request is read with its payload
+   landing where that handle's next WRITE would go (read_landing). */
 static uint64_t landing_fh;
 
 /* Names directories hold (absent_names, name_counted): per directory inode, an
@@ -1248,6 +1249,15 @@ static struct chunker *chunker_find(uint64_t fh)  /* with chunk_lock held */
     return NULL;
 }
 
+/* With chunk_lock held: the chunk lent to `c` for chunk `index` of its file, or NULL. */
+static struct chunk_slot *chunk_slot_of(struct chunker *c, uint64_t index)
+{
+    for (unsigned k = 0; k < c->nslots; k++)
+        if (c->slots[k].index == index)
+            return &c->slots[k];
+    return NULL;
+}
+
 /* With chunk_lock held: the chunks lent to `c` that [off, end) falls in (at most two), if
    it lands where the last WRITE ended and within the file's limit; 0 otherwise. */
 static int chunk_parts(struct chunker *c, uint64_t off, uint64_t end, struct chunk_slot *parts[2])
@@ -1258,13 +1268,9 @@ static int chunk_parts(struct chunker *c, uint64_t off, uint64_t end, struct chu
     if (last - first >= 2)
         return 0;
     parts[0] = parts[1] = NULL;
-    for (uint64_t i = first; i <= last; i++) {
-        for (unsigned k = 0; k < c->nslots && parts[i - first] == NULL; k++)
-            if (c->slots[k].index == i)
-                parts[i - first] = &c->slots[k];
-        if (parts[i - first] == NULL)
+    for (uint64_t i = first; i <= last; i++)
+        if ((parts[i - first] = chunk_slot_of(c, i)) == NULL)
             return 0;
-    }
     return 1;
 }
 
@@ -1341,16 +1347,17 @@ static int write_chunked_here(uint64_t fh, uint64_t off, const char *data, uint3
     return taken;
 }
 
-/* One request from the device into `buf`; while a checkpoint writer streams WRITEs (the
-   handle the front took one of last, `landing_fh`), the read puts whatever follows a WRITE's
-   80 bytes of header into the chunks where that writer's next WRITE lands, so that its
-   bytes are copied once (the kernel's copy), not into `buf` and again into the chunk: a
-   third of the front's time per MiB. A WRITE that did land there is counted in its chunks
-   now (`landed`), with chunk_lock held from before the read, so nobody takes the chunks
-   back in between; any other request's bytes are moved back into `buf` before the lock is
-   let go. The chunks' bytes past what is filled mean nothing (a lent chunk is filled
-   from its start, and Python takes `filled` bytes of it), so a request that lands there
-   and goes elsewhere spoils nothing. */
+/* One request from the device into `buf`. While a checkpoint writer streams WRITEs (the
+   handle `landing_fh`), the read puts whatever follows a WRITE's 80 bytes of header into
+   the chunks where that writer's next WRITE lands, so that its bytes are copied once (the
+   kernel's copy), not into `buf` and again into the chunk (that second copy took 28 % of
+   the daemon's samples in a 2 GiB checkpoint, most of it for the chunk's cold memory,
+   which the kernel's copy now writes). A WRITE that did land there is counted in its
+   chunks now (`landed`), with chunk_lock held from before the read, so nobody takes the
+   chunks back in between; any other request's bytes are moved back into `buf` before the
+   lock is let go. The chunks' bytes past what is filled mean nothing (a lent chunk is
+   filled from its start, and Python takes `filled` bytes of it), so a request that lands
+   there and goes elsewhere spoils nothing. */
 #define WRITE_HEADER (IN_HEADER_SIZE + WRITE_IN_SIZE)
 static int landing_off = -1;  /* DISTOREFS_LANDING=0 in the daemon's environment: every read into `buf` */
 
@@ -1370,11 +1377,8 @@ static ssize_t read_landing(int fd, char *buf, size_t len)
     size_t room = len - WRITE_HEADER, lent = 0;
     if (c != NULL && !c->passed) {
         for (int part = 0; part < 2 && lent < room; part++) {
-            uint64_t at = c->pos + lent, index = at / c->chunk_bytes, lo = at % c->chunk_bytes;
-            struct chunk_slot *slot = NULL;
-            for (unsigned k = 0; k < c->nslots && slot == NULL; k++)
-                if (c->slots[k].index == index)
-                    slot = &c->slots[k];
+            uint64_t at = c->pos + lent, lo = at % c->chunk_bytes;
+            struct chunk_slot *slot = chunk_slot_of(c, at / c->chunk_bytes);
             if (slot == NULL)
                 break;
             size_t n = c->chunk_bytes - lo < room - lent ? c->chunk_bytes - lo : room - lent;
@@ -1418,10 +1422,11 @@ static ssize_t read_landing(int fd, char *buf, size_t len)
     size_t in_chunks = body < lent ? body : lent;
     if (body > lent)
         memmove(buf + WRITE_HEADER + lent, buf + WRITE_HEADER, body - lent);
-    for (int i = 1, at = 0; (size_t)at < in_chunks; i++) {
+    size_t at = 0;
+    for (int i = 1; at < in_chunks; i++) {
         size_t n_i = iov[i].iov_len < in_chunks - at ? iov[i].iov_len : in_chunks - at;
         memcpy(buf + WRITE_HEADER + at, iov[i].iov_base, n_i);
-        at += (int)n_i;
+        at += n_i;
     }
     pthread_mutex_unlock(&chunk_lock);
     return n;
@@ -2424,10 +2429,7 @@ static PyObject *chunks_lend(PyObject *self, PyObject *args)
     struct chunker *c = chunker_find(fh);
     if (c != NULL && !c->passed && c->nslots < CHUNK_SLOTS && (uint64_t)view.len == c->chunk_bytes &&
         index >= c->pos / c->chunk_bytes) {
-        int present = 0;
-        for (unsigned k = 0; k < c->nslots; k++)
-            present |= c->slots[k].index == index;
-        if (!present) {
+        if (chunk_slot_of(c, index) == NULL) {
             c->slots[c->nslots++] = (struct chunk_slot){.view = view, .index = index, .filled = 0};
             done = 1;
             if (index == c->pos / c->chunk_bytes)  /* a writer armed now: its first WRITE lands too */
