@@ -1249,6 +1249,14 @@ static struct chunker *chunker_find(uint64_t fh)  /* with chunk_lock held */
     return NULL;
 }
 
+/* A WRITE request's handle, offset and length (its struct fuse_write_in after the header). */
+static void write_in_of(const char *mem, uint64_t *fh, uint64_t *off, uint32_t *length)
+{
+    memcpy(fh, mem + IN_HEADER_SIZE, sizeof(*fh));
+    memcpy(off, mem + IN_HEADER_SIZE + sizeof(*fh), sizeof(*off));
+    memcpy(length, mem + IN_HEADER_SIZE + WRITE_IN_SIZE_OFFSET, sizeof(*length));
+}
+
 /* With chunk_lock held: the chunk lent to `c` for chunk `index` of its file, or NULL. */
 static struct chunk_slot *chunk_slot_of(struct chunker *c, uint64_t index)
 {
@@ -1307,8 +1315,8 @@ static int chunk_took(struct chunker *c, struct chunk_slot *parts[2], uint64_t o
     return filled;
 }
 
-/* Set by io_read on the front's thread: the WRITE just read landed in its handle's chunks
-   and is counted there; answered_in_c replies to it. */
+/* Set by read_landing on the front's thread: the WRITE just read landed in its handle's
+   chunks and is counted there; answered_in_c replies to it. */
 static __thread struct { int set, filled; } landed;
 
 /* A WRITE of an armed checkpoint handle (chunks_arm): copied into the chunks lent if it
@@ -1318,7 +1326,7 @@ static __thread struct { int set, filled; } landed;
 static int write_chunked_here(uint64_t fh, uint64_t off, const char *data, uint32_t length)
 {
     int taken = 0, filled = 0;
-    if (landed.set) {  /* (read into its chunks: io_read) */
+    if (landed.set) {  /* (read into its chunks: read_landing) */
         landed.set = 0;
         taken = 1;
         filled = landed.filled;
@@ -1406,9 +1414,7 @@ static ssize_t read_landing(int fd, char *buf, size_t len)
         uint32_t opcode, length;
         uint64_t fh, off;
         memcpy(&opcode, buf + IN_OPCODE_OFFSET, sizeof(opcode));
-        memcpy(&fh, buf + IN_HEADER_SIZE, sizeof(fh));
-        memcpy(&off, buf + IN_HEADER_SIZE + sizeof(fh), sizeof(off));
-        memcpy(&length, buf + IN_HEADER_SIZE + WRITE_IN_SIZE_OFFSET, sizeof(length));
+        write_in_of(buf, &fh, &off, &length);
         struct chunk_slot *slots[2];
         if (opcode == OPCODE_WRITE && fh == c->fh && length == body && chunk_parts(c, off, off + length, slots)) {
             landed.filled = chunk_took(c, slots, off, off + length, NULL);
@@ -1494,9 +1500,7 @@ static int answered_in_c(const char *mem, size_t size)
     if (opcode == OPCODE_WRITE && session_ops.write_buf == write_taken && size >= IN_HEADER_SIZE + WRITE_IN_SIZE) {
         uint64_t fh, off;
         uint32_t length;
-        memcpy(&fh, mem + IN_HEADER_SIZE, sizeof(fh));
-        memcpy(&off, mem + IN_HEADER_SIZE + sizeof(fh), sizeof(off));
-        memcpy(&length, mem + IN_HEADER_SIZE + WRITE_IN_SIZE_OFFSET, sizeof(length));
+        write_in_of(mem, &fh, &off, &length);
         const char *data = mem + IN_HEADER_SIZE + WRITE_IN_SIZE;
         if (landed.set)  /* its bytes are in its chunks, not here */
             return write_chunked_here(fh, off, NULL, length);
