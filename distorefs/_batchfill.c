@@ -120,6 +120,52 @@ done:
     return out;
 }
 
+/* take_rows(table, filled, slots, out) -> bool: out[i] = table[slots[i]] for every i, True,
+ * if each slot is in the table and filled[slot] is set; else False (out is the caller's to
+ * drop). The rows of a drawn batch (distorefs/rows.py, SlotRows.take): in numpy a check of
+ * the filled flags and a gather, four calls a batch on a busy daemon's cold caches. */
+static PyObject *take_rows(PyObject *self, PyObject *args)
+{
+    PyObject *table_obj, *filled_obj, *slots_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &table_obj, &filled_obj, &slots_obj, &out_obj))
+        return NULL;
+    Py_buffer table = {0}, filled = {0}, slots = {0}, out = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(table_obj, &table, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0 ||
+        PyObject_GetBuffer(filled_obj, &filled, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0 ||
+        PyObject_GetBuffer(slots_obj, &slots, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0 ||
+        PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_ND | PyBUF_WRITABLE) < 0)
+        goto done;
+    if (table.ndim != 2 || table.itemsize != 1 || filled.ndim != 1 || filled.itemsize != 1 || slots.ndim != 1 ||
+        slots.itemsize != 8 || out.ndim != 2 || out.itemsize != 1 || out.shape[0] != slots.shape[0] ||
+        out.shape[1] != table.shape[1] || filled.shape[0] < table.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "_batchfill: take_rows wants (C, W) and (C,) bytes, int64 slots, (N, W) out");
+        goto done;
+    }
+    Py_ssize_t n = slots.shape[0], width = table.shape[1], capacity = table.shape[0];
+    const int64_t *s = slots.buf;
+    const unsigned char *f = filled.buf, *t = table.buf;
+    unsigned char *o = out.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < 0 || s[i] >= capacity || !f[s[i]]) {
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+        memcpy(o + i * width, t + s[i] * width, (size_t)width);
+    }
+    result = Py_NewRef(Py_True);
+done:
+    if (out.obj != NULL)
+        PyBuffer_Release(&out);
+    if (slots.obj != NULL)
+        PyBuffer_Release(&slots);
+    if (filled.obj != NULL)
+        PyBuffer_Release(&filled);
+    if (table.obj != NULL)
+        PyBuffer_Release(&table);
+    return result;
+}
+
 /* ascii_keys(names) -> (width, bytes) or None: the keys.npy body of a batch whose names come
  * from the ring's table (a 1-D bytes array, ASCII, NUL-padded): each name as `width` UCS-4
  * code points, width the longest name's length (at least 1), as numpy's cast to str of that
@@ -168,6 +214,9 @@ static PyMethodDef methods[] = {
      "at its place (at, size, local CRC offset, central CRC offset, CRC seed) and its CRC-32 set: "
      "member i < len(spans) the column spans[i] = (start, length) of every row of `rows` (N, width), "
      "the rest `bodies`, one each."},
+    {"take_rows", take_rows, METH_VARARGS,
+     "take_rows(table, filled, slots, out): out[i] = table[slots[i]], True, if every slot is in the "
+     "table and filled; else False."},
     {"ascii_keys", ascii_keys, METH_O,
      "ascii_keys(names): (width, the UCS-4 bytes of the names as str of that width) for a 1-D "
      "ASCII bytes array; None for a byte past ASCII."},

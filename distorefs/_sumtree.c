@@ -164,18 +164,26 @@ fail:
  * The numpy code's rules: a prefix at or past the total goes to the last positive top node;
  * within a row, the first child whose inclusive prefix sum exceeds q (the last child if
  * none does); a child of 0 reached through rounding is left for the nearest positive
- * sibling, the next one (entered at its start), else the previous one (at its end). */
+ * sibling, the next one (entered at its start), else the previous one (at its end).
+ * With `pw` (float64, 2 * len(q)) too, each slot's probability and importance weight are
+ * written there as the sampler computes them (distorefs/sampler.py, `probabilities`): the
+ * slot's leaf p (its priority**alpha), p / total into pw[i] and (p / smallest)**-beta
+ * into pw[len(q) + i] (0 where p is 0). A prioritized batch drawn ahead then costs one
+ * call where the draw and its weights were some ten numpy calls, each several times this
+ * arithmetic on a busy daemon. */
 static PyObject *find(PyObject *self, PyObject *args)
 {
-    PyObject *sums_list, *q_obj, *out_obj;
-    Py_ssize_t b, nq, nout;
+    PyObject *sums_list, *q_obj, *out_obj, *pw_obj = NULL;
+    Py_ssize_t b, nq, nout, npw = 0;
+    double *pw = NULL, total_given = 0.0, smallest = 0.0, beta = 0.0;
     views v = {.count = 0};
     double *sums[MAX_LEVELS];
     Py_ssize_t lens[MAX_LEVELS];
     int levels;
     double *c = NULL;
     double stride = 0.0;
-    if (!PyArg_ParseTuple(args, "OnOO|d", &sums_list, &b, &q_obj, &out_obj, &stride))
+    if (!PyArg_ParseTuple(args, "OnOO|dOddd", &sums_list, &b, &q_obj, &out_obj, &stride, &pw_obj, &total_given,
+                          &smallest, &beta))
         return NULL;
     if (take_levels(&v, sums_list, 0, sums, lens, &levels) < 0)
         goto fail;
@@ -183,6 +191,15 @@ static PyObject *find(PyObject *self, PyObject *args)
     int64_t *out = q == NULL ? NULL : take(&v, out_obj, 1, 1, &nout);
     if (out == NULL)
         goto fail;
+    if (pw_obj != NULL && pw_obj != Py_None) {
+        pw = take(&v, pw_obj, 1, 0, &npw);
+        if (pw == NULL)
+            goto fail;
+        if (npw != 2 * nq || !(total_given > 0.0) || !(smallest > 0.0) || !isfinite(beta)) {
+            PyErr_SetString(PyExc_ValueError, "_sumtree: bad find weights arguments");
+            goto fail;
+        }
+    }
     if (nout != nq || levels < 1 || b < 1) {
         PyErr_SetString(PyExc_ValueError, "_sumtree: bad find arguments");
         goto fail;
@@ -279,6 +296,11 @@ static PyObject *find(PyObject *self, PyObject *args)
             idx = idx * b + j;
         }
         out[i] = idx;
+        if (pw != NULL) {
+            double p = sums[0][idx], ratio = p / smallest;
+            pw[i] = p / total_given;
+            pw[nq + i] = ratio > 0.0 ? pow(ratio, -beta) : 0.0;
+        }
     }
     free(c);
     views_release(&v);
@@ -294,8 +316,9 @@ static PyMethodDef methods[] = {
      "update(sums, mins, branching, capacity, slots, values): set leaves and their ancestors; "
      "False (nothing changed) for a bad slot or value."},
     {"find", find, METH_VARARGS,
-     "find(sums, branching, q, out[, stride]): the slot holding each prefix q[i] (with a stride: "
-     "(i + q[i]) * stride), into out[i]."},
+     "find(sums, branching, q, out[, stride[, pw, total, smallest, beta]]): the slot holding each "
+     "prefix q[i] (with a stride: (i + q[i]) * stride), into out[i]; with pw, each slot's probability "
+     "leaf / total into pw[i] and weight (leaf / smallest)**-beta into pw[len(q) + i]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -660,9 +660,10 @@ class Buffer(RingNamespace):
                     steps = self.sequences.windows(slots)[0]
                     ahead = steps[steps >= 0]
                 else:
-                    slots = ahead = self.sampler.draw(n, self._order)
+                    weighted = self.sampler.draw_weighted(n) if n in self._npz_sizes else None
+                    slots = ahead = weighted[0] if weighted is not None else self.sampler.draw(n, self._order)
                     if n in self._npz_sizes:
-                        built = BuiltAhead.build(self, slots)
+                        built = BuiltAhead.build(self, slots, weighted[1:] if weighted is not None else None)
                 if len(slots) == 0:
                     return
                 queue.append(((slots, self.ring.slot_seq[slots]), built))
@@ -930,7 +931,10 @@ class BuiltAhead:
         self.layout = layout
 
     @staticmethod
-    def build(buf: "Buffer", slots: np.ndarray) -> "BuiltAhead | None":
+    def build(buf: "Buffer", slots: np.ndarray, weighted: tuple[np.ndarray, np.ndarray] | None = None
+              ) -> "BuiltAhead | None":
+        """`weighted`: the probabilities and weights of `slots`, given with the draw
+        (Sampler.draw_weighted); None: computed here."""
         layout, config = buf.layout, buf.config
         if (layout is None or not len(slots) or config.max_times_sampled or buf.sequences.on
                 or buf.ring.shared is not None or buf.read_only):
@@ -939,18 +943,21 @@ class BuiltAhead:
         if rows is None or rows.nbytes > BuiltAhead.MAX_BYTES:
             return None
         gens = buf.ring.slot_gen[slots]
-        batch = BuiltAhead.drawn(buf, slots, rows)
+        batch = BuiltAhead.drawn(buf, slots, rows, weighted)
         batch.file = batch_file(batch, None, layout)
         return BuiltAhead(batch, slots, gens, config, layout)
 
     @staticmethod
-    def drawn(buf: "Buffer", slots: np.ndarray, rows: np.ndarray | None) -> Batch:
+    def drawn(buf: "Buffer", slots: np.ndarray, rows: np.ndarray | None,
+              weighted: tuple[np.ndarray, np.ndarray] | None = None) -> Batch:
         """The batch of `slots`, drawn ahead and not counted: its probabilities and weights
-        are those of the distribution it is drawn from now."""
-        probs, weights = buf.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
+        are those of the distribution it is drawn from now (`weighted`, given with the draw).
+        Its entries' places only without `rows`: a batch with rows is made from them alone."""
+        probs, weights = weighted if weighted is not None else \
+            buf.sampler.probabilities(slots, np.zeros(0, dtype=np.int64))
         return Batch([buf.ring.slot_meta[s] for s in slots.tolist()], probs, weights,  # type: ignore[misc]
-                     [], buf.places.take(slots), rows, slots=slots, seqs=buf.ring.slot_seq[slots],
-                     names=buf.ring.names_of(slots))
+                     [], buf.places.take(slots) if rows is None else None, rows, slots=slots,
+                     seqs=buf.ring.slot_seq[slots], names=buf.ring.names_of(slots))
 
     def held(self, buf: "Buffer") -> np.ndarray:
         """For each entry, whether its slot still holds the version it was built from."""

@@ -151,6 +151,19 @@ class Sampler:
             return self.weighted.sample(n, self.rng)
         return self.uniform.sample(n, self.rng)
 
+    def draw_weighted(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """`draw` of a prioritized buffer with what `probabilities` gives for the slots drawn
+        (no spent ones), in one call: (slots, probabilities, weights); None where the buffer
+        draws otherwise (then `draw` and `probabilities`)."""
+        self._flush()
+        if self.config.sampler != "prioritized" or self.drawable_count() == 0:
+            return None
+        drawn = self.weighted.sample_weighted(n, self.rng, self.config.beta)
+        if drawn is None:
+            return None
+        slots, pw = drawn
+        return slots, pw[0], pw[1]
+
     def select(self, n: int, order, hint=None, valid=None) -> tuple[np.ndarray, np.ndarray]:
         """Draw a batch of n, count the draws, and return (slots, slots now exhausted).
 

@@ -351,3 +351,17 @@ class SumTree:
             self._native.find(self._sums, self._b, rng.random(n), out, stride)
             return out
         return self.find((np.arange(n) + rng.random(n)) * stride)
+
+    def sample_weighted(self, n: int, rng: np.random.Generator, beta: float
+                        ) -> tuple[np.ndarray, np.ndarray] | None:
+        """`sample` (the same slots from the same generator state), with each slot's
+        probability leaf / total and importance weight (leaf / min_positive()) ** -beta: a
+        (2, n) array, in the one C call that draws. None without the C module, or from an
+        empty tree (the caller draws with `sample`)."""
+        total = self.total()
+        if self._native is None or n <= 0 or not total > 0.0 or not math.isfinite(total):
+            return None
+        out = np.empty(n, dtype=np.int64)
+        pw = np.empty((2, n))
+        self._native.find(self._sums, self._b, rng.random(n), out, total / n, pw, total, self.min_positive(), beta)
+        return out, pw

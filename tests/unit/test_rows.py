@@ -52,6 +52,26 @@ def test_slot_rows_fill_take_clear_and_their_budget():
     assert not SlotRows.fits(wide) and not SlotRows.fits(None)
 
 
+
+def test_taking_rows_gathers_them_in_c_as_numpy_does_and_refuses_an_unfilled_or_foreign_slot():
+    """SlotRows.take gathers int64 slots in one C call (distorefs/_batchfill.c), other slots in
+    numpy: the same rows either way, and None where a slot holds no row or is past the table."""
+    layout, offsets = parse(transition(0))
+    rows = SlotRows(layout, ValueCache(1 << 20))
+    assert rows.grow(64)
+    for slot in range(0, 64, 2):
+        rows.fill(slot, transition(slot), np.array(offsets))
+    slots = np.random.default_rng(1).integers(0, 32, 500) * 2
+    want = b"".join(expected_row(int(s)) for s in slots)
+    assert rows.take(slots.astype(np.int64)).tobytes() == want
+    assert rows.take(slots.astype(np.int32)).tobytes() == want  # numpy's gather
+    strided = slots.astype(np.int64)[::2]  # not contiguous: numpy's gather
+    assert rows.take(strided).tobytes() == b"".join(expected_row(int(s)) for s in strided)
+    assert rows.take(np.array([0, 2, 3], dtype=np.int64)) is None  # slot 3 holds no row
+    assert rows.take(np.array([0, len(rows.filled)], dtype=np.int64)) is None  # past the table
+    assert rows.take(np.array([0, -1], dtype=np.int64)) is None
+    assert rows.take(np.zeros(0, dtype=np.int64)) is None
+
 def test_the_memory_tier_holds_what_the_tables_leave():
     cache = ValueCache(1000)
     for key in "abc":

@@ -342,3 +342,54 @@ def test_sampler_adds_and_removals_queued_together_match_the_state():
         s.add(i % 64, 1.0)
         assert len(s._queued) < QUEUED_MAX
     assert s.drawable_count() == 64
+
+
+def test_a_weighted_draw_takes_the_slots_of_sample_with_their_probabilities_and_weights(code):
+    """sample_weighted() draws what sample() draws from the same generator state and gives
+    each slot's probability (leaf / total) and importance weight ((leaf / min_positive) **
+    -beta) from the same C call; on numpy alone it is None (the caller computes them)."""
+    rng = np.random.default_rng(8)
+    for capacity, branching in SHAPES:
+        tree, values = _random_tree(rng, capacity, branching, zero_fraction=0.5)
+        for n, beta in ((1, 0.4), (64, 0.4), (256, 1.0), (1000, 0.0)):
+            drawn = tree.sample_weighted(n, np.random.default_rng(n), beta)
+            if code == "numpy":
+                assert drawn is None
+                continue
+            slots, pw = drawn
+            np.testing.assert_array_equal(slots, tree.sample(n, np.random.default_rng(n)))
+            leaf = values[slots]
+            np.testing.assert_allclose(pw[0], leaf / values.sum(), rtol=1e-9)
+            np.testing.assert_allclose(pw[1], (leaf / values[values > 0].min()) ** -beta, rtol=1e-9)
+    assert SumTree(16).sample_weighted(4, rng, 0.4) is None  # every value 0: sample() raises
+
+
+def test_the_samplers_weighted_draw_gives_what_probabilities_gives(code):
+    """Sampler.draw_weighted() is draw() with probabilities() of its slots, in one call, for a
+    prioritized buffer; None for the other samplers and an empty buffer."""
+    from distorefs.config import BufferConfig
+    from distorefs.sampler import Sampler
+    cfg = BufferConfig.from_dict({"sampler": "prioritized", "alpha": 0.6, "beta": 0.4, "seed": 3})
+    twins = [Sampler(cfg), Sampler(cfg)]
+    rng = np.random.default_rng(2)
+    priorities = rng.uniform(0.01, 5, 300)
+    for s in twins:
+        s.grow(512)
+        assert s.draw_weighted(8) is None  # nothing drawable yet
+        for slot, p in enumerate(priorities):
+            s.add(slot, float(p), 0)
+    one, other = twins
+    for n in (1, 64, 256):
+        drawn = one.draw_weighted(n)
+        if code == "numpy":
+            assert drawn is None
+            continue
+        slots, probs, weights = drawn
+        np.testing.assert_array_equal(slots, other.draw(n, None))
+        want_p, want_w = other.probabilities(slots, np.zeros(0, dtype=np.int64))
+        np.testing.assert_allclose(probs, want_p, rtol=1e-9)
+        np.testing.assert_allclose(weights, want_w, rtol=1e-9)
+    uniform = Sampler(BufferConfig.from_dict({"sampler": "uniform"}))
+    uniform.grow(8)
+    uniform.add(0, 1.0, 0)
+    assert uniform.draw_weighted(1) is None
