@@ -55,8 +55,9 @@
  *   batch/N.npz, put into its inode's page cache while it trained: a `once` mark for the
  *   learner's thread alone (the request's pid), `adopted`: the handle is Python's from the
  *   open on (take_opened gives its number, its RELEASE goes to take_released), and the
- *   front writes notes_efd after answering its OPEN and its RELEASE, so Python counts the
- *   draw and sets the next batch aside while the learner reads and trains.
+ *   front writes notes_efd after answering its RELEASE (not its OPEN: one wake-up of
+ *   Python per batch), so Python counts the draw and sets the next batch aside while the
+ *   learner trains.
  *
  * - A FLUSH that waits for commits (flush_pending, flush_committed): a `priorities` write
  *   Python answers returns once queued, and its close's FLUSH is parked here until the
@@ -314,8 +315,8 @@ static unsigned released_count;
 /* pid: only opens by that thread (0: anyone's) */
 static struct mark { uint64_t ino; int accmode; int flags; uint32_t pid; uint32_t tag; } marks[MARKS_MAX];
 static unsigned marks_count;
-/* wake: an `adopted` mark's handle, whose RELEASE writes notes_efd (Python takes it at once,
-   as it does the open); tag: a MARK_PRIORITIES handle's buffer (0: not one); passed: one of its
+/* wake: an `adopted` mark's handle, whose RELEASE writes notes_efd (Python takes it, and the
+   open's note, at once); tag: a MARK_PRIORITIES handle's buffer (0: not one); passed: one of its
    WRITEs went to Python (a line left open, say), and so do the rest, in order behind it */
 static struct { uint64_t fh; uint64_t ino; uint32_t flags; int adopted; int wake; uint32_t tag; int passed; } opened[HELD_MAX];
 static unsigned opened_count;
@@ -1561,8 +1562,11 @@ static int answered_in_c(const char *mem, size_t size)
             if (mark & MARK_ONCE) {
                 notices[notices_count++] = (struct notice){ino, fh};
                 mark_drop(ino);
-                if (mark & MARK_ADOPTED)
-                    notes_due = 1;  /* Python counts the draw while the learner reads it */
+                /* An adopted handle's open wakes no Python: the RELEASE that follows does, and
+                   Python takes both notes on that one wake-up (counts the draw, sets the next
+                   batch aside), one trip through the trio loop per batch, not two. A request
+                   that reaches Python first takes the note before it (release_taken), and
+                   the periodic take (FRONT_NOTES_S) a batch held open long. */
             }
             front_answer.opcode = OPCODE_OPEN;
             front_answer.fh = fh;

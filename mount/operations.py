@@ -82,6 +82,7 @@ class Filesystem(pyfuse3.Operations):
         self.chunk_writers: dict[int, Handle] = {}
         self._listed: dict[int, list[Node]] = {}  # per listed directory: the nodes its last reply listed, to tell
         self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
+        self.notes_wakes = 0  # times the front woke take_front_notes (stats.json mount.notes_wakes)
         self.collector: CollectorPauses | None = None  # the cycle collector's pauses (the daemon sets it)
         self.priority_log_on = False  # the front takes `priorities` WRITEs (start_priority_log)
         self._fh = itertools.count(1)
@@ -198,6 +199,7 @@ class Filesystem(pyfuse3.Operations):
                       "lookups_answered_absent": absent, "absent_dirs": absent_dirs,
                       "absent_names_held": absent_names,
                       "names_listed": self.names.listed if self.names else 0,
+                      "notes_wakes": self.notes_wakes,
                       "gc": self.collector.stats() if self.collector is not None else None}
         if self.pusher is not None:
             s["memory"]["transfer_held_bytes"] = self.pusher.queued_bytes
@@ -518,9 +520,9 @@ class Filesystem(pyfuse3.Operations):
     async def take_front_notes(self, every: float, idle: float) -> None:
         """`release_taken` every `every` seconds too: reads the front answers alone (a
         dataset's items, pushed ahead) send Python no request to take them with. And at
-        once when the front says so (interpose.notes_fd): a learner's batch the front opened
-        (its draw is counted) or closed (the next one goes into the page cache while the
-        learner trains).
+        once when the front says so (interpose.notes_fd): a learner's batch the front closed
+        (its draw, opened by the front, is counted and the next one goes into the page cache
+        while the learner trains).
 
         A look that finds nothing doubles the wait before the next, up to `idle` seconds: an
         idle mount's event loop woke ten times a second for this, each turn of it costing a
@@ -541,6 +543,7 @@ class Filesystem(pyfuse3.Operations):
                 try:
                     os.read(fd, 8)
                     woken = True
+                    self.notes_wakes += 1
                 except BlockingIOError:
                     pass
             took = await self.release_taken()

@@ -626,6 +626,29 @@ def test_a_learners_next_batch_is_opened_by_the_front(fs, buf):
     assert get_stats(buf)["batches"] - before == 20  # the one set aside now is not counted
 
 
+def test_a_learners_batch_opened_by_the_front_wakes_python_once(fs, buf):
+    """The front's open of a batch set aside wakes Python no more: the RELEASE that follows
+    does, and Python takes both notes then (counts the draw, sets the next batch aside).
+    One wake-up per batch of a learner's loop, not two (the code before: about 40 for 20)."""
+    for i in range(40):
+        np.save(buf / "entries" / f"k{i:03d}.npy", np.full(3, i, dtype=np.int32))
+    _learner_load(buf, 8)
+    time.sleep(0.2)
+    before = get_stats(buf)["batches"]
+    wakes = mount_stats(fs)["notes_wakes"]
+    drawn: list[list[str]] = []
+
+    def loop() -> None:
+        for _ in range(20):
+            drawn.append(_learner_load(buf, 8))
+            time.sleep(0.02)  # the training step: each open and release is its own wake-up before
+
+    assert passed_during(fs, loop) <= 2  # the opens were the front's
+    woken = mount_stats(fs)["notes_wakes"] - wakes
+    assert 15 <= woken <= 22, woken
+    assert len({tuple(d) for d in drawn}) == 20
+    assert get_stats(buf)["batches"] - before == 20  # every draw counted, on the release's wake-up
+
 def test_an_entry_removed_after_its_batch_was_set_aside_is_not_handed_out(fs, buf):
     """A batch set aside for a learner's next open (in the page cache, the front told to
     answer it) that holds an entry removed since is not handed out: the removal takes the
