@@ -43,6 +43,8 @@
  *   (release_free: the read-only opens that send no FLUSH) is answered by the front, its
  *   number kept for Python to take (take_released) before it handles its next request:
  *   every read of an entry, a batch or a dataset item paid a trip through Python for it.
+ *   Python may ask to be woken at that RELEASE (notes_efd; a learner's batch it opened: the
+ *   next batch is set aside then).
  *   On pyfuse3's own thread those handlers are pyfuse3's, always.
  *
  * - Opens the front answers (the session's OPEN handler): an inode Python marks
@@ -293,6 +295,9 @@ static struct flushing { uint64_t fh; int python; unsigned pending; int err; str
 static unsigned flushing_count;
 static pthread_mutex_t held_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t release_free[RELEASE_MAX];  /* handles whose release is Python's bookkeeping only */
+/* release_free[i]'s RELEASE writes notes_efd: Python has work to do at it at once (a learner's
+   batch/N.npz opened through Python: the next batch goes into the page cache while it trains) */
+static unsigned char release_free_wake[RELEASE_MAX];
 static unsigned release_free_count;
 static uint64_t released[RELEASE_MAX];  /* answered here, for Python to take */
 static unsigned released_count;
@@ -1060,7 +1065,10 @@ static int release_here(uint64_t fh)
         int i = number_at(release_free, release_free_count, fh);
         if (i < 0)
             return 0;
-        release_free[i] = release_free[--release_free_count];
+        wake = release_free_wake[i];
+        release_free_count--;
+        release_free[i] = release_free[release_free_count];
+        release_free_wake[i] = release_free_wake[release_free_count];
     }
     if (released_count == RELEASE_MAX)
         return 0;
@@ -2538,15 +2546,16 @@ static PyObject *chunks_state(PyObject *self, PyObject *unused)
     return out;
 }
 
-static PyObject *set_release_free(PyObject *self, PyObject *arg)
+static PyObject *set_release_free(PyObject *self, PyObject *args)
 {
-    unsigned long long fh = PyLong_AsUnsignedLongLong(arg);
-    int done = 0;
-    if (fh == (unsigned long long)-1 && PyErr_Occurred())
+    unsigned long long fh;
+    int wake = 0, done = 0;
+    if (!PyArg_ParseTuple(args, "K|p", &fh, &wake))
         return NULL;
     pthread_mutex_lock(&held_lock);
     if (front_started && release_free_count < RELEASE_MAX) {  /* only the front takes them out */
-        release_free[release_free_count++] = fh;
+        release_free[release_free_count] = fh;
+        release_free_wake[release_free_count++] = (unsigned char)wake;
         done = 1;
     }
     pthread_mutex_unlock(&held_lock);
@@ -2729,8 +2738,9 @@ static PyMethodDef methods[] = {
     {"adopt_opened", adopt_opened, METH_O,
      "fh: (ino, open flags) of a handle the front opened, now Python's (its RELEASE goes to take_released); "
      "None if it opened no such handle."},
-    {"release_free", set_release_free, METH_O,
-     "fh: the front answers handle fh's RELEASE itself and keeps its number for take_released (False: no room)."},
+    {"release_free", set_release_free, METH_VARARGS,
+     "(fh[, wake]): the front answers handle fh's RELEASE itself and keeps its number for take_released, "
+     "writing notes_efd then if `wake` (False: no room)."},
     {"collect_writes", collect_writes, METH_VARARGS,
      "(fh, limit, ino, mode, uid, gid, timeout): the front collects the WRITEs of that handle, up to limit bytes, "
      "answering GETATTRs of its inode meanwhile; False: it does not."},

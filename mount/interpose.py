@@ -344,11 +344,12 @@ def chunks_state() -> tuple[int, int, int, int]:
     return _library.chunks_state() if _library is not None else (0, 0, 0, 0)
 
 
-def release_free(fh: int) -> None:
+def release_free(fh: int, wake: bool = False) -> None:
     """Handle `fh` has nothing to do at release but Python's bookkeeping: the front answers
-    its RELEASE and keeps the number for `take_released`."""
+    its RELEASE and keeps the number for `take_released`. `wake`: and wakes Python for it
+    at once (notes_fd), which has work to do then (Node.release_wakes)."""
     if _library is not None:
-        _library.release_free(fh)
+        _library.release_free(fh, wake)
 
 
 _passthrough_refused = False

@@ -84,6 +84,10 @@ class Node:
         """Attributes; `ctx` (the asking process) matters only where content is per open."""
         raise NotImplementedError
 
+    # Whether `released` has work to do at once (the library's front then wakes Python at a
+    # RELEASE it answers); else the release waits for Python's next request or a timer.
+    release_wakes = False
+
     def released(self, handle: Handle) -> None:
         """A handle opened on this node was closed."""
 
@@ -564,6 +568,10 @@ class DrawFile(Node):
         # the size in this inode's last attributes reply, or given to the front for the next
         self.kernel_size: int | None = None
         self.ahead: Reservation | None = None  # the batch in the page cache for the front's next open
+        # A batch/N.npz closed sets the next one aside (released): at once, while the learner
+        # trains, also for a batch Python opened (without the wake-up, the next open came
+        # first and reached Python too, and so on: a learner off the front's path stayed off)
+        self.release_wakes = npz
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         self.kernel_size = self.size  # every caller replies with them (LOOKUP, GETATTR)

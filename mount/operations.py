@@ -276,7 +276,7 @@ class Filesystem(pyfuse3.Operations):
         fh = next(self._fh)
         self._adopt(fh, node, handle)
         if noflush or handle.release_deferred:  # the library answers its RELEASE; we release it later
-            interpose.release_free(fh)
+            interpose.release_free(fh, node.release_wakes)
         number = interpose.noflush(fh) if noflush else fh
         if handle.backing_id:  # the kernel reads its file itself (FUSE passthrough)
             number = interpose.passthrough_fh(number, handle.backing_id)

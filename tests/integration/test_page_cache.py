@@ -649,6 +649,36 @@ def test_a_learners_batch_opened_by_the_front_wakes_python_once(fs, buf):
     assert len({tuple(d) for d in drawn}) == 20
     assert get_stats(buf)["batches"] - before == 20  # every draw counted, on the release's wake-up
 
+def test_a_batch_python_opened_sets_the_next_one_aside_at_its_close(fs, buf):
+    """A learner's batch/N.npz that Python opened (its first, or one whose open came before
+    the set-aside) has its RELEASE answered by the library's front; the front wakes Python
+    for it, which sets the next batch aside at once, so the learner's next open is the
+    front's. The code before woke no one: the set-aside waited for the next request (that
+    open, which then reached Python too, and so on) or a timer of 0.1 s."""
+    for i in range(40):
+        np.save(buf / "entries" / f"k{i:03d}.npy", np.full(3, i, dtype=np.int32))
+    sizes = (5, 6, 7, 9, 10, 11)
+
+    def first_opens() -> None:
+        for n in sizes:
+            with open(buf / "batch" / f"{n}.npz", "rb") as f:  # Python's open (a new size)
+                time.sleep(0.05)  # read while the next batches are drawn ahead
+                with np.load(f) as z:
+                    assert z["data"].shape == (n, 3)
+    # each first open asks Python for the name, the open and the size
+    alone = passed_during(fs, first_opens) / len(sizes)
+
+    def first_and_next() -> None:
+        for n in (12, 13, 14, 15, 16, 17):
+            with open(buf / "batch" / f"{n}.npz", "rb") as f:
+                time.sleep(0.05)
+                with np.load(f) as z:
+                    assert z["data"].shape == (n, 3)
+            time.sleep(0.02)  # the training step: shorter than the timer
+            _learner_load(buf, n)
+    passed = passed_during(fs, first_and_next)
+    assert passed <= 6 * alone + 1, (passed, alone)  # the next opens were the front's
+
 def test_an_entry_removed_after_its_batch_was_set_aside_is_not_handed_out(fs, buf):
     """A batch set aside for a learner's next open (in the page cache, the front told to
     answer it) that holds an entry removed since is not handed out: the removal takes the
