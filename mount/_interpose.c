@@ -320,10 +320,11 @@ static unsigned released_count;
 /* pid: only opens by that thread (0: anyone's) */
 static struct mark { uint64_t ino; int accmode; int flags; uint32_t pid; uint32_t tag; } marks[MARKS_MAX];
 static unsigned marks_count;
-/* wake: an `adopted` mark's handle, whose RELEASE writes notes_efd (Python takes it, and the
-   open's note, at once); tag: a MARK_PRIORITIES handle's buffer (0: not one); passed: one of its
-   WRITEs went to Python (a line left open, say), and so do the rest, in order behind it */
-static struct { uint64_t fh; uint64_t ino; uint32_t flags; int adopted; int wake; uint32_t tag; int passed; } opened[HELD_MAX];
+/* adopted: an `adopted` mark's handle, Python's from the open on, whose RELEASE writes
+   notes_efd (Python takes it, and the open's note, at once); tag: a MARK_PRIORITIES handle's
+   buffer (0: not one); passed: one of its WRITEs went to Python (a line left open, say), and
+   so do the rest, in order behind it */
+static struct { uint64_t fh; uint64_t ino; uint32_t flags; int adopted; uint32_t tag; int passed; } opened[HELD_MAX];
 static unsigned opened_count;
 static uint64_t opened_next;
 static struct notice { uint64_t ino; uint64_t fh; } notices[NOTICES_MAX];
@@ -1052,7 +1053,6 @@ static int release_here(uint64_t fh)
             j = (int)k;
     if (j >= 0) {
         int adopted = opened[j].adopted;
-        wake = opened[j].wake;
         opened[j] = opened[--opened_count];
         if (!adopted) {  /* nothing of it anywhere but here */
             struct flushing *f = flushing_find(fh);
@@ -1061,6 +1061,7 @@ static int release_here(uint64_t fh)
             front_releases++;
             return 1;
         }
+        wake = 1;  /* an adopted handle: its draw is counted, the next batch set aside */
     } else {
         int i = number_at(release_free, release_free_count, fh);
         if (i < 0)
@@ -1563,7 +1564,6 @@ static int answered_in_c(const char *mem, size_t size)
             uint64_t fh = FRONT_FH | ++opened_next;
             int mark = m->flags;
             opened[opened_count++] = (typeof(opened[0])){fh, ino, flags, (mark & MARK_ADOPTED) != 0,
-                                                         (mark & MARK_ADOPTED) != 0,
                                                          (mark & MARK_PRIORITIES) ? m->tag : 0, 0};
             if (!(mark & MARK_NOFLUSH))
                 flushing_add(fh, 0);  /* nothing to do at its close yet (no room: Python's flush) */
