@@ -155,9 +155,10 @@ class Sampler:
         """`draw` of a prioritized buffer with what `probabilities` gives for the slots drawn
         (no spent ones), in one call: (slots, probabilities, weights); None where the buffer
         draws otherwise (then `draw` and `probabilities`)."""
-        self._flush()
-        if self.config.sampler != "prioritized" or self.drawable_count() == 0:
+        if self.config.sampler != "prioritized":
             return None
+        self._flush()
+        # (None from an empty tree: nothing drawable, or every priority 0, as `draw` reads it)
         drawn = self.weighted.sample_weighted(n, self.rng, self.config.beta)
         if drawn is None:
             return None
