@@ -114,6 +114,19 @@
  *   before), and one that is held is never answered here. A name Python refuses (empty,
  *   `.`, `..`, past 255 bytes) goes to Python too, for its errno.
  *
+ * - CREATEs of new entries the front answers (answer_creates, create_inodes, take_created):
+ *   in a directory whose names the front holds (above) and whose creates Python lets it
+ *   answer (an `entries/` with no rate limiter to wait for), a write-only CREATE of a name
+ *   it certainly lacks is answered here: an inode number from the pool Python gave, a
+ *   handle number of the front's own whose WRITEs it collects (above) and whose RELEASE is
+ *   Python's bookkeeping (release_free), the writer's attributes (the mode less the umask,
+ *   the caller's uid and gid, size 0, the time now), and the name counted as held. Python
+ *   makes the inode and the writer from the record it takes (take_created) before it
+ *   handles any request, so the FLUSH that commits finds them, and the LOOKUP of the name
+ *   by anyone goes to Python as before. An insert was three requests through pyfuse3 and
+ *   the trio loop (CREATE, the committing FLUSH, and before the names, the LOOKUP); now
+ *   its FLUSH alone.
+ *
  * - FUSE_PARALLEL_DIROPS (fuse_session_mount, the session's INIT handler): libfuse before 3.17
  *   never passes it to the kernel (it wants it by default, but its INIT reply leaves the flag
  *   out; libfuse #861), so the kernel took a directory's mutex around every LOOKUP and
@@ -196,6 +209,10 @@ typedef void (*write_buf_fn)(fuse_req_t, fuse_ino_t, struct fuse_bufvec *, off_t
 #define OPCODE_FLUSH 25
 #define OPCODE_GETXATTR 22
 #define OPCODE_IOCTL 39
+#define OPCODE_CREATE 35
+#define CREATE_IN_SIZE 16  /* struct fuse_create_in: flags, mode, umask, open_flags; then the name */
+#define IN_UID_OFFSET 24
+#define IN_GID_OFFSET 28
 #define IN_NODEID_OFFSET 16
 #define IN_PID_OFFSET 32  /* the asking thread's id */
 #define FLUSH_IN_FH_OFFSET 0  /* struct fuse_flush_in: fh first */
@@ -417,10 +434,31 @@ static struct name_dir {
     uint64_t ino;
     struct name_slot *slots;
     size_t mask, used;  /* slots - 1 (a power of two less one), slots in use */
+    int creates;  /* the front answers CREATEs of names it lacks here (answer_creates) */
+    uint64_t create_limit;  /* bytes its writers collect at most (the buffer's max_entry_bytes) */
+    double create_timeout;  /* how long the kernel may cache a created entry's name and attributes */
 } name_dirs[NAME_DIRS_MAX];
 static unsigned name_dir_count;
 static uint64_t name_seed;  /* (random: no name collides with another by design of its writer) */
 static unsigned long long front_lookups;
+
+/* Entry CREATEs the front answers: inode numbers Python reserved for them (names_lock), and
+   the creates answered, for Python to take (take_created; held_lock). */
+#define CREATE_POOL_MAX 256
+#define CREATED_MAX 256
+typedef void (*create_fn)(fuse_req_t, fuse_ino_t, const char *, mode_t, struct fuse_file_info *);
+static create_fn handler_create;  /* pyfuse3's */
+static uint64_t create_pool[CREATE_POOL_MAX];
+static unsigned create_pool_count;
+static unsigned create_dirs;  /* directories with `creates` on */
+static struct created {
+    uint64_t dir, ino, fh;
+    uint32_t flags, mode, uid, gid, pid;
+    uint32_t namelen;
+    char name[NAME_MAX_BYTES + 1];
+} created[CREATED_MAX];
+static unsigned created_count;
+static unsigned long long front_creates;
 
 /* Runs when the library is loaded, before anything can call through it. The library is
    linked against libfuse3, so that is loaded already: take its definitions, not ours
@@ -713,6 +751,8 @@ static struct name_slot *name_slot_find(const struct name_dir *d, uint64_t hash)
 
 static void name_dir_end(struct name_dir *d)  /* with names_lock held: its LOOKUPs are Python's */
 {
+    if (d->creates)
+        create_dirs--;
     free(d->slots);
     *d = name_dirs[--name_dir_count];
 }
@@ -782,6 +822,27 @@ static void lookup_absent(fuse_req_t req, fuse_ino_t parent, const char *name)
         return;
     }
     handler_lookup(req, parent, name);
+}
+
+static void create_answered(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
+                            struct fuse_file_info *fi)
+{
+    if (front_answer.opcode == OPCODE_CREATE) {  /* the front's thread: noted in `created` already */
+        struct fuse_entry_param e;
+        struct fuse_file_info out;
+        front_answer.opcode = 0;
+        memset(&e, 0, sizeof(e));
+        memset(&out, 0, sizeof(out));
+        e.ino = front_answer.attr.st_ino;
+        e.attr = front_answer.attr;
+        e.attr_timeout = e.entry_timeout = front_answer.timeout;
+        out.fh = front_answer.fh;
+        out.flags = fi->flags;
+        __atomic_add_fetch(&front_creates, 1, __ATOMIC_RELAXED);
+        fuse_reply_create(req, &e, &out);
+        return;
+    }
+    handler_create(req, parent, name, mode, fi);
 }
 
 static void getattr_held(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -1018,6 +1079,10 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
         if (op->lookup != NULL) {
             handler_lookup = op->lookup;
             session_ops.lookup = lookup_absent;
+        }
+        if (op->create != NULL && op->write_buf != NULL) {
+            handler_create = op->create;
+            session_ops.create = create_answered;
         }
     }
     struct fuse_session *se = libfuse_session_new(args, &session_ops, op_size, userdata);
@@ -1480,6 +1545,94 @@ static int getattr_collected_here(uint64_t ino)
     return found != NULL;
 }
 
+/* A CREATE the front answers (answer_creates): write-only, of a valid name its directory
+   certainly lacks, with an inode number in the pool and room to note it for Python. Its
+   name is counted held, its writer noted (created), its RELEASE made Python's bookkeeping
+   and its WRITEs collected, all before the reply: whatever request of it follows finds them.
+   0: Python's, as before. */
+static int create_here(const char *mem, size_t size)
+{
+    uint64_t parent, ino = 0, limit = 0, fh = 0;
+    uint32_t flags, mode, umask_bits, uid, gid, pid;
+    double timeout = 0;
+    if (size <= IN_HEADER_SIZE + CREATE_IN_SIZE)
+        return 0;
+    memcpy(&parent, mem + IN_NODEID_OFFSET, sizeof(parent));
+    memcpy(&uid, mem + IN_UID_OFFSET, sizeof(uid));
+    memcpy(&gid, mem + IN_GID_OFFSET, sizeof(gid));
+    memcpy(&pid, mem + IN_PID_OFFSET, sizeof(pid));
+    memcpy(&flags, mem + IN_HEADER_SIZE, sizeof(flags));
+    memcpy(&mode, mem + IN_HEADER_SIZE + 4, sizeof(mode));
+    memcpy(&umask_bits, mem + IN_HEADER_SIZE + 8, sizeof(umask_bits));
+    const char *name = mem + IN_HEADER_SIZE + CREATE_IN_SIZE;
+    size_t room = size - IN_HEADER_SIZE - CREATE_IN_SIZE;
+    size_t n = strnlen(name, room);
+    /* (not terminated, a name Python refuses, or a writer that reads too: Python's) */
+    if (n == room || n == 0 || n > NAME_MAX_BYTES || strcmp(name, ".") == 0 || strcmp(name, "..") == 0 ||
+        (flags & O_ACCMODE) != O_WRONLY)
+        return 0;
+    uint64_t hash = name_hash(name, n);
+    pthread_mutex_lock(&names_lock);
+    struct name_dir *d = name_dir_find(parent);
+    if (d != NULL && d->creates && create_pool_count > 0 && name_slot_find(d, hash) == NULL &&
+        name_slot_add(d, hash, 1)) {
+        ino = create_pool[--create_pool_count];
+        limit = d->create_limit;
+        timeout = d->create_timeout;
+    }
+    pthread_mutex_unlock(&names_lock);
+    if (ino == 0)
+        return 0;
+    uint32_t final_mode = S_IFREG | (mode & ~umask_bits & 07777);
+    pthread_mutex_lock(&held_lock);
+    if (created_count < CREATED_MAX && release_free_count < RELEASE_MAX) {
+        fh = FRONT_FH | ++opened_next;
+        release_free[release_free_count] = fh;
+        release_free_wake[release_free_count++] = 0;
+        struct created *c = &created[created_count++];
+        *c = (struct created){.dir = parent, .ino = ino, .fh = fh, .flags = flags, .mode = final_mode,
+                              .uid = uid, .gid = gid, .pid = pid, .namelen = (uint32_t)n};
+        memcpy(c->name, name, n);
+    }
+    pthread_mutex_unlock(&held_lock);
+    if (fh == 0) {  /* no room to note it: given back, Python's */
+        pthread_mutex_lock(&names_lock);
+        d = name_dir_find(parent);
+        if (d != NULL)
+            name_slot_drop(d, hash);
+        if (create_pool_count < CREATE_POOL_MAX)
+            create_pool[create_pool_count++] = ino;
+        pthread_mutex_unlock(&names_lock);
+        return 0;
+    }
+    struct stat attr;
+    struct timespec now;
+    memset(&attr, 0, sizeof(attr));
+    clock_gettime(CLOCK_REALTIME, &now);
+    attr.st_ino = (ino_t)ino;
+    attr.st_mode = (mode_t)final_mode;
+    attr.st_nlink = 1;
+    attr.st_uid = (uid_t)uid;
+    attr.st_gid = (gid_t)gid;
+    attr.st_blksize = 128 << 10;  /* (mount/nodes.py make_attrs) */
+    attr.st_atim = attr.st_mtim = attr.st_ctim = now;
+    /* Its WRITEs collected from the first (no room: they go to Python, which writes them) */
+    pthread_mutex_lock(&collect_lock);
+    if (collect_count < COLLECT_MAX) {
+        struct collect *c = &collects[collect_count++];
+        *c = (struct collect){.fh = fh, .ino = ino, .limit = limit < COLLECT_HANDLE_MAX ? limit : COLLECT_HANDLE_MAX,
+                              .timeout = timeout, .attr = attr};
+        c->attr.st_atim.tv_sec = c->attr.st_mtim.tv_sec = c->attr.st_ctim.tv_sec = 0;
+        c->attr.st_atim.tv_nsec = c->attr.st_mtim.tv_nsec = c->attr.st_ctim.tv_nsec = 0;
+    }
+    pthread_mutex_unlock(&collect_lock);
+    front_answer.opcode = OPCODE_CREATE;
+    front_answer.attr = attr;
+    front_answer.timeout = timeout;
+    front_answer.fh = fh;
+    return 1;
+}
+
 /* Whether session_ops answers this request in C alone (so the front may process it). */
 static int answered_in_c(const char *mem, size_t size)
 {
@@ -1507,6 +1660,9 @@ static int answered_in_c(const char *mem, size_t size)
             front_answer.opcode = OPCODE_LOOKUP;
         return absent;
     }
+    if (opcode == OPCODE_CREATE && session_ops.create == create_answered &&
+        __atomic_load_n(&create_dirs, __ATOMIC_RELAXED) != 0)
+        return create_here(mem, size);
     if (opcode == OPCODE_WRITE && session_ops.write_buf == write_taken && size >= IN_HEADER_SIZE + WRITE_IN_SIZE) {
         uint64_t fh, off;
         uint32_t length;
@@ -1774,6 +1930,9 @@ void fuse_session_destroy(struct fuse_session *se)
         }
         pthread_mutex_unlock(&held_lock);
         reply_parked(all, EIO);
+        pthread_mutex_lock(&held_lock);
+        created_count = 0;  /* (their writers never closed: nothing of them was acknowledged) */
+        pthread_mutex_unlock(&held_lock);
         pthread_mutex_lock(&collect_lock);  /* what no FLUSH took is not acknowledged: dropped */
         while (collect_count)
             free(collects[--collect_count].data);
@@ -2692,6 +2851,98 @@ static PyObject *absent_state(PyObject *self, PyObject *unused)
     return Py_BuildValue("(KIn)", __atomic_load_n(&front_lookups, __ATOMIC_RELAXED), dirs, (Py_ssize_t)names);
 }
 
+/* (ino, on, limit, timeout): the front answers CREATEs of names directory ino lacks (whose
+   names it holds: absent_names), or no longer (on False); its writers collect up to `limit`
+   bytes, its entries' names and attributes are cached `timeout` seconds. Whether it does. */
+static PyObject *answer_creates(PyObject *self, PyObject *args)
+{
+    unsigned long long ino, limit;
+    int on, done = 0;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "KpKd", &ino, &on, &limit, &timeout))
+        return NULL;
+    pthread_mutex_lock(&names_lock);
+    struct name_dir *d = name_dir_find(ino);
+    if (d != NULL && session_ops.create == create_answered) {
+        on = on && front_started;
+        if (on && !d->creates)
+            create_dirs++;
+        else if (!on && d->creates)
+            create_dirs--;
+        d->creates = on;
+        d->create_limit = limit;
+        d->create_timeout = timeout;
+        done = on;
+    }
+    pthread_mutex_unlock(&names_lock);
+    return PyBool_FromLong(done);
+}
+
+/* numbers: inode numbers the front may give the entries it creates (never used elsewhere);
+   how many it took (the pool holds CREATE_POOL_MAX). */
+static PyObject *create_inodes(PyObject *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "inode numbers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), took = 0;
+    uint64_t numbers[CREATE_POOL_MAX];
+    for (Py_ssize_t i = 0; i < n && i < CREATE_POOL_MAX; i++) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        numbers[i] = v;
+    }
+    Py_DECREF(seq);
+    pthread_mutex_lock(&names_lock);
+    for (Py_ssize_t i = 0; i < n && i < CREATE_POOL_MAX && create_pool_count < CREATE_POOL_MAX; i++)
+        if (numbers[i] != 0) {
+            create_pool[create_pool_count++] = numbers[i];
+            took++;
+        }
+    pthread_mutex_unlock(&names_lock);
+    return PyLong_FromSsize_t(took);
+}
+
+/* ((dir, name, ino, fh, flags, mode, uid, gid, pid), ...): the CREATEs the front answered
+   since the last call, in order. */
+static PyObject *take_created(PyObject *self, PyObject *unused)
+{
+    static struct created taken[CREATED_MAX];  /* (only Python's thread takes, with the GIL) */
+    unsigned n;
+    pthread_mutex_lock(&held_lock);
+    n = created_count;
+    memcpy(taken, created, n * sizeof(*taken));
+    created_count = 0;
+    pthread_mutex_unlock(&held_lock);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL)
+        return NULL;
+    for (unsigned i = 0; i < n; i++) {
+        struct created *c = &taken[i];
+        PyObject *item = Py_BuildValue("(Ky#KKIIIII)", (unsigned long long)c->dir, c->name, (Py_ssize_t)c->namelen,
+                                       (unsigned long long)c->ino, (unsigned long long)c->fh, c->flags, c->mode,
+                                       c->uid, c->gid, c->pid);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+/* (CREATEs the front answered so far, inode numbers in its pool, directories it answers them in). */
+static PyObject *create_state(PyObject *self, PyObject *unused)
+{
+    pthread_mutex_lock(&names_lock);
+    unsigned pool = create_pool_count, dirs = create_dirs;
+    pthread_mutex_unlock(&names_lock);
+    return Py_BuildValue("(KII)", __atomic_load_n(&front_creates, __ATOMIC_RELAXED), pool, dirs);
+}
+
 static PyMethodDef methods[] = {
     {"interposed", interposed, METH_NOARGS,
      "Whether pyfuse3's fuse_reply_open and fuse_session_new calls will come here."},
@@ -2766,6 +3017,14 @@ static PyMethodDef methods[] = {
     {"absent_names_end", absent_names_end, METH_O, "ino: the front answers no LOOKUP in that directory any more."},
     {"absent_state", absent_state, METH_NOARGS,
      "(LOOKUPs answered ENOENT by the front, directories it answers, names they hold)."},
+    {"answer_creates", answer_creates, METH_VARARGS,
+     "(ino, on, limit, timeout): the front answers write-only CREATEs of names directory ino lacks (or no longer); "
+     "whether it does."},
+    {"create_inodes", create_inodes, METH_O, "numbers: inode numbers for the entries the front creates; how many it took."},
+    {"take_created", take_created, METH_NOARGS,
+     "((dir, name, ino, fh, flags, mode, uid, gid, pid), ...): the CREATEs the front answered since the last call."},
+    {"create_state", create_state, METH_NOARGS,
+     "(CREATEs answered by the front, inode numbers in its pool, directories it answers them in)."},
     {"take_released", take_released, METH_NOARGS, "The handles whose RELEASE the front answered since the last call."},
     {"take_writes", take_writes, METH_NOARGS,
      "((ns_id, number, text), ...): the `priorities` WRITEs the front answered since the last call, in order, "

@@ -98,6 +98,11 @@ class InodeTable:
         self._by_key[key] = ino
         return node
 
+    def reserve(self, n: int) -> list[int]:
+        """`n` fresh numbers from the counter, for nodes made later with `intern(number=)` (the
+        front's creates: mount/interpose.py create_inodes)."""
+        return [next(self._next) for _ in range(n)]
+
     def rekey(self, old: Hashable, new: Hashable) -> None:
         ino = self._by_key.pop(old, None)
         if ino is not None:

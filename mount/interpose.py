@@ -32,7 +32,11 @@
   close of the same open file, np.save's second, is the front's: `flush_free`).
   And it answers a LOOKUP ENOENT in a directory whose names Python gave it
   (`absent_names`, kept by `name_counted`) when the name is not among them: the LOOKUP
-  the kernel sends before every create of a new entry.
+  the kernel sends before every create of a new entry. And in such a directory, when
+  Python lets it (`answer_creates`), it answers a write-only CREATE of a name it lacks
+  itself, with an inode number Python reserved (`create_inodes`) and a handle whose WRITEs
+  it collects; Python makes the inode and the writer from the record (`take_created`)
+  before it handles any request.
   And a request the front has queued already is taken by pyfuse3's loop without waiting
   for its fd again (`take_queued_without_waiting`; DISTOREFS_QUEUED_WAIT=0 leaves it off).
   The front's thread (`distorefs-front`) runs at nice -10 where the daemon may
@@ -91,6 +95,7 @@ _MARK = _library.NOFLUSH_FH if _library is not None else 0
 _collect = os.environ.get("DISTOREFS_COLLECT", "1") != "0"
 _chunks = os.environ.get("DISTOREFS_CHUNKS", "1") != "0"
 _absent = os.environ.get("DISTOREFS_ABSENT", "1") != "0"
+_creates = os.environ.get("DISTOREFS_CREATES", "1") != "0"
 
 
 def noflush(fh: int) -> int:
@@ -177,6 +182,35 @@ def name_counted(ino: int, name: bytes, present: bool) -> None:
     """Directory `ino` (see `absent_names`) holds `name` once more (`present`) or once less."""
     if _library is not None:
         _library.name_counted(ino, name, present)
+
+
+def answer_creates(ino: int, on: bool, limit: int, timeout: float) -> bool:
+    """The front answers write-only CREATEs of names directory `ino` lacks (it must hold the
+    directory's names: `absent_names`), or no longer (`on` False): each writer's WRITEs
+    collected up to `limit` bytes, the entry's name and attributes cached `timeout` seconds
+    by the kernel. DISTOREFS_CREATES=0 in the daemon's environment leaves every CREATE to
+    Python (for comparisons). Whether it does."""
+    if _library is None:
+        return False
+    return bool(_library.answer_creates(ino, on and _creates, limit, timeout))
+
+
+def create_inodes(numbers: list[int]) -> int:
+    """Inode numbers (never used for anything else) the front may give the entries it
+    creates; how many it took (it holds 256 at most)."""
+    return int(_library.create_inodes(numbers)) if _library is not None else 0
+
+
+def take_created() -> tuple[tuple[int, bytes, int, int, int, int, int, int, int], ...]:
+    """(directory, name, inode, handle, open flags, mode, uid, gid, pid) of each CREATE the
+    front answered since the last call, in order."""
+    return _library.take_created() if _library is not None else ()
+
+
+def create_state() -> tuple[int, int, int]:
+    """(CREATEs the front answered so far, inode numbers in its pool, directories it answers
+    them in)."""
+    return _library.create_state() if _library is not None else (0, 0, 0)
 
 
 def absent_state() -> tuple[int, int, int]:

@@ -292,6 +292,9 @@ class RingDir(Node):
 
         async def configure(text: bytes) -> None:
             await fs.store.configure(ns.kind, ns.name, text)
+            entries = fs.inodes.node_of(("entries", nsid))
+            if isinstance(entries, EntriesDir):
+                entries.answer_creates()  # a rate limiter now, or another max_entry_bytes
 
         self.entries = {
             b"config.json": lambda: intern(("config", nsid), lambda: RenderedFile(
@@ -730,6 +733,7 @@ class EntriesDir(Node):
         # create's is found by name before it commits), so that the front answers the
         # LOOKUP the kernel sends before each create of a new entry.
         self.names_held: bool | None = None
+        self.creates_answered = False  # the front answers creates of new entries here
 
     def _holding_names(self) -> bool:
         """Whether the front holds this directory's names (handed over at the first ask)."""
@@ -737,7 +741,56 @@ class EntriesDir(Node):
             self.names_held = interpose.absent_names(self.ino, self.buf.ring.by_key)
             if self.names_held:
                 self.buf.ring.watch_names(self._name_changed)
+                self.answer_creates()
         return self.names_held
+
+    def _creates_wanted(self) -> bool:
+        """Whether a new entry's create may be the front's: nothing to decide but its inode
+        (no rate limiter to wait for, a store that takes inserts)."""
+        limiter = getattr(self.buf, "limiter", None)
+        return bool(self.names_held) and not self.fs.store.read_only and not (limiter is not None and limiter.enabled)
+
+    def answer_creates(self) -> None:
+        """Let the front answer the creates of new entries here, or no longer (as the buffer's
+        configuration says now; mount/interpose.py answer_creates)."""
+        wanted = self._creates_wanted()
+        if wanted or self.creates_answered:
+            self.creates_answered = interpose.answer_creates(self.ino, wanted, self.buf.ring.config.max_entry_bytes,
+                                                            self.fs.store.config.entry_timeout)
+            if self.creates_answered:
+                self.fs.fill_create_inodes()
+
+    def front_created(self, name: bytes, ino: int, flags: int, owner: Owner,
+                      pid: int) -> tuple["EntryNode", EntryWriter]:
+        """The inode (numbered `ino`) and the writer of a create the front answered: as
+        `create` makes them, but the front counted the name held and collects the writer's
+        WRITEs already. The front answered only for a name it did not hold: a new entry,
+        unless a commit that no create here announced (a client's, another node's) took the
+        name meanwhile; then, as when a create loses that race in Python, the writer's close
+        rewrites it (O_EXCL could not refuse it any more). Never waits: every create the
+        front answered is made before Python's next request (a buffer given a rate limiter
+        by another node meanwhile admits this writer at its close instead)."""
+        self.fs.take_redirect(self.name_key(name), pid)
+        admit = None
+        existing = self.buf.ring.by_key.get(name)
+        held = self.fs.inodes.node_of(self.name_key(name))
+        if existing is not None or (held is not None and held.version is None and held.writers):
+            # the name is another's now: the kernel has this create's inode, so it is a private one
+            node = self.fs.inodes.intern(self.private_key(name),
+                                         lambda: EntryNode(self.fs, self, name, None, base=existing), number=ino)
+            node.private = True
+        else:
+            if not self._creates_wanted():  # the configuration changed on another node: Python's from now on
+                self.answer_creates()
+                if isinstance(self.buf, Buffer) and self.buf.limiter.enabled:
+                    admit = functools.partial(self.buf.admit_insert, False, abandoned_by(process_of(pid)))
+            if held is not None:
+                self.fs.inodes.unname(self.name_key(name))
+            node = self.fs.inodes.intern(self.name_key(name), lambda: EntryNode(self.fs, self, name, None),
+                                         number=ino)
+        writer = node.writer(b"", flags, owner, admit=admit, named=True)
+        writer.collecting = True
+        return node, writer
 
     def _name_changed(self, key: bytes, present: bool) -> None:
         interpose.name_counted(self.ino, key, present)
@@ -925,15 +978,17 @@ class EntryNode(Node):
 
     def writer(self, initial: bytes, flags: int, owner: Owner, fresh: bool = True,
                ticket: InsertTicket | None = None,
-               admit: Callable[[], Awaitable[InsertTicket | None]] | None = None) -> EntryWriter:
+               admit: Callable[[], Awaitable[InsertTicket | None]] | None = None,
+               named: bool = False) -> EntryWriter:
         """A writer of this inode; a new entry's has the rate limiter's `ticket`, or `admit`
-        to wait for one at its first write() or close()."""
+        to wait for one at its first write() or close(). `named`: the front counted the
+        name held for it already (a create it answered)."""
         w = EntryWriter(self, initial, self.buf.ring.config.max_entry_bytes, wants_read(flags), owner, fresh,
                         ticket, admit)
         if self.writers:
             self.cowritten = True
         self.writers.append(w)
-        w.named = self.parent.writer_named(self.name)
+        w.named = named or self.parent.writer_named(self.name)
         return w
 
     async def commit(self, data: bytes, owner: Owner) -> None:

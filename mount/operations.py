@@ -21,6 +21,7 @@ import trio
 
 from distorefs.config import MAX_PRIORITY
 from distorefs.errors import DistorefsError, NotFound, OperationNotPermitted, Stale
+from distorefs.owner import Owner
 
 from . import backing, interpose
 from .badinput import BAD_INPUT, bad_input_log
@@ -32,7 +33,7 @@ from .cycles import CollectorPauses
 from .handles import EntryWriter, Handle
 from .inodes import InodeTable
 from .namewarmer import NameWarmer
-from .nodes import BETWEEN_REQUESTS, XATTR_PREFIX, EntryNode, Node, build_tree
+from .nodes import BETWEEN_REQUESTS, XATTR_PREFIX, EntriesDir, EntryNode, Node, build_tree
 from .notify import Invalidator, PageCachePusher
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class Filesystem(pyfuse3.Operations):
         self.collector: CollectorPauses | None = None  # the cycle collector's pauses (the daemon sets it)
         self.priority_log_on = False  # the front takes `priorities` WRITEs (start_priority_log)
         self._fh = itertools.count(1)
+        self._create_inodes = False  # the front holds inode numbers for the creates it answers
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.started_ns = time.time_ns()
@@ -166,6 +168,9 @@ class Filesystem(pyfuse3.Operations):
             requests["open"] += opens
         if releases:
             requests["release"] += releases
+        creates, create_pool, create_dirs = interpose.create_state()
+        if creates:
+            requests["create"] += creates  # answered by the library's thread
         absent, absent_dirs, absent_names = interpose.absent_state()
         if absent:
             requests["lookup"] += absent  # answered ENOENT by the library's thread
@@ -198,6 +203,7 @@ class Filesystem(pyfuse3.Operations):
                       "writes_landed": writes_landed,
                       "lookups_answered_absent": absent, "absent_dirs": absent_dirs,
                       "absent_names_held": absent_names,
+                      "front_creates": creates, "create_dirs": create_dirs, "create_inodes_held": create_pool,
                       "names_listed": self.names.listed if self.names else 0,
                       "notes_wakes": self.notes_wakes,
                       "gc": self.collector.stats() if self.collector is not None else None}
@@ -327,6 +333,7 @@ class Filesystem(pyfuse3.Operations):
 
     async def forget(self, inode_list):
         self.requests["forget"] += 1
+        self._take_created()  # (a created inode is counted looked up before it is forgotten)
         for ino, n in inode_list:
             try:
                 self.inodes.forget(ino, n)
@@ -487,7 +494,8 @@ class Filesystem(pyfuse3.Operations):
         """Release the handles whose RELEASE the library's front answered since the last
         call (mount/interpose.py release_free), and tell the nodes it opened itself. And
         commit the `priorities` writes it took. True: there was something of these."""
-        took = self._take_writes()
+        took = self._take_created()
+        took |= self._take_writes()
         took |= self._take_opened()
         took |= self._take_full_chunks()
         released = interpose.take_released()
@@ -496,6 +504,41 @@ class Filesystem(pyfuse3.Operations):
                 self._take_opened()  # opened (and closed) after the look above
             await self._release(fh)
         return took or bool(released)
+
+    # Inode numbers the front holds for the creates it answers: topped up as it uses them, so
+    # that a burst of creates between two requests of Python's finds numbers (past them, the
+    # creates are Python's).
+    CREATE_INODES = 128
+
+    def fill_create_inodes(self) -> None:
+        """Give the front inode numbers for its creates (the first directory whose creates it
+        answers asks; then `_take_created` replaces those used)."""
+        if not self._create_inodes:
+            self._create_inodes = True
+            interpose.create_inodes(self.inodes.reserve(self.CREATE_INODES))
+
+    def _take_created(self) -> bool:
+        """Make the inodes and writers of the entry creates the front answered (mount/
+        interpose.py answer_creates), before any request that could name them."""
+        created = interpose.take_created()
+        if not created:
+            return False
+        interpose.create_inodes(self.inodes.reserve(len(created)))
+        for parent_ino, name, ino, fh, flags, mode, uid, gid, pid in created:
+            parent = self.inodes.get_or_none(parent_ino)
+            if not isinstance(parent, EntriesDir):  # its buffer went meanwhile: the close fails (EBADF)
+                interpose.take_collected(fh)
+                log.warning("a create of %r answered in a directory that is gone", name)
+                continue
+            try:
+                node, handle = parent.front_created(name, ino, flags, Owner(mode, uid, gid), pid)
+            except Exception:  # a bug must fail that file, never the daemon
+                interpose.take_collected(fh)
+                log.exception("taking the create of %r failed", name)
+                continue
+            self._adopt(fh, node, handle)
+            self.inodes.looked_up(node.ino)
+        return True
 
     def _take_full_chunks(self) -> bool:
         """Chunks of checkpoint writers the library's front filled whole: the writers' to hold
