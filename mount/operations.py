@@ -12,6 +12,7 @@ import functools
 import itertools
 import logging
 import os
+import sys
 import time
 from collections import Counter
 from typing import NoReturn
@@ -84,6 +85,7 @@ class Filesystem(pyfuse3.Operations):
         self._listed: dict[int, list[Node]] = {}  # per listed directory: the nodes its last reply listed, to tell
         self.requests: Counter[str] = Counter()  # FUSE requests answered, by type (bench ops)
         self.notes_wakes = 0  # times the front woke take_front_notes (stats.json mount.notes_wakes)
+        self._notes_wait = 0.1  # take_front_notes' timer: seconds until its next tick
         self.collector: CollectorPauses | None = None  # the cycle collector's pauses (the daemon sets it)
         self.priority_log_on = False  # the front takes `priorities` WRITEs (start_priority_log)
         self._fh = itertools.count(1)
@@ -560,6 +562,10 @@ class Filesystem(pyfuse3.Operations):
                     self._adopt(fh, node, handle)
         return bool(opened)
 
+    # What the timer of take_front_notes adds to the notes' eventfd (the front adds 1 a note):
+    # a read tells the two apart.
+    NOTES_TICK = 1 << 32
+
     async def take_front_notes(self, every: float, idle: float) -> None:
         """`release_taken` every `every` seconds too: reads the front answers alone (a
         dataset's items, pushed ahead) send Python no request to take them with. And at
@@ -572,25 +578,44 @@ class Filesystem(pyfuse3.Operations):
         few hundred microseconds of CPU on a busy machine's cold caches. Any request that
         reaches Python takes the notes first anyway, and the front's tables hold more than
         `idle` seconds of a reader's notes (past them its requests go to Python, which takes
-        them)."""
+        them).
+
+        The timer is a task of its own that writes NOTES_TICK into the eventfd, so that the
+        front's wake-ups (one a batch of a learner's loop) cost a wait for the fd alone, not
+        a cancel scope and a deadline each."""
         BETWEEN_REQUESTS.set(True)  # (this task's own)
         fd = interpose.notes_fd()
-        wait = every
-        while True:
-            woken = False
-            if fd < 0:
+        if fd < 0:
+            wait = every
+            while True:
                 await trio.sleep(wait)
-            else:
-                with trio.move_on_after(wait):
-                    await trio.lowlevel.wait_readable(fd)
+                took = await self.release_taken()
+                wait = every if took else min(wait * 2, idle)
+        self._notes_wait = every
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._tick_notes, fd)
+            while True:
+                await trio.lowlevel.wait_readable(fd)
                 try:
-                    os.read(fd, 8)
-                    woken = True
-                    self.notes_wakes += 1
+                    count = int.from_bytes(os.read(fd, 8), sys.byteorder)
                 except BlockingIOError:
-                    pass
-            took = await self.release_taken()
-            wait = every if took or woken else min(wait * 2, idle)
+                    continue
+                woken = count % self.NOTES_TICK != 0  # (and the timer's ticks: count // NOTES_TICK)
+                if woken:
+                    self.notes_wakes += 1
+                took = await self.release_taken()
+                self._notes_wait = every if took or woken else min(self._notes_wait * 2, idle)
+
+    async def _tick_notes(self, fd: int) -> None:
+        """take_front_notes' timer: a tick into the notes' eventfd after each wait it sets
+        (`_notes_wait`: back to its shortest after a look that found something, doubled
+        after one that found nothing)."""
+        while True:
+            await trio.sleep(self._notes_wait)
+            try:
+                os.write(fd, self.NOTES_TICK.to_bytes(8, sys.byteorder))
+            except BlockingIOError:  # (the count is full: the fd is readable anyway)
+                pass
 
     async def _release(self, fh: int) -> None:
         self.requests["release"] += 1

@@ -649,6 +649,16 @@ def test_a_learners_batch_opened_by_the_front_wakes_python_once(fs, buf):
     assert len({tuple(d) for d in drawn}) == 20
     assert get_stats(buf)["batches"] - before == 20  # every draw counted, on the release's wake-up
 
+def test_the_notes_timer_is_no_wake_up_of_the_front(fs, buf):
+    """The periodic look for the front's notes (a tick of Python's own timer into the same
+    eventfd) is not counted as the front waking Python: an idle second adds none."""
+    np.save(buf / "entries" / "k.npy", np.zeros(3, dtype=np.int32))
+    time.sleep(0.3)
+    wakes = mount_stats(fs)["notes_wakes"]
+    time.sleep(1.2)  # two ticks at least (every 0.1 s, doubling to 0.5 s while nothing is found)
+    assert mount_stats(fs)["notes_wakes"] == wakes
+
+
 def test_a_batch_python_opened_sets_the_next_one_aside_at_its_close(fs, buf):
     """A learner's batch/N.npz that Python opened (its first, or one whose open came before
     the set-aside) has its RELEASE answered by the library's front; the front wakes Python
