@@ -1270,6 +1270,25 @@ static struct collect *collect_find(uint64_t fh)  /* with collect_lock held */
     return NULL;
 }
 
+/* Handle fh (of inode ino, a writer with attributes mode, uid and gid) collects its WRITEs
+   from now on, up to `limit` bytes. 0: no room. With collect_lock held. */
+static int collect_start(uint64_t fh, uint64_t ino, uint64_t limit, uint32_t mode, uint32_t uid, uint32_t gid,
+                         double timeout)
+{
+    if (collect_count == COLLECT_MAX)
+        return 0;
+    struct collect *c = &collects[collect_count++];
+    *c = (struct collect){.fh = fh, .ino = ino, .limit = limit < COLLECT_HANDLE_MAX ? limit : COLLECT_HANDLE_MAX,
+                          .timeout = timeout};
+    c->attr.st_ino = (ino_t)ino;
+    c->attr.st_mode = (mode_t)mode;
+    c->attr.st_nlink = 1;
+    c->attr.st_uid = (uid_t)uid;
+    c->attr.st_gid = (gid_t)gid;
+    c->attr.st_blksize = 128 << 10;  /* (mount/nodes.py make_attrs) */
+    return 1;
+}
+
 /* A WRITE of a handle collecting its bytes (collect_writes): kept here if it lands within
    what was written so far or right after it, and within the handle's limit and the front's
    room (the reply follows). 0: Python's, and so are the handle's later WRITEs (Python takes
@@ -1618,13 +1637,7 @@ static int create_here(const char *mem, size_t size)
     attr.st_atim = attr.st_mtim = attr.st_ctim = now;
     /* Its WRITEs collected from the first (no room: they go to Python, which writes them) */
     pthread_mutex_lock(&collect_lock);
-    if (collect_count < COLLECT_MAX) {
-        struct collect *c = &collects[collect_count++];
-        *c = (struct collect){.fh = fh, .ino = ino, .limit = limit < COLLECT_HANDLE_MAX ? limit : COLLECT_HANDLE_MAX,
-                              .timeout = timeout, .attr = attr};
-        c->attr.st_atim.tv_sec = c->attr.st_mtim.tv_sec = c->attr.st_ctim.tv_sec = 0;
-        c->attr.st_atim.tv_nsec = c->attr.st_mtim.tv_nsec = c->attr.st_ctim.tv_nsec = 0;
-    }
+    collect_start(fh, ino, limit, final_mode, uid, gid, timeout);
     pthread_mutex_unlock(&collect_lock);
     front_answer.opcode = OPCODE_CREATE;
     front_answer.attr = attr;
@@ -2503,19 +2516,8 @@ static PyObject *collect_writes(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KKKIIId", &fh, &limit, &ino, &mode, &uid, &gid, &timeout))
         return NULL;
     pthread_mutex_lock(&collect_lock);
-    if (front_started && session_ops.write_buf == write_taken && collect_count < COLLECT_MAX &&
-        collect_find(fh) == NULL) {
-        struct collect *c = &collects[collect_count++];
-        *c = (struct collect){.fh = fh, .ino = ino, .limit = limit < COLLECT_HANDLE_MAX ? limit : COLLECT_HANDLE_MAX,
-                              .timeout = timeout};
-        c->attr.st_ino = (ino_t)ino;
-        c->attr.st_mode = (mode_t)mode;
-        c->attr.st_nlink = 1;
-        c->attr.st_uid = (uid_t)uid;
-        c->attr.st_gid = (gid_t)gid;
-        c->attr.st_blksize = 128 << 10;  /* (mount/nodes.py make_attrs) */
-        done = 1;
-    }
+    if (front_started && session_ops.write_buf == write_taken && collect_find(fh) == NULL)
+        done = collect_start(fh, ino, limit, mode, uid, gid, timeout);
     pthread_mutex_unlock(&collect_lock);
     return PyBool_FromLong(done);
 }

@@ -773,8 +773,7 @@ class EntriesDir(Node):
         self.fs.take_redirect(self.name_key(name), pid)
         admit = None
         existing = self.buf.ring.by_key.get(name)
-        held = self.fs.inodes.node_of(self.name_key(name))
-        if existing is not None or (held is not None and held.version is None and held.writers):
+        if existing is not None or self._being_created(name) is not None:
             # the name is another's now: the kernel has this create's inode, so it is a private one
             node = self.fs.inodes.intern(self.private_key(name),
                                          lambda: EntryNode(self.fs, self, name, None, base=existing), number=ino)
@@ -784,13 +783,18 @@ class EntriesDir(Node):
                 self.answer_creates()
                 if isinstance(self.buf, Buffer) and self.buf.limiter.enabled:
                     admit = functools.partial(self.buf.admit_insert, False, abandoned_by(process_of(pid)))
-            if held is not None:
-                self.fs.inodes.unname(self.name_key(name))
+            self.fs.inodes.unname(self.name_key(name))
             node = self.fs.inodes.intern(self.name_key(name), lambda: EntryNode(self.fs, self, name, None),
                                          number=ino)
         writer = node.writer(b"", flags, owner, admit=admit, named=True)
         writer.collecting = True
         return node, writer
+
+    def _being_created(self, name: bytes) -> "EntryNode | None":
+        """The inode writers are creating `name` through (found by the name before their
+        first commit), if any."""
+        node = self.fs.inodes.node_of(self.name_key(name))
+        return node if node is not None and node.version is None and node.writers else None
 
     def _name_changed(self, key: bytes, present: bool) -> None:
         interpose.name_counted(self.ino, key, present)
@@ -852,8 +856,8 @@ class EntriesDir(Node):
             if meta is None:
                 raise NotFound(f"no entry {name!r}")
             return self.private_node(name, meta)
-        node = self.fs.inodes.node_of(self.name_key(name))
-        if node is not None and node.version is None and node.writers:
+        node = self._being_created(name)
+        if node is not None:
             return node  # being created by a writer (other openers get ENOENT)
         if meta is None:
             raise NotFound(f"no entry {name!r}")  # pending entries of other writers stay invisible
@@ -873,12 +877,12 @@ class EntriesDir(Node):
                 raise AlreadyExists(f"entry {name!r} exists")
             node = self.private_node(name, existing)  # committed meanwhile: a rewrite
         else:
-            node = self.fs.inodes.node_of(self.name_key(name))
-            if node is None or node.version is not None or not node.writers:
-                # a new entry (not one another writer is creating: this one's close would rewrite it)
+            creating = self._being_created(name)
+            if creating is not None:
+                node = creating  # another writer's create: this one's close rewrites it
+            else:  # a new entry
                 ticket, admit = await self._admission(flags, ctx)
-                if node is not None:
-                    self.fs.inodes.unname(self.name_key(name))
+                self.fs.inodes.unname(self.name_key(name))
                 node = self.fs.inodes.intern(self.name_key(name), lambda: EntryNode(self.fs, self, name, None))
         owner = Owner(stat.S_IFREG | (mode & ~ctx.umask & 0o7777), ctx.uid, ctx.gid)
         return node, node.writer(b"", flags, owner, ticket=ticket, admit=admit)
