@@ -246,7 +246,11 @@ struct backing_map { int32_t fd; uint32_t flags; uint64_t padding; };  /* struct
 #define DEV_IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
 #define PASSTHROUGH_MAX 64  /* passthrough opens Python answered whose reply is not sent yet */
 #define RELEASE_MAX 1024    /* handles whose RELEASE the front may answer, and answered ones not yet taken */
-#define HELD_MAX 64  /* inodes with held attributes, and handles with nothing at flush, at most */
+#define HELD_MAX 64  /* handles with nothing at flush, and handles the front opened, at most */
+/* Inodes with held attributes at most: every buffer's entries/ in use holds one for good, and
+   its `priorities` another (64 ran out in a mount with some forty buffers: their GETATTRs
+   went to Python). Searched linearly, over the inodes held only. */
+#define HOLDS_MAX 1024
 
 #define FRONT_QUEUE 64  /* requests read ahead of pyfuse3 at most (the kernel's own queue holds the rest) */
 #define FRONT_SPARE 8   /* request buffers (libfuse's size, about 1 MiB each) kept for reuse */
@@ -302,7 +306,7 @@ static unsigned long long front_passed;  /* requests handed to pyfuse3 */
 /* What Python leaves to the front, guarded by held_lock. */
 /* `once`: given by Python with an answer it made (give_attributes) for the GETATTR that
    follows it; answered once, and only until `until` (CLOCK_MONOTONIC seconds). */
-static struct held { uint64_t ino; int valid; int once; double until; struct stat attr; double timeout; } held[HELD_MAX];
+static struct held { uint64_t ino; int valid; int once; double until; struct stat attr; double timeout; } held[HOLDS_MAX];
 static unsigned held_count;
 /* Handles whose FLUSH the front answers: nothing to do at close once `pending` commits
    Python queued for them are done (flush_pending, flush_committed); a FLUSH that comes
@@ -506,12 +510,28 @@ static double monotonic_now(void)
 /* A slot for `ino`'s attributes (with held_lock held): its own, a free one, or the one of
    the hold given once that ends first (a GETATTR that never came: the kernel held them
    still); NULL: the table is full of lasting holds. */
-static struct held *held_slot(uint64_t ino)
+/* Slots of `held` that only attributes given `once` take: lasting holds never crowd out the
+   attributes Python gives at an OPEN for the GETATTR that follows (a sample file's new
+   size): with the table full of lasting holds, those went to Python every time. A lasting
+   hold past the rest is not made (Python answers its GETATTRs). */
+#define HELD_ONCE_ROOM 16
+
+static int held_lasting_room(void)  /* with held_lock held */
+{
+    unsigned lasting = 0;
+    for (unsigned i = 0; i < held_count; i++)
+        lasting += !held[i].once;
+    return lasting < HOLDS_MAX - HELD_ONCE_ROOM;
+}
+
+static struct held *held_slot(uint64_t ino, int lasting)
 {
     struct held *h = held_find(ino), *first = NULL;
     if (h != NULL)
         return h;
-    if (held_count < HELD_MAX) {
+    if (lasting && !held_lasting_room())
+        return NULL;
+    if (held_count < HOLDS_MAX) {
         h = &held[held_count++];
         *h = (struct held){.ino = ino};
         return h;
@@ -2050,8 +2070,10 @@ static PyObject *hold_attributes(PyObject *self, PyObject *args)
     pthread_mutex_lock(&held_lock);
     struct held *h = held_find(ino);
     if (on && h == NULL) {
-        if (held_slot(ino) == NULL)
+        if (held_slot(ino, 1) == NULL)
             done = 0;
+    } else if (on && h->once && !held_lasting_room()) {
+        done = 0;  /* (it stays once) */
     } else if (on) {
         h->once = 0;  /* (one given once lasts now, from the next reply) */
     } else if (!on && h != NULL) {
@@ -2109,7 +2131,7 @@ static PyObject *give_attributes(PyObject *self, PyObject *args)
     struct held *h = held_find(ino);
     int lasting = h != NULL && !h->once;  /* a lasting hold stays one */
     if (h == NULL)
-        h = held_slot(ino);
+        h = held_slot(ino, !once);
     if (h != NULL) {
         h->attr = attr;
         h->timeout = timeout;

@@ -949,6 +949,36 @@ def test_a_sample_file_of_a_new_size_is_stated_by_the_front(fs, buf):
 
 
 
+def test_many_buffers_leave_the_front_room_for_a_sample_files_attributes(fresh_mount):
+    """Every buffer in use has its entries/ attributes held by the front for good; with many
+    buffers, the attributes Python gives at a sample file's OPEN (for the stat that follows)
+    and a `priorities` file's lasting hold must still find room. The code before: its table
+    (64) full of lasting holds, every such stat went to Python."""
+    m = fresh_mount()
+    for i in range(70):
+        b = m.buffer(f"b{i}")
+        (b / "entries" / "e").write_bytes(b"x")  # (its entries/ is looked up, its attributes held)
+        os.stat(b / "entries")
+    buf = m.buffer("drawn")
+    for i in range(20):
+        np.save(buf / "entries" / (("k" * (1 + i % 9)) + f"{i}.npy"), np.full(2, i, dtype=np.int32))
+
+    def draw_all() -> None:
+        for _ in range(20):
+            with open(buf / "sample" / "4", "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                assert size == len(f.read())
+    draw_all()
+    assert python_getattrs_during(m, draw_all) == 0
+
+    def update() -> None:
+        for n in range(10):
+            with open(buf / "priorities", "w") as f:
+                f.write(f"k0.npy {n + 1.5}\n")
+    update()  # (held from its first reply on)
+    assert python_getattrs_during(m, update) == 0
+
+
 def test_items_written_before_the_seal_are_stated_by_the_front_after_it(fs):
     """Items written through the mount were given attributes not to be cached, so each
     one's first open after the seal asked Python for them (the permission check). Sealed,
