@@ -3091,7 +3091,9 @@ PyMODINIT_FUNC PyInit__interpose(void)
     if (getrandom(&name_seed, sizeof(name_seed), GRND_NONBLOCK) != (ssize_t)sizeof(name_seed))
         name_seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddObject(m, "NOFLUSH_FH", PyLong_FromUnsignedLongLong(NOFLUSH_FH)) < 0) {
+    if (m != NULL && (PyModule_AddObject(m, "NOFLUSH_FH", PyLong_FromUnsignedLongLong(NOFLUSH_FH)) < 0 ||
+                      PyModule_AddIntConstant(m, "HOLDS_MAX", HOLDS_MAX) < 0 ||
+                      PyModule_AddIntConstant(m, "HELD_ONCE_ROOM", HELD_ONCE_ROOM) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

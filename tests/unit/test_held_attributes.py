@@ -1,7 +1,7 @@
 """The front's tables of attributes it answers GETATTR with (mount/_interpose.c `held`, `kept`): holds
 Python keeps (hold_attributes) stay until forgotten; ones given once at an OPEN
 (give_attributes) make room for others when the table is full, and never push a lasting
-hold out."""
+hold out; and lasting holds leave HELD_ONCE_ROOM slots to attributes given once."""
 
 from __future__ import annotations
 
@@ -20,21 +20,24 @@ SCRIPT = textwrap.dedent("""
     def held():
         return lib.front_tables()["held"]
 
-    MAX = 64
+    MAX, ROOM = lib.HOLDS_MAX, lib.HELD_ONCE_ROOM  # (ROOM: slots only attributes given once take)
     assert all(give(i, True) for i in range(1, MAX + 1)) and held() == MAX
     assert give(MAX + 1, True) and held() == MAX  # the first given made room
-    assert lib.hold_attributes(1000, True) and held() == MAX  # so does a lasting hold
-    for ino in range(2000, 2000 + MAX - 2):
+    assert lib.hold_attributes(100_000, True) and held() == MAX  # so does a lasting hold
+    for ino in range(200_000, 200_000 + MAX - ROOM - 1):
         assert lib.hold_attributes(ino, True)
-    assert held() == MAX  # 63 lasting holds (1000 and these), one given once
-    assert give(3000, True)  # takes the place of the last one given once
-    assert lib.hold_attributes(3001, True)  # and a lasting hold takes its place
-    assert not give(3002, True)  # lasting holds are never pushed out
-    assert not lib.hold_attributes(3003, True)
-    assert give(2000, True)  # a lasting hold given new attributes stays one
-    assert not give(3002, True)
-    lib.hold_attributes(2000, False)
-    assert give(3002, True)  # the room it left
+    assert held() == MAX  # MAX - ROOM lasting holds (100000 and these), the rest given once
+    assert not lib.hold_attributes(300_001, True)  # no more: the rest is for attributes given once
+    assert not give(300_002, False)  # (given to last, likewise)
+    assert give(300_000, True)  # takes the place of the first one given once
+    assert not lib.hold_attributes(300_000, True)  # and stays one given once
+    assert give(200_000, True)  # a lasting hold given new attributes stays one
+    for ino in range(400_000, 400_000 + ROOM):
+        assert give(ino, True)  # the ones given once make room for each other
+    assert held() == MAX
+    lib.hold_attributes(200_000, False)
+    assert lib.hold_attributes(300_001, True)  # the room it left
+    assert not lib.hold_attributes(300_003, True)
     assert held() == MAX
     print("done", flush=True)
 """)
