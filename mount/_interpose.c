@@ -507,9 +507,6 @@ static double monotonic_now(void)
     return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
 }
 
-/* A slot for `ino`'s attributes (with held_lock held): its own, a free one, or the one of
-   the hold given once that ends first (a GETATTR that never came: the kernel held them
-   still); NULL: the table is full of lasting holds. */
 /* Slots of `held` that only attributes given `once` take: lasting holds never crowd out the
    attributes Python gives at an OPEN for the GETATTR that follows (a sample file's new
    size): with the table full of lasting holds, those went to Python every time. A lasting
@@ -524,6 +521,10 @@ static int held_lasting_room(void)  /* with held_lock held */
     return lasting < HOLDS_MAX - HELD_ONCE_ROOM;
 }
 
+/* A slot for `ino`'s attributes (with held_lock held): its own, a free one, or the one of
+   the hold given once that ends first (a GETATTR that never came: the kernel held them
+   still); NULL: none (a lasting hold past HOLDS_MAX - HELD_ONCE_ROOM, or the table full of
+   lasting holds). */
 static struct held *held_slot(uint64_t ino, int lasting)
 {
     struct held *h = held_find(ino), *first = NULL;
@@ -767,6 +768,17 @@ static struct name_slot *name_slot_find(const struct name_dir *d, uint64_t hash)
         if (d->slots[i].hash == 0)
             return NULL;
     }
+}
+
+/* The length of the name at `name` (at most `room` bytes) if the front may answer for it;
+   0 if not terminated there, or a name Python refuses (empty, `.`, `..`, past 255 bytes):
+   Python's, for its errno. */
+static size_t name_for_front(const char *name, size_t room)
+{
+    size_t n = strnlen(name, room);
+    if (n == room || n == 0 || n > NAME_MAX_BYTES || strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+        return 0;
+    return n;
 }
 
 static void name_dir_end(struct name_dir *d)  /* with names_lock held: its LOOKUPs are Python's */
@@ -1290,6 +1302,20 @@ static struct collect *collect_find(uint64_t fh)  /* with collect_lock held */
     return NULL;
 }
 
+/* A new entry's writer's attributes: size 0, times 0 (the caller sets them). */
+static struct stat writer_attr(uint64_t ino, uint32_t mode, uint32_t uid, uint32_t gid)
+{
+    struct stat attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.st_ino = (ino_t)ino;
+    attr.st_mode = (mode_t)mode;
+    attr.st_nlink = 1;
+    attr.st_uid = (uid_t)uid;
+    attr.st_gid = (gid_t)gid;
+    attr.st_blksize = 128 << 10;  /* (mount/nodes.py make_attrs) */
+    return attr;
+}
+
 /* Handle fh (of inode ino, a writer with attributes mode, uid and gid) collects its WRITEs
    from now on, up to `limit` bytes. 0: no room. With collect_lock held. */
 static int collect_start(uint64_t fh, uint64_t ino, uint64_t limit, uint32_t mode, uint32_t uid, uint32_t gid,
@@ -1297,15 +1323,9 @@ static int collect_start(uint64_t fh, uint64_t ino, uint64_t limit, uint32_t mod
 {
     if (collect_count == COLLECT_MAX)
         return 0;
-    struct collect *c = &collects[collect_count++];
-    *c = (struct collect){.fh = fh, .ino = ino, .limit = limit < COLLECT_HANDLE_MAX ? limit : COLLECT_HANDLE_MAX,
-                          .timeout = timeout};
-    c->attr.st_ino = (ino_t)ino;
-    c->attr.st_mode = (mode_t)mode;
-    c->attr.st_nlink = 1;
-    c->attr.st_uid = (uid_t)uid;
-    c->attr.st_gid = (gid_t)gid;
-    c->attr.st_blksize = 128 << 10;  /* (mount/nodes.py make_attrs) */
+    collects[collect_count++] = (struct collect){
+        .fh = fh, .ino = ino, .limit = limit < COLLECT_HANDLE_MAX ? limit : COLLECT_HANDLE_MAX,
+        .attr = writer_attr(ino, mode, uid, gid), .timeout = timeout};
     return 1;
 }
 
@@ -1604,11 +1624,8 @@ static int create_here(const char *mem, size_t size)
     memcpy(&mode, mem + IN_HEADER_SIZE + 4, sizeof(mode));
     memcpy(&umask_bits, mem + IN_HEADER_SIZE + 8, sizeof(umask_bits));
     const char *name = mem + IN_HEADER_SIZE + CREATE_IN_SIZE;
-    size_t room = size - IN_HEADER_SIZE - CREATE_IN_SIZE;
-    size_t n = strnlen(name, room);
-    /* (not terminated, a name Python refuses, or a writer that reads too: Python's) */
-    if (n == room || n == 0 || n > NAME_MAX_BYTES || strcmp(name, ".") == 0 || strcmp(name, "..") == 0 ||
-        (flags & O_ACCMODE) != O_WRONLY)
+    size_t n = name_for_front(name, size - IN_HEADER_SIZE - CREATE_IN_SIZE);
+    if (n == 0 || (flags & O_ACCMODE) != O_WRONLY)  /* (a writer that reads too: Python's) */
         return 0;
     uint64_t hash = name_hash(name, n);
     pthread_mutex_lock(&names_lock);
@@ -1644,16 +1661,9 @@ static int create_here(const char *mem, size_t size)
         pthread_mutex_unlock(&names_lock);
         return 0;
     }
-    struct stat attr;
+    struct stat attr = writer_attr(ino, final_mode, uid, gid);
     struct timespec now;
-    memset(&attr, 0, sizeof(attr));
     clock_gettime(CLOCK_REALTIME, &now);
-    attr.st_ino = (ino_t)ino;
-    attr.st_mode = (mode_t)final_mode;
-    attr.st_nlink = 1;
-    attr.st_uid = (uid_t)uid;
-    attr.st_gid = (gid_t)gid;
-    attr.st_blksize = 128 << 10;  /* (mount/nodes.py make_attrs) */
     attr.st_atim = attr.st_mtim = attr.st_ctim = now;
     /* Its WRITEs collected from the first (no room: they go to Python, which writes them) */
     pthread_mutex_lock(&collect_lock);
@@ -1680,10 +1690,9 @@ static int answered_in_c(const char *mem, size_t size)
         uint64_t parent;
         memcpy(&parent, mem + IN_NODEID_OFFSET, sizeof(parent));
         const char *name = mem + IN_HEADER_SIZE;
-        size_t n = strnlen(name, size - IN_HEADER_SIZE);
-        if (n == size - IN_HEADER_SIZE || n == 0 || n > NAME_MAX_BYTES || strcmp(name, ".") == 0 ||
-            strcmp(name, "..") == 0)
-            return 0;  /* (not terminated, or a name Python refuses: its errno) */
+        size_t n = name_for_front(name, size - IN_HEADER_SIZE);
+        if (n == 0)
+            return 0;
         uint64_t hash = name_hash(name, n);
         pthread_mutex_lock(&names_lock);
         struct name_dir *d = name_dir_find(parent);
