@@ -220,6 +220,12 @@ def get_stats(buf: Path) -> dict:
     return json.loads((buf / "stats.json").read_bytes())
 
 
+def mount_stats(m) -> dict:
+    """The `mount` section of a mount's stats.json (`m`: a Mount): what its daemon and the
+    library's front answered."""
+    return json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
+
+
 def write_entry(buf: Path, key: str, data: bytes) -> None:
     with open(buf / "entries" / key, "wb") as f:
         f.write(data)

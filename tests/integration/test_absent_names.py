@@ -17,9 +17,7 @@ import sys
 
 import pytest
 
-
-def mount_stats(m) -> dict:
-    return json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
+from distorefs_it import mount_stats
 
 
 def answered(m) -> int:

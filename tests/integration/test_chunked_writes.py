@@ -16,12 +16,10 @@ import time
 
 import pytest
 
+from distorefs_it import mount_stats
+
 MiB = 1 << 20
 CHUNK = 8 * MiB  # checkpoints' default chunk_bytes
-
-
-def mount_stats(m) -> dict:
-    return json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
 
 
 def step_dir(m, name: str):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import os
 import subprocess
 import sys
@@ -17,11 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from distorefs_it import entry_names, read_entry, set_config
-
-
-def mount_stats(fs) -> dict:
-    return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
+from distorefs_it import entry_names, mount_stats, read_entry, set_config
 
 
 def collected(fs) -> int:

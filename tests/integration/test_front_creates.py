@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import os
 import subprocess
 import sys
@@ -18,11 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from distorefs_it import read_entry, set_config
-
-
-def mount_stats(m) -> dict:
-    return json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
+from distorefs_it import mount_stats, read_entry, set_config
 
 
 def front_creates(m) -> int:

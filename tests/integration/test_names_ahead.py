@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distorefs_it import CLI, is_mounted, pid_alive
+from distorefs_it import CLI, is_mounted, mount_stats, pid_alive
 
 
 def stage_tree(m, tmp_path: Path, name: str, count: int, size: int = 100) -> Path:
@@ -25,10 +25,6 @@ def stage_tree(m, tmp_path: Path, name: str, count: int, size: int = 100) -> Pat
     ds = m.mnt / "datasets" / name
     subprocess.run(CLI + ["stage", "-q", str(src), str(ds)], check=True, capture_output=True, timeout=300)
     return ds
-
-
-def mount_stats(m) -> dict:
-    return json.loads((m.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
 
 
 def declare(ds: Path, order: np.ndarray) -> None:

@@ -17,11 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distorefs_it import CLI, entry_names, get_stats, read_entry, set_config, write_entry, xattr
-
-
-def mount_stats(fs) -> dict:
-    return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
+from distorefs_it import CLI, entry_names, get_stats, mount_stats, read_entry, set_config, write_entry, xattr
 
 
 def requests(fs) -> dict:
@@ -946,7 +942,6 @@ def test_a_sample_file_of_a_new_size_is_stated_by_the_front(fs, buf):
     draw_all()
     assert python_getattrs_during(fs, draw_all) == 0
     assert len(sizes) > 3  # the sizes did change
-
 
 
 def test_many_buffers_leave_the_front_room_for_a_sample_files_attributes(fresh_mount):

@@ -13,13 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from distorefs_it import get_stats
+from distorefs_it import get_stats, mount_stats
 
 ROW = 256 << 10  # bytes an entry: a batch of 8 is 2 MiB, over mount/nodes.py PASSTHROUGH_MIN
-
-
-def mount_stats(fs) -> dict:
-    return json.loads((fs.mnt / ".distorefs" / "stats.json").read_bytes())["mount"]
 
 
 def reads_during(fs, fn) -> int:
