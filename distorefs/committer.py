@@ -193,6 +193,12 @@ class Committer:
         while self._finished < target:
             await self._group_done.wait()
 
+    async def committed_after(self, groups: int) -> None:
+        """Wait until more than `groups` groups are committed (at once if they are): what a
+        background task that looks only at committed state waits for while idle."""
+        while self.groups <= groups:
+            await self._group_done.wait()
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:

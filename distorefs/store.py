@@ -474,13 +474,15 @@ class Store:
             self._nursery.start_soon(fn, *args)
 
     async def _sync_loop(self) -> None:
+        """A sync and collection `sync_interval` after a commit not synced yet (an idle store
+        waits for the commit, not for a timer)."""
         while True:
+            await self.committer.committed_after(self._synced_groups)
             await trio.sleep(self.config.sync_interval)
-            if self.committer.groups != self._synced_groups:
-                try:
-                    await self.collect()
-                except NoSpace as exc:  # freeing needs a transaction too: try again next round
-                    log.warning("segment collection postponed: %s", exc)
+            try:
+                await self.collect()
+            except NoSpace as exc:  # freeing needs a transaction too: try again next round
+                log.warning("segment collection postponed: %s", exc)
 
     async def collect(self) -> dict[str, int]:
         """Sync, then unlink segment files whose every value was evicted or deleted (the sync

@@ -86,11 +86,8 @@ class TierMover:
         self.rings = rings
         self.transfer_bytes = transfer_bytes
         self.counters = {"demoted_entries": 0, "demoted_bytes": 0, "compacted_segments": 0,
-                         "compacted_entries": 0, "compacted_bytes": 0, "move_failures": 0}
+                         "compacted_entries": 0, "compacted_bytes": 0, "move_failures": 0, "rounds": 0}
         self._wake = trio.Event()
-
-    def kick(self) -> None:
-        self._wake.set()
 
     def value_added(self) -> None:
         """A commit put values in the hot tier: start demoting as soon as it nears its budget."""
@@ -98,14 +95,24 @@ class TierMover:
             self._wake.set()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """A round each `sync_interval`, or sooner when woken, while commits come; none while
+        nothing was committed since a round that finished: what either move looks at (the
+        hot tier's live bytes, the segments' live records) changes only by a commit, and a
+        round's look costs two hops to a worker thread, which an idle daemon paid each
+        second."""
         task_status.started()
+        looked_at = -1  # the commit groups counted when the last round began, if it finished
         while True:
+            await self.committer.committed_after(looked_at)
             with trio.move_on_after(self.config.sync_interval):
                 await self._wake.wait()
             self._wake = trio.Event()
+            groups = self.committer.groups
+            self.counters["rounds"] += 1
             try:
                 await self.demote()
                 await self.compact()
+                looked_at = groups  # (a round's own moves are commits: the next round looks again)
             except NoSpace as exc:  # no room to move into: the next round tries again
                 self.counters["move_failures"] += 1
                 log.warning("moving values between tiers postponed: %s", exc)

@@ -79,6 +79,37 @@ def test_demotion_keeps_lmdb_under_budget_oldest_first(tmp_path):
     run(tmp_path / "s", reopen)
 
 
+def test_an_idle_store_takes_no_tier_rounds_until_the_next_commit(tmp_path):
+    """A round looks at the hot tier's live bytes and at the segments, each a hop to a worker
+    thread: with nothing committed since the last round there is nothing new to see."""
+    async def body(store):
+        looks = []
+        segments = store.values.nvme.segments
+
+        def counted():  # the compaction's look, which every round takes
+            looks.append(1)
+            return segments()
+
+        store.values.nvme.segments = counted
+        buf = await store.create_buffer("rb", DIR)
+        for i in range(20):
+            await buf.insert(b"e%d" % i, payload(i, 20 * KiB), OWNER)
+        with trio.fail_after(10):  # the rounds that see those commits, until one sees nothing new
+            seen = -1
+            while len(looks) != seen:
+                seen = len(looks)
+                await trio.sleep(0.25)
+        await trio.sleep(0.5)  # ten sync intervals, nothing committed
+        assert len(looks) == seen
+        rounds = store.mover.counters["rounds"]
+        await buf.insert(b"e20", payload(20, 20 * KiB), OWNER)
+        await wait_for(lambda: len(looks) > seen)
+        assert store.mover.counters["rounds"] > rounds
+        assert (await buf.ring.read(buf.ring.get(b"e20"))) == payload(20, 20 * KiB)
+
+    run(tmp_path / "s", body, config={"sync_interval": 0.05})
+
+
 def test_compaction_reclaims_sparse_segments_while_sampling(tmp_path):
     async def body(store):
         buf = await store.create_buffer("rb", DIR)
