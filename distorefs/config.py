@@ -117,6 +117,9 @@ class RingConfig(_Config):
     max_entry_bytes: int = 64 << 20
     compression: str = "zstd"
     compression_level: int = 1
+    # False: a value that lands in the LMDB (hot) tier is stored as written and compressed
+    # when it is demoted to NVMe (what is evicted first is never compressed); True: at insert
+    compress_hot: bool = False
     evict_when_full: bool = True  # a full NVMe tier evicts the oldest entries instead of ENOSPC
     evict: str = "fifo"  # which entries leave past capacity or max_bytes (distorefs/removers.py)
 

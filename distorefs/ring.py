@@ -36,7 +36,7 @@ from .owner import Owner
 from .placement import TIER_LMDB, TIER_NAMES
 from .removers import Candidates, Remover, ring_remover
 from .services import Services
-from .values import Spooled
+from .values import Spooled, ValueLayer
 from .waiting import Outcome
 
 if TYPE_CHECKING:
@@ -813,14 +813,24 @@ def value_size(data: "bytes | SpooledEntry") -> int:
 
 
 def encode_entry(raw: bytes, regions: list[tuple[int, int]] | None, config: RingConfig,
-                 stream: codec.Compressibility | None = None) -> tuple[codec.Encoded, bytes]:
+                 stream: codec.Compressibility | None = None, hot: bool = False) -> tuple[codec.Encoded, bytes]:
     """An entry's stored form and its packed places (the arrays' offsets and CRCs, b"" for
-    none): the arrays' CRCs and the whole's in one pass. `stream`: its ring's (codec.encode)."""
+    none): the arrays' CRCs and the whole's in one pass. `stream`: its ring's (codec.encode).
+    `hot`: it lands in the hot tier, stored as written (`RingConfig.compress_hot`)."""
     crc, places = None, b""
     if regions:
         crc, crcs = codec.checksums(raw, regions)
         places = pack_places([off for off, _ in regions], crcs)
-    return codec.encode(raw, config.compression, config.compression_level, crc=crc, stream=stream), places
+    compression = "none" if hot else config.compression
+    return codec.encode(raw, compression, config.compression_level, crc=crc, stream=stream), places
+
+
+def stored_as_written(config: RingConfig, values: ValueLayer, size: int, cold: bool, txn=None) -> bool:
+    """Whether a ring value of `size` bytes is stored as written, its compression left to
+    its demotion: it lands in the hot tier, and the ring compresses only cold values. The
+    insert's CPU is then the copy and the checksum (zstd was a third of it), and a value
+    evicted before it is demoted is never compressed."""
+    return config.compression != "none" and not config.compress_hot and values.lands_hot(size, cold, txn)
 
 
 class _SharedInsert:
@@ -894,6 +904,7 @@ class InsertEntry(Change):
         self.meta: EntryMeta | None = None
         self.regions: list[tuple[int, int]] | None = None
         self.places = b""
+        self.hot = False  # stored as written (stored_as_written), as planned
 
     def plan(self, overlay: Overlay) -> None:
         ring = self.ring
@@ -923,6 +934,8 @@ class InsertEntry(Change):
             raise Replan(f"{ring.kind}/{ring.name}: full with this group's inserts")
         ro.inserts += 1
         self.mtime_ns = time.time_ns()
+        self.hot = self.raw is not None and stored_as_written(ring.config, ring.values, self.size,
+                                                               self.seq < ring.demote_front)
 
     def _unplan(self, ro) -> None:
         ring = self.ring
@@ -940,18 +953,23 @@ class InsertEntry(Change):
         self.victims = []
 
     def prepare_bytes(self) -> int:
-        # a spooled value was encoded by its client
-        return len(self.raw) if self.spooled is None and self.raw is not None else 0
+        # a spooled value was encoded by its client; one stored as written is only checksummed
+        # (in the transaction: a pool thread's hop would cost more)
+        return len(self.raw) if self.spooled is None and self.raw is not None and not self.hot else 0
 
     def prepare(self) -> None:
         if self.spooled is not None:
             if self.regions:
                 self.places = pack_places([off for off, _ in self.regions], list(self.spooled.crcs))
         elif self.enc is None and self.raw is not None:  # kept across a rerun of the transaction
-            self.enc, self.places = encode_entry(self.raw, self.regions, self.ring.config, self.ring.compressibility)
+            self.enc, self.places = encode_entry(self.raw, self.regions, self.ring.config, self.ring.compressibility,
+                                                 hot=self.hot)
 
     def txn(self, txn) -> None:
         ring, values = self.ring, self.ring.values
+        cold = self.seq < ring.demote_front
+        if self.hot and self.raw is not None and not stored_as_written(ring.config, values, self.size, cold, txn):
+            self.hot, self.enc = False, None  # the hot tier filled since it was planned: compressed after all
         self.prepare()
         for victim in self.victims:
             ring.txn_remove(txn, victim)
@@ -961,8 +979,7 @@ class InsertEntry(Change):
             value = values.adopt(txn, self.spooled.value)
         else:
             assert self.enc is not None
-            value = values.put(txn, entry_key(ring.ns_id, self.seq), self.enc, stream=ring.ns_id,
-                               cold=self.seq < ring.demote_front)
+            value = values.put(txn, entry_key(ring.ns_id, self.seq), self.enc, stream=ring.ns_id, cold=cold)
         self.meta = EntryMeta(self.seq, self.key, value, self.owner.mode, self.owner.uid, self.owner.gid,
                               self.mtime_ns, self.places)
         ring.txn_put(txn, self.meta, None if self.old is not None else self.priority)

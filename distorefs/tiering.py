@@ -31,6 +31,7 @@ from typing import Callable
 
 import trio
 
+from . import codec
 from .catalog import DB_ENTRIES, EntryMeta, entry_key, split_entry_key
 from .clientwire import split_spool_vkey
 from .committer import Change, Committer, Overlay
@@ -51,25 +52,27 @@ class RelocateEntries(Change):
 
     exclusive = True
 
-    def __init__(self, ring: Ring, moves: list[tuple[EntryMeta, bytes]]) -> None:
+    def __init__(self, ring: Ring, moves: list[tuple[EntryMeta, bytes, int]]) -> None:
+        """`moves`: each entry, its stored bytes to write and their codec."""
         self.ring = ring
         self.moves = moves
         self.new: list[EntryMeta] = []
 
     def plan(self, overlay: Overlay) -> None:
-        self.moves = [(m, stored) for m, stored in self.moves if self.ring.by_seq.get(m.seq) is m]
+        self.moves = [move for move in self.moves if self.ring.by_seq.get(move[0].seq) is move[0]]
 
     def txn(self, txn) -> None:
         ring = self.ring
         self.new = []
-        for meta, stored in self.moves:
+        for meta, stored, codec_id in self.moves:
             k = entry_key(ring.ns_id, meta.seq)
-            new = dataclasses.replace(meta, value=ring.values.relocate(txn, k, meta.value, stored, ring.ns_id))
+            new = dataclasses.replace(meta, value=ring.values.relocate(txn, k, meta.value, stored, ring.ns_id,
+                                                                       codec_id))
             txn.put(k, new.pack(), db=DB_ENTRIES)
             self.new.append(new)
 
     def apply(self) -> None:
-        for (old, _), new in zip(self.moves, self.new):
+        for (old, _, _), new in zip(self.moves, self.new):
             self.ring.apply_relocate(old, new)
 
 
@@ -86,7 +89,8 @@ class TierMover:
         self.rings = rings
         self.transfer_bytes = transfer_bytes
         self.counters = {"demoted_entries": 0, "demoted_bytes": 0, "compacted_segments": 0,
-                         "compacted_entries": 0, "compacted_bytes": 0, "move_failures": 0, "rounds": 0}
+                         "compacted_entries": 0, "compacted_bytes": 0, "move_failures": 0, "rounds": 0,
+                         "compressed_on_move": 0}
         self._wake = trio.Event()
 
     def value_added(self) -> None:
@@ -219,7 +223,7 @@ class TierMover:
         values that vanished or fail to verify meanwhile are left where they are."""
         values = self.values
 
-        def read() -> list[tuple[EntryMeta, bytes]]:
+        def read() -> list[tuple[EntryMeta, bytes, int]]:
             out = []
             for meta in metas:
                 try:
@@ -227,7 +231,7 @@ class TierMover:
                 except DistorefsError:
                     continue  # removed since (NotFound) or damaged (reads report it)
                 if len(stored) == meta.stored_size:
-                    out.append((meta, stored))
+                    out.append((meta, *_cold_form(ring, meta, stored)))
             return out
 
         moves = await trio.to_thread.run_sync(read)
@@ -235,7 +239,23 @@ class TierMover:
             return []
         change = RelocateEntries(ring, moves)
         await self.committer.submit(change)
-        return [m for m, _ in change.moves]
+        self.counters["compressed_on_move"] += sum(1 for m, _, c in change.moves if c != m.value.codec)
+        return [m for m, _, _ in change.moves]
 
     def stats(self) -> dict:
         return dict(self.counters)
+
+
+def _cold_form(ring: Ring, meta: EntryMeta, stored: bytes) -> tuple[bytes, int]:
+    """What a moved value is stored as on NVMe, and its codec (worker thread): a value its
+    ring stored as written in the hot tier is compressed as it is demoted (codec.encode,
+    which keeps it raw when it does not compress), if its bytes are still what was
+    checksummed; anything else moves as it is (a damaged value is left for reads to
+    report; a raw value compacted on NVMe did not compress when it got there)."""
+    cfg = ring.config
+    if meta.tier != TIER_LMDB or meta.value.codec != codec.RAW or cfg.compression == "none":
+        return stored, meta.value.codec
+    enc = codec.encode(stored, cfg.compression, cfg.compression_level, stream=ring.compressibility)
+    if enc.checksum != meta.value.checksum:
+        return stored, meta.value.codec
+    return bytes(enc.stored), enc.codec

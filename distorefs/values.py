@@ -224,6 +224,12 @@ class ValueLayer:
 
     # ----- writes: inside a commit's transaction -------------------------------------
 
+    def lands_hot(self, size: int, cold: bool = False, txn: Txn | None = None) -> bool:
+        """Whether a new value of `size` stored bytes goes to the LMDB (hot) tier (`put`'s
+        choice): as of `txn`, or, without one, as of the last commit (an estimate)."""
+        live = self.lmdb.live_bytes_in(txn) if txn is not None else self.lmdb.recent_live
+        return choose_tier(self.config, live, size, cold) == TIER_LMDB
+
     def put(self, txn: Txn, vkey: bytes, enc: codec.Encoded, *, stream: int = 0, cold: bool = False,
             direct: bool = False) -> StoredValue:
         """Store one encoded value in the tier placement picks. `stream` groups values that
@@ -264,12 +270,15 @@ class ValueLayer:
         enc = codec.encode(raw, compression, level)
         return self.put_shared(enc) if shared else self.put(txn, vkey, enc)
 
-    def relocate(self, txn: Txn, vkey: bytes, value: StoredValue, stored: bytes, stream: int) -> StoredValue:
+    def relocate(self, txn: Txn, vkey: bytes, value: StoredValue, stored: bytes, stream: int,
+                 codec_id: int | None = None) -> StoredValue:
         """Move a value's stored bytes (read beforehand) to the NVMe tier, in `stream`; the
-        old location is freed in the same transaction (demotion, compaction)."""
+        old location is freed in the same transaction (demotion, compaction). `codec_id`:
+        the bytes were encoded anew on the way (a hot value compressed as it is demoted)."""
         loc = self.nvme.put(txn, vkey, stored, stream=stream)
         self.tiers[value.tier].delete(txn, value.loc)
-        return StoredValue(value.size, value.stored_size, value.checksum, value.codec, TIER_NVME, loc)
+        return StoredValue(value.size, len(stored), value.checksum, value.codec if codec_id is None else codec_id,
+                           TIER_NVME, loc)
 
     def delete(self, txn: Txn, value: StoredValue, *, grace: float = 0.0) -> None:
         """Free a value's location (each location exactly once). `grace`: a value in the

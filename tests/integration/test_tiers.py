@@ -169,3 +169,43 @@ def test_buffer_far_larger_than_memory(fresh_mount, tmp_path):
           f"tiers at the end {tiers}, overhead {nv['used_bytes'] / nv['live_bytes']:.2f}")
     assert growth <= 64 * MiB + 32 * MiB, (idle, peak)
     m.umount()
+
+
+def _frame(i: int) -> bytes:
+    """A compressible .npy frame (a game screen's few grey levels)."""
+    import io
+
+    import numpy as np
+    rng = np.random.default_rng(i)
+    out = io.BytesIO()
+    np.save(out, (rng.integers(0, 4, size=(16, 84, 84)) * 60).astype(np.uint8))
+    return out.getvalue()
+
+
+def test_hot_entries_are_stored_as_written_and_compressed_when_demoted(fresh_mount):
+    m = fresh_mount(f"lmdb_bytes={2 * MiB}", "sync_interval=0.2")
+    buf = m.buffer("frames", {"capacity": 1000})
+    frames = {f"f{i:03d}.npy": _frame(i) for i in range(60)}  # 6.8 MB as written into a 2 MiB hot tier
+    first = buf / "entries" / "f000.npy"
+    write_entry(buf, "f000.npy", frames["f000.npy"])
+    size = len(frames["f000.npy"])
+    assert (xattr(first, "tier"), xattr(first, "compression"), xattr(first, "stored_size")) == ("lmdb", "none",
+                                                                                                 str(size))
+    for key, data in frames.items():
+        write_entry(buf, key, data)
+    deadline = time.monotonic() + 30
+    while xattr(first, "tier") != "nvme" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (xattr(first, "tier"), xattr(first, "compression")) == ("nvme", "zstd")
+    assert int(xattr(first, "stored_size")) < size // 2
+    assert store_stats(m)["tiering"]["compressed_on_move"] > 0
+    for key, data in frames.items():  # every entry whole, from either tier
+        assert read_entry(buf, key) == data, key
+    newest = buf / "entries" / "f059.npy"
+    assert (xattr(newest, "tier"), xattr(newest, "compression")) == ("lmdb", "none")
+
+    hot = m.buffer("hot", {"capacity": 1000, "compress_hot": True})  # compressed at insert, as before
+    write_entry(hot, "a.npy", frames["f001.npy"])
+    assert (xattr(hot / "entries" / "a.npy", "tier"), xattr(hot / "entries" / "a.npy", "compression")) == ("lmdb",
+                                                                                                          "zstd")
+    assert read_entry(hot, "a.npy") == frames["f001.npy"]

@@ -39,7 +39,7 @@ def npz(**arrays) -> bytes:
 
 
 def test_ls_inspect_stats_metrics(fs, buf):
-    set_config(buf, {"raw": True})  # entries of several layouts
+    set_config(buf, {"raw": True, "compress_hot": True})  # entries of several layouts, compressed in LMDB too
     write_entry(buf, "obs.npy", npy(np.zeros((84, 84, 4), np.uint8)))
     write_entry(buf, "step.npz", npz(obs=np.ones((3, 4), np.float32), action=np.arange(3, dtype=np.int16)))
     write_entry(buf, "raw", make_payload("raw", 3000))

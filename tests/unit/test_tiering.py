@@ -8,6 +8,7 @@ import random
 import pytest
 import trio
 
+from distorefs import codec
 from distorefs.backends.segments import LOCATION, SegmentDir, SegmentValues
 from distorefs.placement import TIER_LMDB, TIER_NVME
 from distorefs.config import StoreConfig
@@ -77,6 +78,54 @@ def test_demotion_keeps_lmdb_under_budget_oldest_first(tmp_path):
         await read_all(ring, {i: 20 * KiB for i in range(201)})
 
     run(tmp_path / "s", reopen)
+
+
+def compressible(i: int, size: int) -> bytes:
+    rng = random.Random(i)
+    return bytes(rng.randrange(4) for _ in range(size))  # 2 bits of entropy a byte: zstd packs it
+
+
+def test_hot_values_are_stored_as_written_and_compressed_when_demoted(tmp_path):
+    async def body(store):
+        buf = await store.create_buffer("rb", DIR)
+        ring = buf.ring
+        for i in range(10):
+            await buf.insert(b"e%d" % i, compressible(i, 40 * KiB), OWNER)
+        hot = ring.get(b"e0")
+        assert (hot.tier, hot.value.codec, hot.stored_size) == (TIER_LMDB, codec.RAW, 40 * KiB)
+        for i in range(10, 60):  # 2.4 MB as written into a 1 MB hot tier: the oldest are demoted
+            await buf.insert(b"e%d" % i, compressible(i, 40 * KiB), OWNER)
+        await wait_for(lambda: store.mover.counters["compressed_on_move"] >= 20)
+        cold = ring.get(b"e0")
+        assert (cold.tier, cold.value.codec) == (TIER_NVME, codec.ZSTD)
+        assert cold.stored_size < 20 * KiB and cold.value.checksum == hot.value.checksum
+        store.values.cache.resize(0)  # (what inserts left in memory: the reads below are the tiers')
+        for i in range(60):  # every value whole, wherever and however it is stored now
+            assert await ring.read(ring.get(b"e%d" % i)) == compressible(i, 40 * KiB), i
+        assert all(m.value.codec == codec.ZSTD for m in ring.oldest() if m.tier == TIER_NVME)
+
+    run(tmp_path / "s", body, config={"lmdb_bytes": MiB, "sync_interval": 0.05, "segment_bytes": MiB})
+
+
+def test_values_are_compressed_at_insert_with_compress_hot_or_outside_the_hot_tier(tmp_path):
+    async def body(store):
+        hot = await store.create_buffer("hot", DIR)
+        await store.configure_buffer("hot", b'{"compress_hot": true}')
+        await hot.insert(b"a", compressible(1, 40 * KiB), OWNER)
+        meta = hot.ring.get(b"a")
+        assert (meta.tier, meta.value.codec) == (TIER_LMDB, codec.ZSTD) and meta.stored_size < 20 * KiB
+        big = await store.create_buffer("big", DIR)  # past segment_threshold: straight to NVMe
+        await big.insert(b"b", compressible(2, 2 * MiB), OWNER)
+        meta = big.ring.get(b"b")
+        assert (meta.tier, meta.value.codec) == (TIER_NVME, codec.ZSTD)
+        raw = await store.create_buffer("raw", DIR)
+        await store.configure_buffer("raw", b'{"compression": "none"}')
+        await raw.insert(b"c", compressible(3, 40 * KiB), OWNER)
+        assert raw.ring.get(b"c").value.codec == codec.RAW
+        for buf, key, i, size in ((hot, b"a", 1, 40 * KiB), (big, b"b", 2, 2 * MiB), (raw, b"c", 3, 40 * KiB)):
+            assert await buf.ring.read(buf.ring.get(key)) == compressible(i, size)
+
+    run(tmp_path / "s", body)
 
 
 def test_an_idle_store_takes_no_tier_rounds_until_the_next_commit(tmp_path):
