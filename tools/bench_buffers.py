@@ -748,7 +748,7 @@ def _rows(res: dict, procs: int) -> list[dict]:
     for pr in ("1", str(procs)):
         v = {s: _get(res, "insert", s, pr, "ops_per_s") for s in SYSTEMS}
         mb = {s: _get(res, "insert", s, pr, "mb_per_s") for s in SYSTEMS}
-        add(f"insert 110 KB .npy, {pr} writer{'s' if pr != '1' else ''} (zstd x{ratio})", "insert",
+        add(f"insert 110 KB .npy, {pr} writer{'s' if pr != '1' else ''} (stored x{ratio})", "insert",
             f"insert_{pr}", v, "entries/s", "{:,.0f}")
         rows[-1]["mb_per_s"] = mb
     for pr in ("1", str(procs)):
@@ -1009,7 +1009,7 @@ def run(out: Path, quick: bool = False, workdir: Path | None = None) -> dict:
     try:
         summary = [f"{'quick run' if quick else 'full run'}, {machine['cpus']} CPUs, "
                    f"{machine['fs']['fstype']} on {machine['fs']['source']}",
-                   f"entries {SMALL_SHAPE} uint8 .npy, zstd x{_get(bench.res, 'insert', 'compression_ratio')}",
+                   f"entries {SMALL_SHAPE} uint8 .npy, stored x{_get(bench.res, 'insert', 'compression_ratio')}",
                    f"big entries {BIG_SHAPE} uint8 (3.2 MB)",
                    f"other load at start/end: {machine['other_load_cores_start']}"
                    f"/{machine.get('other_load_cores_end')} cores", ""]
