@@ -40,6 +40,7 @@ from .values import Spooled, ValueLayer
 from .waiting import Outcome
 
 if TYPE_CHECKING:
+    from .backends.base import Txn
     from .prefetcher import Prefetcher
     from .values import WarmResult
 
@@ -825,7 +826,8 @@ def encode_entry(raw: bytes, regions: list[tuple[int, int]] | None, config: Ring
     return codec.encode(raw, compression, config.compression_level, crc=crc, stream=stream), places
 
 
-def stored_as_written(config: RingConfig, values: ValueLayer, size: int, cold: bool, txn=None) -> bool:
+def stored_as_written(config: RingConfig, values: ValueLayer, size: int, cold: bool,
+                      txn: Txn | None = None) -> bool:
     """Whether a ring value of `size` bytes is stored as written, its compression left to
     its demotion: it lands in the hot tier, and the ring compresses only cold values. The
     insert's CPU is then the copy and the checksum (zstd was a third of it), and a value
@@ -885,7 +887,8 @@ def _scan(txn, db: bytes, prefix: bytes, decode: Callable[[memoryview], _T]) -> 
 class InsertEntry(Change):
     """Insert or rewrite. The value is compressed in `prepare`, inside the commit
     group's one thread call (one thread hop per insert instead of two); zstd releases
-    the GIL, so the event loop keeps serving requests meanwhile."""
+    the GIL, so the event loop keeps serving requests meanwhile. A value that lands in
+    the hot tier is only checksummed there (`stored_as_written`): its demotion compresses it."""
 
     def __init__(self, ring: Ring, key: bytes, data: "bytes | SpooledEntry", owner: Owner,
                  priority: float | None) -> None:

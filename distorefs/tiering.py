@@ -1,11 +1,13 @@
 """Moving ring values between tiers in the background: demotion and compaction.
 
-Both move a value that does not change to a new location and point its entry there,
-which is one mechanism (`RelocateEntries`):
+Both move a value whose content does not change to a new location and point its entry
+there, which is one mechanism (`RelocateEntries`):
 
 - **Demotion**: when the LMDB (hot) tier holds more than `lmdb_bytes`, the oldest ring
   entries still in it are moved to their ring's NVMe segment stream, ring by ring (the
-  ring holding most in LMDB first), until it is back under the budget.
+  ring holding most in LMDB first), until it is back under the budget. A value its ring
+  stored as written in the hot tier (`RingConfig.compress_hot` false) is compressed on
+  the way, in the worker thread that reads it (`_cold_form`).
 - **Compaction**: a ring segment whose live fraction has fallen (deletes, rewrites,
   entries spent by `max_times_sampled`) has its live values rewritten at the end of the
   ring's stream; with no live record left, the collector unlinks the file at its next
