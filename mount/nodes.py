@@ -203,12 +203,15 @@ class RenderedFile(Node):
     `size_known` False (stats.json): size 0, as /proc files, read to the end with direct_io."""
 
     def __init__(self, fs: "Filesystem", render, size_known: bool = True, owner: Callable[[], Owner] | None = None,
-                 write=None) -> None:
+                 write=None, settle: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`settle`: awaited before an open renders (a buffer's stats wait for the
+        priorities writes acknowledged before, `Buffer.settled`)."""
         super().__init__(fs)
         self.render = render
         self.size_known = size_known
         self.owner = owner
         self.write_fn = write
+        self.settle = settle
 
     def attributes(self, ctx=None) -> pyfuse3.EntryAttributes:
         size = len(self.render()) if self.size_known else 0
@@ -225,6 +228,8 @@ class RenderedFile(Node):
             if self.write_fn is None:
                 raise NotPermitted("read-only file")
             return ConfigWriter(self.write_fn, b"" if flags & os.O_TRUNC else self.render(), early=True)
+        if self.settle is not None:
+            await self.settle()
         return BytesReader(self.render(), cacheable=False)
 
     async def setattr(self, attr, fields, handle, ctx) -> None:
@@ -300,7 +305,8 @@ class RingDir(Node):
             b"config.json": lambda: intern(("config", nsid), lambda: RenderedFile(
                 fs, lambda: ns.config.to_json(), owner=lambda: ns.owner, write=configure)),
             b"stats.json": lambda: intern(("stats", nsid), lambda: RenderedFile(
-                fs, lambda: _json(ns.stats()), size_known=False, owner=lambda: ns.owner)),
+                fs, lambda: _json(ns.stats()), size_known=False, owner=lambda: ns.owner,
+                settle=ns.settled if isinstance(ns, Buffer) else None)),
             b"entries": lambda: intern(("entries", nsid), lambda: EntriesDir(fs, ns)),
         }
 

@@ -341,6 +341,25 @@ def test_a_priorities_write_reaches_no_python(fs, buf):
     assert float(xattr(buf / "entries" / "p2.npy", "priority")) == 6.5
 
 
+def test_a_buffers_stats_count_the_priorities_writes_acknowledged_before(fs, buf):
+    """A `priorities` write the front answered is committed by Python a moment later; a
+    read of the buffer's stats.json after it counts it, as a draw or the priorities file
+    sees it (the make-run demo's report was one write short about half the time)."""
+    for i in range(4):
+        write_entry(buf, f"s{i}.npy", npy(np.full(2, i, np.int32)))
+
+    def counted() -> int:
+        stats = json.loads((buf / "stats.json").read_bytes())
+        return stats["priority_updates"] + stats["priority_unknown_keys"]
+
+    start = counted()
+    for n in range(40):
+        with open(buf / "priorities", "w") as f:
+            f.write(f"s0.npy {n + 1.5}\ns1.npy {n + 2.5}\ngone.npy 1.0\n")
+        assert counted() - start == 3 * (n + 1), n
+    assert mount_stats(fs)["priority_writes_taken"] >= 40
+
+
 def test_priorities_writes_the_front_takes_and_those_it_leaves_apply_in_order(fs, buf):
     """On one descriptor: a write of whole lines (the front's), then a line split across two
     writes and a write with a comment (Python's, and so is every later write of that
