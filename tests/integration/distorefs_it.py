@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -268,6 +269,20 @@ def fsync_dir(path: Path) -> None:
 
 _TAG = b"DFSTEST1"
 _HDR = struct.Struct("<8sI32s")  # tag, body length, sha256 of body
+
+
+def npy(a) -> bytes:
+    """The bytes np.save writes for `a` (an entry's file)."""
+    out = io.BytesIO()
+    np.save(out, a)
+    return out.getvalue()
+
+
+def npz(**arrays) -> bytes:
+    """The bytes np.savez writes for `arrays`."""
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
 
 
 def make_payload(key: str, size: int, seed: int = 0) -> bytes:

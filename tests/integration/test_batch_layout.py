@@ -5,26 +5,15 @@ checked byte for byte against np.stack of the entries read back through entries/
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 
 import numpy as np
 import pytest
 
-from distorefs_it import assert_errno, entry_names, get_config, set_config, write_entry
+from distorefs_it import assert_errno, entry_names, get_config, npy, npz, set_config, write_entry
 
 
-def npy(a) -> bytes:
-    out = io.BytesIO()
-    np.save(out, a)
-    return out.getvalue()
-
-
-def npz(**arrays) -> bytes:
-    out = io.BytesIO()
-    np.savez(out, **arrays)
-    return out.getvalue()
 
 
 def transition(i: int) -> dict:

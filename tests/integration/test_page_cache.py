@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distorefs_it import CLI, entry_names, get_stats, mount_stats, read_entry, set_config, write_entry, xattr
+from distorefs_it import CLI, entry_names, get_stats, mount_stats, npy, read_entry, set_config, write_entry, xattr
 
 
 def requests(fs) -> dict:
@@ -47,11 +47,6 @@ def passed_during(fs, fn) -> int:
         return mount_stats(fs)["front_passed"] - before
     return count(fn) - count(lambda: None)
 
-
-def npy(a) -> bytes:
-    out = io.BytesIO()
-    np.save(out, a)
-    return out.getvalue()
 
 
 def test_a_second_read_of_an_entry_is_served_by_the_page_cache(fs, buf):

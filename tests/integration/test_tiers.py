@@ -15,7 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from distorefs_it import entry_names, make_payload, read_entry, verify_payload, write_entry, xattr
+import numpy as np
+
+from distorefs_it import entry_names, make_payload, npy, read_entry, verify_payload, write_entry, xattr
 
 MiB = 1 << 20
 ENTRY = 250 << 10
@@ -173,13 +175,8 @@ def test_buffer_far_larger_than_memory(fresh_mount, tmp_path):
 
 def _frame(i: int) -> bytes:
     """A compressible .npy frame (a game screen's few grey levels)."""
-    import io
-
-    import numpy as np
     rng = np.random.default_rng(i)
-    out = io.BytesIO()
-    np.save(out, (rng.integers(0, 4, size=(16, 84, 84)) * 60).astype(np.uint8))
-    return out.getvalue()
+    return npy((rng.integers(0, 4, size=(16, 84, 84)) * 60).astype(np.uint8))
 
 
 def test_hot_entries_are_stored_as_written_and_compressed_when_demoted(fresh_mount):

@@ -5,7 +5,6 @@ Prometheus), .distorefs/metrics, gc (through the daemon and offline), export, ve
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import re
@@ -15,8 +14,8 @@ import zlib
 import numpy as np
 import pytest
 
-from distorefs_it import (CLI, PYTHON, Mount, as_user, fsync_dir, is_mounted, make_payload, reclaimed, set_config,
-                          write_entry, xattr)
+from distorefs_it import (CLI, PYTHON, Mount, as_user, fsync_dir, is_mounted, make_payload, npy, npz, reclaimed,
+                          set_config, write_entry, xattr)
 
 
 def cli(*args, check=True) -> subprocess.CompletedProcess:
@@ -26,16 +25,6 @@ def cli(*args, check=True) -> subprocess.CompletedProcess:
     return res
 
 
-def npy(arr) -> bytes:
-    out = io.BytesIO()
-    np.save(out, arr)
-    return out.getvalue()
-
-
-def npz(**arrays) -> bytes:
-    out = io.BytesIO()
-    np.savez(out, **arrays)
-    return out.getvalue()
 
 
 def test_ls_inspect_stats_metrics(fs, buf):
